@@ -1,0 +1,38 @@
+# tahnode: `make demo` runs the swarm on one machine, `make test` runs the test suite.
+# Both bootstrap .venv on first use. TORCH picks the torch requirement: the default pulls the
+# CUDA build on GPU machines; CPU-only machines and CI pass TORCH=torch==2.13.0 (the CPU build).
+PYTHON ?= python3
+TORCH ?= torch
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+PYTEST_ARGS ?=
+
+.PHONY: all venv test demo bench proto clean
+
+all: test
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "$(TORCH)"
+	$(PY) -m pip install -q -e ".[kernels,test]"
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+test: $(STAMP)
+	TRITON_INTERPRET=1 $(PY) -m pytest -q $(PYTEST_ARGS)
+
+demo: $(STAMP)
+	$(VENV)/bin/tahnode demo
+
+bench: $(STAMP)
+	$(VENV)/bin/tahnode bench kernels
+
+# Regenerates the committed protobuf/gRPC modules (tests/test_proto.py checks they are current).
+proto: $(STAMP)
+	$(PY) -m tahnode.proto.generate
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis

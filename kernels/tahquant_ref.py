@@ -1,0 +1,231 @@
+"""TAH-Quant specification (arXiv 2506.01352) in plain torch: tile-wise adaptive Hadamard
+quantization of activations (..., S, C) into the payload layout of docs/wire-format.md (version 1).
+
+Steps (defaults in brackets): per-token entropy ranks tokens in each sequence, the lowest-entropy
+(1 - rho) share gets INT3, the rest INT4 [rho = 0.8]; channels form tiles of G [64], zero-padded
+when G does not divide C; a tile whose largest |x| is >= tau x its second largest [tau = 2] has
+that element swapped to position 0 and is multiplied by H/sqrt(G); each tile is quantized with
+fp16 min zero-point and fp16 scale (rounded before quantizing), round half to even."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from .bitpack import pack_bits, pack_rows, packed_nbytes, padded_count, row_nbytes, unpack_bits, unpack_rows
+from .quant_ref import check_finite, dequantize_asym, fp16_min_scale, hadamard, quantize_asym
+from .wire import CodecError, PayloadReader, as_bytes, bitmap, read_bitmap
+
+__all__ = ["TahQuantParams", "Layout", "encode", "decode", "token_entropy", "low_bit_mask", "outlier_pivots"]
+
+ALLOC_TOKEN = 0  # one bit width per token (the paper's v1 rule, the default)
+ALLOC_TILE = 1   # one bit width per tile (the paper's v2 variant)
+
+
+@dataclass(frozen=True)
+class TahQuantParams:
+    """TAH-Quant knobs; each also travels in the message header (`params`)."""
+
+    group_size: int = 64   # G: channels per tile, a power of two in [8, 256]
+    rho: float = 0.8       # share of tokens (or tiles) kept at bits_high
+    tau: float = 2.0       # outlier rule: max |x| >= tau * second |x| -> pivot swap + Hadamard
+    bits_high: int = 4
+    bits_low: int = 3
+    alloc: int = ALLOC_TOKEN  # 0: per token, 1: per tile
+
+    def validate(self) -> "TahQuantParams":
+        g = self.group_size
+        if g != int(g) or not 8 <= g <= 256 or g & (g - 1):
+            raise CodecError(f"tahquant: group_size must be a power of two in [8, 256], got {g}")
+        if not 0.0 <= self.rho <= 1.0:
+            raise CodecError(f"tahquant: rho must be in [0, 1], got {self.rho}")
+        if not (self.tau >= 1.0 and math.isfinite(self.tau)):
+            raise CodecError(f"tahquant: tau must be a finite number >= 1, got {self.tau}")
+        for name in ("bits_high", "bits_low"):
+            b = getattr(self, name)
+            if b != int(b) or not 2 <= b <= 8:
+                raise CodecError(f"tahquant: {name} must be an integer in [2, 8], got {b}")
+        if self.bits_low > self.bits_high:
+            raise CodecError("tahquant: bits_low must not exceed bits_high")
+        if self.alloc not in (ALLOC_TOKEN, ALLOC_TILE):
+            raise CodecError(f"tahquant: alloc must be 0 (token) or 1 (tile), got {self.alloc}")
+        return self
+
+    @property
+    def pivot_bits(self) -> int:
+        return int(self.group_size).bit_length() - 1
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Shape bookkeeping shared by encoder, decoder and kernels: nseq sequences of S tokens of C
+    channels, padded to T tiles of G."""
+
+    nseq: int
+    seq_len: int
+    channels: int
+    group_size: int
+
+    @staticmethod
+    def of(shape: tuple[int, ...], group_size: int) -> "Layout":
+        channels = shape[-1]
+        seq_len = shape[-2] if len(shape) >= 2 else 1
+        nseq = math.prod(shape[:-2]) if len(shape) >= 2 else 1
+        return Layout(nseq, seq_len, channels, group_size)
+
+    @property
+    def tiles_per_token(self) -> int:
+        return -(-self.channels // self.group_size)
+
+    @property
+    def tokens(self) -> int:
+        return self.nseq * self.seq_len
+
+    @property
+    def tiles(self) -> int:
+        return self.tokens * self.tiles_per_token
+
+    @property
+    def padded_channels(self) -> int:
+        return self.tiles_per_token * self.group_size
+
+
+def _entropy(mag: torch.Tensor) -> torch.Tensor:
+    """H = -sum p ln p over the last dim with p = |x| / sum |x| (float64; 0 for an all-zero row)."""
+    mag = mag.double()
+    total = mag.sum(-1, keepdim=True)
+    p = torch.where(total > 0, mag / total, torch.zeros((), dtype=torch.float64, device=mag.device))
+    terms = torch.where(p > 0, p * torch.log(p), torch.zeros((), dtype=torch.float64, device=mag.device))
+    return -terms.sum(-1)
+
+
+def token_entropy(x: torch.Tensor) -> torch.Tensor:
+    """Entropy of each token of x (..., C) over its channels."""
+    return _entropy(x.abs())
+
+
+def low_bit_mask(entropy: torch.Tensor, rho: float) -> torch.Tensor:
+    """(nseq, n) entropies -> bool mask of the entries that get bits_low: in each row the
+    n - round(rho * n) lowest entropies (Python round, half to even); ties go to the lower index."""
+    n = entropy.shape[-1]
+    n_low = n - int(round(rho * n))
+    order = torch.sort(entropy, dim=-1, stable=True).indices
+    mask = torch.zeros_like(entropy, dtype=torch.bool)
+    mask.scatter_(-1, order[..., :n_low], True)
+    return mask
+
+
+def outlier_pivots(tiles: torch.Tensor, tau: float):
+    """For tiles (..., G) float32: (flag, pivot). pivot = first index of the largest |x|; flag when
+    that magnitude is > 0 and >= fp32(tau) * the largest |x| among the other positions."""
+    mag = tiles.abs()
+    peak = mag.amax(-1)
+    pivot = (mag == peak[..., None]).to(torch.int32).argmax(-1)  # first index of the maximum
+    others = mag.scatter(-1, pivot[..., None].long(), -1.0)
+    second = others.amax(-1)
+    flag = (peak > 0) & (peak >= torch.tensor(tau, dtype=torch.float32) * second)
+    return flag, pivot
+
+
+def _swap_first(tiles: torch.Tensor, pivot: torch.Tensor, flag: torch.Tensor) -> torch.Tensor:
+    """Swap position 0 with `pivot` in the flagged tiles (its own inverse)."""
+    idx = torch.arange(tiles.shape[-1], device=tiles.device).expand(tiles.shape)
+    p = torch.where(flag, pivot.long(), torch.zeros_like(pivot, dtype=torch.long))[..., None]
+    src = torch.where(idx == 0, p, torch.where(idx == p, torch.zeros_like(idx), idx))
+    return torch.gather(tiles, -1, src)
+
+
+def encode(x: torch.Tensor, params: TahQuantParams = TahQuantParams()) -> torch.Tensor:
+    """Encode x (..., C) of float32/float16/bfloat16 into the version-1 payload (uint8, 1-D)."""
+    params.validate()
+    check_finite(x, "tahquant")
+    g = params.group_size
+    lay = Layout.of(tuple(x.shape), g)
+    x3 = x.reshape(lay.nseq, lay.seq_len, lay.channels).float()
+    if lay.padded_channels != lay.channels:
+        x3 = torch.nn.functional.pad(x3, (0, lay.padded_channels - lay.channels))
+    tiles = x3.reshape(lay.nseq, lay.seq_len, lay.tiles_per_token, g)
+
+    # 1-2. entropy-guided bit allocation within each sequence
+    if params.alloc == ALLOC_TOKEN:
+        low_token = low_bit_mask(token_entropy(x3), params.rho)                  # (nseq, S)
+        low_tile = low_token[..., None].expand(-1, -1, lay.tiles_per_token)
+        low_stored = low_token.reshape(-1)
+    else:
+        ent = _entropy(tiles.abs()).reshape(lay.nseq, -1)                         # (nseq, S*T)
+        low_tile = low_bit_mask(ent, params.rho).reshape(tiles.shape[:-1])
+        low_stored = low_tile.reshape(-1)
+
+    # 3-4. outlier tiles: pivot swap, then the normalized Hadamard transform
+    flag, pivot = outlier_pivots(tiles, params.tau)
+    y = _swap_first(tiles, pivot, flag)
+    y = torch.where(flag[..., None], hadamard(y), y)
+
+    # 5. asymmetric min-max per tile with fp16 zero/scale
+    bits = torch.where(low_tile, params.bits_low, params.bits_high)
+    qmax = (2.0 ** bits.float()) - 1.0
+    zero, scale = fp16_min_scale(y.amin(-1), y.amax(-1), qmax, "tahquant")
+    q = quantize_asym(y, zero, scale, qmax).reshape(-1, g)
+
+    flat_flag = flag.reshape(-1)
+    flat_low = low_tile.reshape(-1)
+    pivots = pivot.reshape(-1)[flat_flag].to(torch.uint8)
+    pivot_codes = torch.zeros(padded_count(pivots.numel()), dtype=torch.uint8, device=x.device)
+    pivot_codes[: pivots.numel()] = pivots
+    code_bytes = pack_rows(q, tile_bits(flat_low, params))
+    return torch.cat(
+        [
+            bitmap(low_stored),
+            bitmap(flat_flag),
+            as_bytes(zero.reshape(-1)),
+            as_bytes(scale.reshape(-1)),
+            pack_bits(pivot_codes, params.pivot_bits),
+            code_bytes,
+        ]
+    )
+
+
+def tile_bits(low: torch.Tensor, params: TahQuantParams) -> torch.Tensor:
+    return torch.where(low, params.bits_low, params.bits_high)
+
+
+def decode(payload: torch.Tensor, shape: tuple[int, ...], params: TahQuantParams, dtype: torch.dtype) -> torch.Tensor:
+    """Decode a version-1 payload (uint8, 1-D) into a tensor of `shape` and `dtype`."""
+    params.validate()
+    g = params.group_size
+    lay = Layout.of(shape, g)
+    nt = lay.tiles
+    n_alloc = lay.tokens if params.alloc == ALLOC_TOKEN else nt
+    # The smallest payload this header allows: refuse before allocating anything of size C.
+    minimum = 2 * (-(-nt // 8)) + 4 * nt + nt * g * params.bits_low // 8
+    if payload.numel() < minimum:
+        raise CodecError(f"tahquant payload is truncated: {payload.numel()} bytes, shape {list(shape)} needs at least {minimum}")
+    rd = PayloadReader(payload, "tahquant")
+    low_stored = read_bitmap(rd.take(-(-n_alloc // 8), "bit-allocation bitmap"), n_alloc, "bit-allocation")
+    flag = read_bitmap(rd.take(-(-nt // 8), "Hadamard flag bitmap"), nt, "Hadamard flag")
+    zero = rd.take_array(nt, torch.float16, "zero-points")
+    scale = rd.take_array(nt, torch.float16, "scales")
+    if not (bool(torch.isfinite(zero).all()) and bool(torch.isfinite(scale).all()) and bool((scale >= 0).all())):
+        raise CodecError("tahquant payload is corrupt: non-finite zero-point or negative/non-finite scale")
+    n_flag = int(flag.sum())
+    pivots = unpack_bits(rd.take(packed_nbytes(n_flag, params.pivot_bits), "pivot indices"), params.pivot_bits, padded_count(n_flag))
+    if bool(pivots[n_flag:].any()):
+        raise CodecError("tahquant payload is corrupt: padding of the pivot indices is not zero")
+    if params.alloc == ALLOC_TOKEN:
+        low = low_stored.reshape(lay.tokens, 1).expand(-1, lay.tiles_per_token).reshape(-1)
+    else:
+        low = low_stored
+    bits = tile_bits(low, params)
+    codes = rd.take(int(row_nbytes(bits, g).sum()), "tile codes")
+    rd.finish()
+    q = unpack_rows(codes, bits, g)
+
+    y = dequantize_asym(q, zero, scale)                                            # (NT, G)
+    y = torch.where(flag[:, None], hadamard(y), y)
+    pivot = torch.zeros(nt, dtype=torch.long, device=payload.device)
+    pivot[flag] = pivots[:n_flag].long()
+    y = _swap_first(y, pivot, flag)
+    x = y.reshape(lay.tokens, lay.padded_channels)[:, : lay.channels]
+    return x.reshape(shape).to(dtype)
