@@ -65,11 +65,12 @@ def dequantize_asym(q: torch.Tensor, zero: torch.Tensor, scale: torch.Tensor) ->
 
 
 def pow2_exponent(peak: torch.Tensor) -> int:
-    """e with peak * 2**-e in [0.5, 1) (0 for peak == 0), clamped to [-126, 127] so 2**-e is a float32."""
+    """e with peak * 2**-e in [2**14, 2**15) (0 for peak == 0), clamped to [-126, 126]: the largest
+    per-channel scale lands at the top of fp16's range, leaving its whole normal range below."""
     value = float(peak)
     if value == 0.0:
         return 0
-    return max(-126, min(127, math.frexp(value)[1]))
+    return max(-126, min(126, math.frexp(value)[1] - 15))
 
 
 def absmax_scales(x2d: torch.Tensor, qmax: int, codec: str):

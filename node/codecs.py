@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import struct
 import zlib
 from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar
@@ -15,6 +16,7 @@ from typing import Any, Callable, ClassVar
 import torch
 
 from tahnode.kernels import aqsgd_ref, amaq_ref, group_ref, naive_ref, tahquant_ref
+from tahnode.kernels.quant_ref import check_finite
 from tahnode.kernels.wire import CodecError, from_bytes
 from tahnode.proto import tahnode_pb2 as pb
 
@@ -29,6 +31,7 @@ __all__ = [
     "serialize",
     "parse_message",
     "bits_per_element",
+    "checksum",
 ]
 
 MAX_NDIM = 8
@@ -84,9 +87,10 @@ class Codec:
         _check_input(x, self.name)
         payload, extra = self.encode_payload(x, ctx)
         data = payload.cpu().numpy().tobytes()
-        msg = pb.EncodedTensor(codec=self.name, version=self.version, shape=list(x.shape), dtype=DTYPES[x.dtype], payload=data, crc32=zlib.crc32(data))
+        msg = pb.EncodedTensor(codec=self.name, version=self.version, shape=list(x.shape), dtype=DTYPES[x.dtype], payload=data)
         for key, value in {**self.header_params(), **extra}.items():
             msg.params[key] = value
+        msg.crc32 = checksum(msg)
         return msg
 
     def decode(self, msg: pb.EncodedTensor, ctx: CodecContext | None = None, device: torch.device | str = "cpu") -> torch.Tensor:
@@ -96,8 +100,8 @@ class Codec:
         if msg.version != self.version:
             raise CodecError(f"codec {self.name} version {msg.version} is not supported (this build reads version {self.version})")
         shape, dtype = _check_header(msg)
-        if zlib.crc32(msg.payload) != msg.crc32:
-            raise CodecError(f"{self.name} payload checksum mismatch: the message was corrupted in transit")
+        if checksum(msg) != msg.crc32:
+            raise CodecError(f"{self.name} message checksum mismatch: the message was corrupted in transit")
         payload = torch.frombuffer(bytearray(msg.payload), dtype=torch.uint8) if msg.payload else torch.empty(0, dtype=torch.uint8)
         return self.decode_payload(payload.to(device), shape, dtype, dict(msg.params), ctx)
 
@@ -118,6 +122,18 @@ class Codec:
         if unknown:
             raise CodecError(f"{cls.name} header has unknown parameters: {', '.join(sorted(unknown))}")
         return cls(**kwargs)
+
+
+def checksum(msg: pb.EncodedTensor) -> int:
+    """CRC-32 (zlib) of the canonical header followed by the payload (docs/wire-format.md): codec
+    name, 0, version u32, dtype u32, ndim u32, dims u64, then each param sorted by key as
+    key, 0, value f64; all little-endian."""
+    head = bytearray(msg.codec.encode() + b"\0")
+    head += struct.pack("<III", msg.version, msg.dtype, len(msg.shape))
+    head += struct.pack(f"<{len(msg.shape)}Q", *msg.shape)
+    for key in sorted(msg.params):
+        head += key.encode() + b"\0" + struct.pack("<d", msg.params[key])
+    return zlib.crc32(msg.payload, zlib.crc32(bytes(head)))
 
 
 def _check_input(x: torch.Tensor, name: str) -> None:
@@ -165,6 +181,7 @@ class NoneCodec(Codec):
     Params = NoParams
 
     def encode_payload(self, x, ctx):
+        check_finite(x, self.name)  # a NaN activation means a diverged run: say so at the source
         return x.detach().contiguous().reshape(-1).view(torch.uint8), {}
 
     def decode_payload(self, payload, shape, dtype, header, ctx):
