@@ -28,6 +28,9 @@ __all__ = [
     "DecoderLayer",
     "StageModel",
     "stage_layers",
+    "rope_cos_sin",
+    "apply_rope",
+    "init_weights",
     "build_stage",
     "full_model",
     "param_count",
@@ -140,14 +143,24 @@ class ModelConfig:
     def from_hf_config(cls, path: str | Path) -> "ModelConfig":
         """Reads a Hugging Face `config.json` (a file or the checkpoint directory holding it).
 
-        Llama, TinyLlama, Mistral-without-sliding-window and Qwen2 configs map directly; rope
-        scaling (Llama 3.1 style) is not implemented and is refused."""
+        Llama-2, TinyLlama and Qwen2 configs map directly; what this model cannot express (rope
+        scaling as in Llama 3.1, MLP biases, another activation or head_dim) is refused."""
         path = Path(path)
         if path.is_dir():
             path = path / "config.json"
         hf = json.loads(path.read_text())
-        if hf.get("rope_scaling"):
-            raise ValueError(f"{path}: rope_scaling {hf['rope_scaling']} is not supported")
+        # transformers >= 5 nests rope settings in rope_parameters; older files use rope_theta
+        # and rope_scaling at the top level.
+        rope = hf.get("rope_parameters") or {}
+        if hf.get("rope_scaling") or rope.get("rope_type", "default") != "default":
+            raise ValueError(f"{path}: rope scaling is not supported")
+        if hf.get("mlp_bias"):
+            raise ValueError(f"{path}: MLP biases are not supported")
+        if hf.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"{path}: activation {hf['hidden_act']!r} is not supported (silu)")
+        if hf.get("head_dim") not in (None, hf["hidden_size"] // hf["num_attention_heads"]):
+            raise ValueError(f"{path}: head_dim {hf['head_dim']} other than hidden_size / "
+                             "num_attention_heads is not supported")
         n_heads = hf["num_attention_heads"]
         return cls(
             vocab_size=hf["vocab_size"],
@@ -157,7 +170,7 @@ class ModelConfig:
             n_kv_heads=hf.get("num_key_value_heads") or n_heads,
             ffn_dim=hf["intermediate_size"],
             max_seq_len=hf.get("max_position_embeddings", 2048),
-            rope_theta=hf.get("rope_theta", 10000.0),
+            rope_theta=rope.get("rope_theta", hf.get("rope_theta", 10000.0)),
             norm_eps=hf.get("rms_norm_eps", 1e-5),
             tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
             attention_bias=bool(hf.get("attention_bias", hf.get("model_type") == "qwen2")),
