@@ -4,6 +4,8 @@ work (codec eval, data prepare, join, coordinator, demo, bench)."""
 from __future__ import annotations
 
 import argparse
+import asyncio
+import os
 import sys
 
 from .codecs import CODECS, CodecError
@@ -30,6 +32,94 @@ def _add_codec_commands(sub) -> None:
     ev.add_argument("--json", action="store_true", help="print one JSON object instead of text (sqnr_db is null for an exact reconstruction)")
 
 
+def _add_run_flags(p) -> None:
+    """Flags that override the run configuration (built-in defaults < --config TOML < flags)."""
+    p.add_argument("--model", default="llama-tiny", help="model preset name (configs/NAME.toml) or a TOML path (default: llama-tiny)")
+    p.add_argument("--stages", type=int, help="number of pipeline stages (default 3)")
+    p.add_argument("--config", help="run TOML with [run], [train] and [codec] tables")
+    p.add_argument("--steps", type=int, help="optimizer steps to train")
+    p.add_argument("--codec", dest="forward_codec", choices=sorted(CODECS), help="forward (activation) codec (default tahquant)")
+    p.add_argument("--backward-codec", choices=sorted(CODECS), help="backward (gradient) codec (default naive, 6 bits)")
+    p.add_argument("--data", help="prepared token file (tahnode data prepare); default: the built-in stdlib corpus")
+    p.add_argument("--micro-batches", type=int, help="micro-batches per step (default 4)")
+    p.add_argument("--batch-size", type=int, help="samples per micro-batch (default 4)")
+    p.add_argument("--seq-len", type=int, help="tokens per sample (default 64)")
+    p.add_argument("--lr", type=float, help="peak learning rate (default 3e-3)")
+    p.add_argument("--schedule", choices=["1f1b", "gpipe"], help="pipeline schedule (default 1f1b)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], help="compute dtype (default float32)")
+    p.add_argument("--seed", type=int, help="model init and data order seed (default 0)")
+    p.add_argument("--checkpoint-every", type=int, help="save each stage every N steps (default 20)")
+
+
+def run_config_from(args):
+    from .config import RunConfig
+
+    overrides = {
+        "stages": args.stages, "data": args.data, "train.steps": args.steps, "codec.forward": args.forward_codec,
+        "codec.backward": args.backward_codec, "train.micro_batches": args.micro_batches, "train.batch_size": args.batch_size,
+        "train.seq_len": args.seq_len, "train.lr": args.lr, "train.schedule": args.schedule, "train.dtype": args.dtype,
+        "train.seed": args.seed, "train.checkpoint_every": args.checkpoint_every,
+    }
+    if args.forward_codec and args.forward_codec != "tahquant":
+        overrides["codec.forward_params"] = {}
+    if args.backward_codec and args.backward_codec != "naive":
+        overrides["codec.backward_params"] = {}
+    return RunConfig.build(args.model, args.config, **overrides)
+
+
+def _add_swarm_commands(sub) -> None:
+    from .auth import DEFAULT_TOKEN
+
+    co = sub.add_parser("coordinator", help="run the swarm's coordinator (control plane + status page)",
+                        description="Run the coordinator: nodes join it, it tells each its stage and neighbours, "
+                        "tracks heartbeats and serves the status page (/), /api/v1/state and /metrics.")
+    co.add_argument("--listen", default="0.0.0.0:7000", help="control-plane gRPC address (default 0.0.0.0:7000)")
+    co.add_argument("--http", default="0.0.0.0:8080", help="status page address (default 0.0.0.0:8080)")
+    co.add_argument("--token", default=os.environ.get("TAHNODE_TOKEN", DEFAULT_TOKEN), help="swarm secret every node must present (env TAHNODE_TOKEN)")
+    co.add_argument("--heartbeat-timeout", type=float, default=10.0, help="seconds without heartbeats before a node is declared failed")
+    _add_run_flags(co)
+
+    jo = sub.add_parser("join", help="join a swarm and hold one pipeline stage",
+                        description="Run a stage daemon: join the coordinator, hold the assigned stage on this "
+                        "machine's GPU (or CPU), exchange activations and gradients with the neighbour stages.")
+    jo.add_argument("--coordinator", default="127.0.0.1:7000", help="coordinator HOST:PORT (default 127.0.0.1:7000)")
+    jo.add_argument("--stage", default="auto", help="stage number to hold, or 'auto' to let the coordinator choose")
+    jo.add_argument("--listen", default="0.0.0.0:0", help="data-plane address to serve on (default: any port)")
+    jo.add_argument("--advertise", default="", help="HOST:PORT other nodes reach this one at (default: from --listen)")
+    jo.add_argument("--device", default="auto", help="cuda, cuda:N or cpu (default: cuda when available)")
+    jo.add_argument("--token", default=os.environ.get("TAHNODE_TOKEN", DEFAULT_TOKEN), help="swarm secret (env TAHNODE_TOKEN)")
+    jo.add_argument("--node-id", default="", help="stable name of this node (default: HOSTNAME-PID)")
+    jo.add_argument("--checkpoint-dir", default="", help="where this node saves its stage (default: tahnode-state/NODE_ID)")
+    jo.add_argument("--data-dir", default="", help="where stage 0 prepares the built-in corpus (default ~/.cache/tahnode)")
+    jo.add_argument("--init-from", default="", help="local Hugging Face Llama/Qwen2 checkpoint directory to load this stage's weights from")
+    jo.add_argument("--window", type=int, default=4, help="micro-batch messages in flight per outgoing link (default 4)")
+    jo.add_argument("--quiet", action="store_true", help="no per-step progress lines")
+    jo.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
+
+    de = sub.add_parser("demo", help="the whole swarm on this machine: coordinator + stage daemons on 127.0.0.1",
+                        description="Start a coordinator and one stage daemon per stage as real processes on 127.0.0.1 "
+                        "(tiny LLaMA, built-in stdlib corpus, TAH-Quant), train, and print a summary.")
+    _add_run_flags(de)
+    de.add_argument("--http-port", type=int, default=8080, help="status page port (default 8080; 0 = any free port)")
+    de.add_argument("--workdir", default="", help="logs and checkpoints go here (default: a new temporary directory)")
+    de.add_argument("--json", action="store_true", help="print the summary as one JSON object on the last line")
+
+    da = sub.add_parser("data", help="prepare training data")
+    dsub = da.add_subparsers(dest="data_cmd", required=True)
+    pr = dsub.add_parser("prepare", help="tokenize text files into a token file for training",
+                         description="Tokenize text (byte-level by default, or with a tokenizer.json) into a flat "
+                         "uint16/uint32 token file plus a JSON index. Without --input: Python's stdlib sources.")
+    pr.add_argument("--input", nargs="*", default=None, help="files or directories (default: the stdlib sources)")
+    pr.add_argument("--out", required=True, help="output token file, e.g. data.bin")
+    pr.add_argument("--tokenizer", help="a Hugging Face tokenizer.json (default: bytes)")
+    pr.add_argument("--limit-mb", type=float, help="stop after this many MB of text")
+
+    be = sub.add_parser("bench", help="benchmarks (results appended to docs/benchmarks.md)")
+    bsub = be.add_subparsers(dest="bench_cmd", required=True)
+    bk = bsub.add_parser("kernels", help="Triton codec kernels vs x.clone() and the reference (needs a GPU)", add_help=False)
+    bk.add_argument("rest", nargs=argparse.REMAINDER)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="tahnode",
@@ -38,6 +128,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True)
     _add_codec_commands(sub)
+    _add_swarm_commands(sub)
     return parser
 
 
@@ -49,13 +140,83 @@ def main(argv: list[str] | None = None) -> int:
             from . import codec_eval
 
             return codec_eval.main(args)
-    except CodecError as exc:
+        if args.command == "coordinator":
+            return _coordinator(args)
+        if args.command == "join":
+            return _join(args)
+        if args.command == "demo":
+            from . import demo
+
+            return demo.main(args, run_config_from(args))
+        if args.command == "data":
+            return _data_prepare(args)
+        if args.command == "bench" and args.bench_cmd == "kernels":
+            from . import bench_kernels
+
+            return bench_kernels.main(args.rest)
+    except (CodecError, ValueError, OSError) as exc:
         print(f"tahnode: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130
     parser.error(f"unknown command {args.command}")
     return 2
+
+
+def _setup_logging(level: str = "INFO") -> None:
+    import logging
+
+    logging.basicConfig(level=getattr(logging, level.upper(), logging.INFO), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.getLogger("asyncio").setLevel(logging.WARNING)
+
+
+def _event_loop_policy() -> None:
+    try:
+        import uvloop
+
+        asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
+    except ImportError:  # uvloop is not available on every platform; asyncio's loop works too
+        pass
+
+
+def _coordinator(args) -> int:
+    from . import coordinator_server
+
+    _setup_logging()
+    run = run_config_from(args)
+    _event_loop_policy()
+    asyncio.run(coordinator_server.serve(run, args.listen, args.http, args.token, args.heartbeat_timeout))
+    return 0
+
+
+def _join(args) -> int:
+    from .daemon import JoinError, NodeConfig, run_node
+
+    _setup_logging(args.log_level)
+    if args.stage != "auto" and not args.stage.isdigit():
+        raise ValueError(f"--stage must be a stage number or 'auto', got {args.stage!r}")
+    cfg = NodeConfig(coordinator=args.coordinator, stage=-1 if args.stage == "auto" else int(args.stage), listen=args.listen,
+                     advertise=args.advertise, device=args.device, token=args.token, node_id=args.node_id,
+                     checkpoint_dir=args.checkpoint_dir, data_dir=args.data_dir, init_from=args.init_from,
+                     window=args.window, progress=not args.quiet)
+    _event_loop_policy()
+    try:
+        return asyncio.run(run_node(cfg))
+    except JoinError as exc:
+        print(f"tahnode join: {exc}", file=sys.stderr)
+        return 1
+
+
+def _data_prepare(args) -> int:
+    from pathlib import Path
+
+    from .data import default_corpus, prepare
+
+    limit = int(args.limit_mb * 2**20) if args.limit_mb else None
+    inputs = [Path(p) for p in args.input] if args.input else default_corpus(limit_bytes=limit)
+    info = prepare(inputs, Path(args.out), tokenizer=Path(args.tokenizer) if args.tokenizer else None, progress=True)
+    print(f"wrote {info.n_tokens} tokens ({info.dtype}, vocab {info.vocab_size}) from {info.sources} files to {args.out}")
+    return 0
 
 
 if __name__ == "__main__":

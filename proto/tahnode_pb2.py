@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\rtahnode.proto\x12\ntahnode.v1\"\xe6\x01\n\rEncodedTensor\x12\r\n\x05\x63odec\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\r\x12\r\n\x05shape\x18\x03 \x03(\x04\x12 \n\x05\x64type\x18\x04 \x01(\x0e\x32\x11.tahnode.v1.DType\x12\x35\n\x06params\x18\x05 \x03(\x0b\x32%.tahnode.v1.EncodedTensor.ParamsEntry\x12\x0f\n\x07payload\x18\x06 \x01(\x0c\x12\r\n\x05\x63rc32\x18\x07 \x01(\x07\x1a-\n\x0bParamsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\xec\x01\n\nMicroBatch\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\r\n\x05index\x18\x02 \x01(\r\x12\x12\n\nsample_ids\x18\x03 \x03(\x04\x12\x0e\n\x06labels\x18\x04 \x01(\x0c\x12)\n\x06tensor\x18\x05 \x01(\x0b\x32\x19.tahnode.v1.EncodedTensor\x12\x0f\n\x07\x61ttempt\x18\x06 \x01(\r\x12\x32\n\x06\x65xtras\x18\x07 \x03(\x0b\x32\".tahnode.v1.MicroBatch.ExtrasEntry\x1a-\n\x0b\x45xtrasEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01*F\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x0b\n\x07\x46LOAT32\x10\x01\x12\x0b\n\x07\x46LOAT16\x10\x02\x12\x0c\n\x08\x42\x46LOAT16\x10\x03\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\rtahnode.proto\x12\ntahnode.v1\"\xe6\x01\n\rEncodedTensor\x12\r\n\x05\x63odec\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\r\x12\r\n\x05shape\x18\x03 \x03(\x04\x12 \n\x05\x64type\x18\x04 \x01(\x0e\x32\x11.tahnode.v1.DType\x12\x35\n\x06params\x18\x05 \x03(\x0b\x32%.tahnode.v1.EncodedTensor.ParamsEntry\x12\x0f\n\x07payload\x18\x06 \x01(\x0c\x12\r\n\x05\x63rc32\x18\x07 \x01(\x07\x1a-\n\x0bParamsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\xec\x01\n\nMicroBatch\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\r\n\x05index\x18\x02 \x01(\r\x12\x12\n\nsample_ids\x18\x03 \x03(\x04\x12\x0e\n\x06labels\x18\x04 \x01(\x0c\x12)\n\x06tensor\x18\x05 \x01(\x0b\x32\x19.tahnode.v1.EncodedTensor\x12\x0f\n\x07\x61ttempt\x18\x06 \x01(\r\x12\x32\n\x06\x65xtras\x18\x07 \x03(\x0b\x32\".tahnode.v1.MicroBatch.ExtrasEntry\x1a-\n\x0b\x45xtrasEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"J\n\x07StepEnd\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\x0f\n\x07\x61ttempt\x18\x02 \x01(\r\x12\x12\n\ngrad_sumsq\x18\x03 \x01(\x01\x12\x0c\n\x04loss\x18\x04 \x01(\x01\"O\n\x04Sync\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\x0f\n\x07\x61ttempt\x18\x02 \x01(\r\x12(\n\x0blast_commit\x18\x03 \x01(\x0b\x32\x13.tahnode.v1.StepEnd\"u\n\x07SyncAck\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\x0f\n\x07\x61ttempt\x18\x02 \x01(\r\x12\r\n\x05\x61\x62ort\x18\x03 \x01(\x08\x12\x0e\n\x06reason\x18\x04 \x01(\t\x12\x15\n\rmin_committed\x18\x05 \x01(\x04\x12\x15\n\rmax_committed\x18\x06 \x01(\x04\"\x18\n\x08Shutdown\x12\x0c\n\x04step\x18\x01 \x01(\x04\"\xdf\x01\n\x08\x45nvelope\x12-\n\x0bmicro_batch\x18\x01 \x01(\x0b\x32\x16.tahnode.v1.MicroBatchH\x00\x12\'\n\x08step_end\x18\x02 \x01(\x0b\x32\x13.tahnode.v1.StepEndH\x00\x12 \n\x04sync\x18\x03 \x01(\x0b\x32\x10.tahnode.v1.SyncH\x00\x12\'\n\x08sync_ack\x18\x04 \x01(\x0b\x32\x13.tahnode.v1.SyncAckH\x00\x12(\n\x08shutdown\x18\x05 \x01(\x0b\x32\x14.tahnode.v1.ShutdownH\x00\x42\x06\n\x04\x62ody\"]\n\x05\x46rame\x12\x0e\n\x06sender\x18\x01 \x01(\t\x12\x0b\n\x03seq\x18\x02 \x01(\x04\x12\r\n\x05index\x18\x03 \x01(\r\x12\r\n\x05\x63ount\x18\x04 \x01(\r\x12\x0c\n\x04\x64\x61ta\x18\x05 \x01(\x0c\x12\x0b\n\x03mac\x18\x06 \x01(\x0c\"*\n\tStreamAck\x12\x0e\n\x06\x66rames\x18\x01 \x01(\x04\x12\r\n\x05\x62ytes\x18\x02 \x01(\x04\"\x1c\n\x0bPingRequest\x12\r\n\x05nonce\x18\x01 \x01(\x0c\":\n\tPingReply\x12\r\n\x05nonce\x18\x01 \x01(\x0c\x12\x0f\n\x07node_id\x18\x02 \x01(\t\x12\r\n\x05stage\x18\x03 \x01(\r\"\'\n\nProbeChunk\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\x12\x0b\n\x03mac\x18\x02 \x01(\x0c\",\n\nProbeReply\x12\r\n\x05\x62ytes\x18\x01 \x01(\x04\x12\x0f\n\x07seconds\x18\x02 \x01(\x01\"_\n\x0eMeasureRequest\x12\x11\n\ttarget_id\x18\x01 \x01(\t\x12\x16\n\x0etarget_address\x18\x02 \x01(\t\x12\x15\n\rpayload_bytes\x18\x03 \x01(\x04\x12\x0b\n\x03mac\x18\x04 \x01(\x0c\",\n\x0cMeasureReply\x12\x0c\n\x04mbps\x18\x01 \x01(\x01\x12\x0e\n\x06rtt_ms\x18\x02 \x01(\x01\"\x85\x01\n\x0bJoinRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\r\n\x05stage\x18\x03 \x01(\x05\x12\x0e\n\x06\x64\x65vice\x18\x04 \x01(\t\x12\x14\n\x0cmemory_bytes\x18\x05 \x01(\x04\x12\x12\n\ncompute_ms\x18\x06 \x01(\x01\x12\x0b\n\x03mac\x18\x0f \x01(\x0c\"7\n\x04Peer\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\r\n\x05stage\x18\x03 \x01(\x05\"\xa7\x01\n\nAssignment\x12\r\n\x05stage\x18\x01 \x01(\x05\x12\x12\n\nnum_stages\x18\x02 \x01(\r\x12\x1e\n\x04prev\x18\x03 \x01(\x0b\x32\x10.tahnode.v1.Peer\x12\x1e\n\x04next\x18\x04 \x01(\x0b\x32\x10.tahnode.v1.Peer\x12\r\n\x05\x65poch\x18\x05 \x01(\x04\x12\x12\n\nrun_config\x18\x06 \x01(\t\x12\x13\n\x0bresume_step\x18\x07 \x01(\x04\"F\n\tJoinReply\x12*\n\nassignment\x18\x01 \x01(\x0b\x32\x16.tahnode.v1.Assignment\x12\r\n\x05swarm\x18\x02 \x01(\t\"\x80\x01\n\x10HeartbeatRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12(\n\x05stats\x18\x02 \x01(\x0b\x32\x19.tahnode.v1.TrainingStats\x12$\n\x05links\x18\x03 \x03(\x0b\x32\x15.tahnode.v1.LinkStats\x12\x0b\n\x03mac\x18\x0f \x01(\x0c\"\xaf\x02\n\rTrainingStats\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\x0c\n\x04loss\x18\x02 \x01(\x01\x12\x14\n\x0ctokens_per_s\x18\x03 \x01(\x01\x12 \n\x18\x66orward_bits_per_element\x18\x04 \x01(\x01\x12!\n\x19\x62\x61\x63kward_bits_per_element\x18\x05 \x01(\x01\x12\x12\n\nwire_bytes\x18\x06 \x01(\x04\x12\x1a\n\x12uncompressed_bytes\x18\x07 \x01(\x04\x12\x12\n\nloss_first\x18\x08 \x01(\x01\x12\x19\n\x11\x61qsgd_cache_bytes\x18\t \x01(\x04\x12\x10\n\x08\x66inished\x18\n \x01(\x08\x12%\n\x06losses\x18\x0b \x03(\x0b\x32\x15.tahnode.v1.LossPoint\x12\x0f\n\x07replays\x18\x0c \x01(\r\"\'\n\tLossPoint\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\x0c\n\x04loss\x18\x02 \x01(\x01\"8\n\tLinkStats\x12\x0b\n\x03\x64st\x18\x01 \x01(\t\x12\r\n\x05\x62ytes\x18\x02 \x01(\x04\x12\x0f\n\x07seconds\x18\x03 \x01(\x01\"K\n\x0eHeartbeatReply\x12*\n\nassignment\x18\x01 \x01(\x0b\x32\x16.tahnode.v1.Assignment\x12\r\n\x05known\x18\x02 \x01(\x08\",\n\x0cLeaveRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x0b\n\x03mac\x18\x0f \x01(\x0c\"\x0c\n\nLeaveReply*F\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\x0b\n\x07\x46LOAT32\x10\x01\x12\x0b\n\x07\x46LOAT16\x10\x02\x12\x0c\n\x08\x42\x46LOAT16\x10\x03\x32\xb1\x02\n\x0cStageService\x12\x35\n\x07\x46orward\x12\x11.tahnode.v1.Frame\x1a\x15.tahnode.v1.StreamAck(\x01\x12\x36\n\x08\x42\x61\x63kward\x12\x11.tahnode.v1.Frame\x1a\x15.tahnode.v1.StreamAck(\x01\x12\x36\n\x04Ping\x12\x17.tahnode.v1.PingRequest\x1a\x15.tahnode.v1.PingReply\x12\x39\n\x05Probe\x12\x16.tahnode.v1.ProbeChunk\x1a\x16.tahnode.v1.ProbeReply(\x01\x12?\n\x07Measure\x12\x1a.tahnode.v1.MeasureRequest\x1a\x18.tahnode.v1.MeasureReply2\xc7\x01\n\x0b\x43oordinator\x12\x36\n\x04Join\x12\x17.tahnode.v1.JoinRequest\x1a\x15.tahnode.v1.JoinReply\x12\x45\n\tHeartbeat\x12\x1c.tahnode.v1.HeartbeatRequest\x1a\x1a.tahnode.v1.HeartbeatReply\x12\x39\n\x05Leave\x12\x18.tahnode.v1.LeaveRequest\x1a\x16.tahnode.v1.LeaveReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,8 +35,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_ENCODEDTENSOR_PARAMSENTRY']._serialized_options = b'8\001'
   _globals['_MICROBATCH_EXTRASENTRY']._loaded_options = None
   _globals['_MICROBATCH_EXTRASENTRY']._serialized_options = b'8\001'
-  _globals['_DTYPE']._serialized_start=501
-  _globals['_DTYPE']._serialized_end=571
+  _globals['_DTYPE']._serialized_start=2596
+  _globals['_DTYPE']._serialized_end=2666
   _globals['_ENCODEDTENSOR']._serialized_start=30
   _globals['_ENCODEDTENSOR']._serialized_end=260
   _globals['_ENCODEDTENSOR_PARAMSENTRY']._serialized_start=215
@@ -45,4 +45,56 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_MICROBATCH']._serialized_end=499
   _globals['_MICROBATCH_EXTRASENTRY']._serialized_start=454
   _globals['_MICROBATCH_EXTRASENTRY']._serialized_end=499
+  _globals['_STEPEND']._serialized_start=501
+  _globals['_STEPEND']._serialized_end=575
+  _globals['_SYNC']._serialized_start=577
+  _globals['_SYNC']._serialized_end=656
+  _globals['_SYNCACK']._serialized_start=658
+  _globals['_SYNCACK']._serialized_end=775
+  _globals['_SHUTDOWN']._serialized_start=777
+  _globals['_SHUTDOWN']._serialized_end=801
+  _globals['_ENVELOPE']._serialized_start=804
+  _globals['_ENVELOPE']._serialized_end=1027
+  _globals['_FRAME']._serialized_start=1029
+  _globals['_FRAME']._serialized_end=1122
+  _globals['_STREAMACK']._serialized_start=1124
+  _globals['_STREAMACK']._serialized_end=1166
+  _globals['_PINGREQUEST']._serialized_start=1168
+  _globals['_PINGREQUEST']._serialized_end=1196
+  _globals['_PINGREPLY']._serialized_start=1198
+  _globals['_PINGREPLY']._serialized_end=1256
+  _globals['_PROBECHUNK']._serialized_start=1258
+  _globals['_PROBECHUNK']._serialized_end=1297
+  _globals['_PROBEREPLY']._serialized_start=1299
+  _globals['_PROBEREPLY']._serialized_end=1343
+  _globals['_MEASUREREQUEST']._serialized_start=1345
+  _globals['_MEASUREREQUEST']._serialized_end=1440
+  _globals['_MEASUREREPLY']._serialized_start=1442
+  _globals['_MEASUREREPLY']._serialized_end=1486
+  _globals['_JOINREQUEST']._serialized_start=1489
+  _globals['_JOINREQUEST']._serialized_end=1622
+  _globals['_PEER']._serialized_start=1624
+  _globals['_PEER']._serialized_end=1679
+  _globals['_ASSIGNMENT']._serialized_start=1682
+  _globals['_ASSIGNMENT']._serialized_end=1849
+  _globals['_JOINREPLY']._serialized_start=1851
+  _globals['_JOINREPLY']._serialized_end=1921
+  _globals['_HEARTBEATREQUEST']._serialized_start=1924
+  _globals['_HEARTBEATREQUEST']._serialized_end=2052
+  _globals['_TRAININGSTATS']._serialized_start=2055
+  _globals['_TRAININGSTATS']._serialized_end=2358
+  _globals['_LOSSPOINT']._serialized_start=2360
+  _globals['_LOSSPOINT']._serialized_end=2399
+  _globals['_LINKSTATS']._serialized_start=2401
+  _globals['_LINKSTATS']._serialized_end=2457
+  _globals['_HEARTBEATREPLY']._serialized_start=2459
+  _globals['_HEARTBEATREPLY']._serialized_end=2534
+  _globals['_LEAVEREQUEST']._serialized_start=2536
+  _globals['_LEAVEREQUEST']._serialized_end=2580
+  _globals['_LEAVEREPLY']._serialized_start=2582
+  _globals['_LEAVEREPLY']._serialized_end=2594
+  _globals['_STAGESERVICE']._serialized_start=2669
+  _globals['_STAGESERVICE']._serialized_end=2974
+  _globals['_COORDINATOR']._serialized_start=2977
+  _globals['_COORDINATOR']._serialized_end=3176
 # @@protoc_insertion_point(module_scope)

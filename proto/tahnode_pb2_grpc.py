@@ -3,6 +3,7 @@
 import grpc
 import warnings
 
+from . import tahnode_pb2 as tahnode__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -22,3 +23,405 @@ if _version_not_supported:
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
     )
+
+
+class StageServiceStub:
+    """Missing associated documentation comment in .proto file."""
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.Forward = channel.stream_unary(
+                '/tahnode.v1.StageService/Forward',
+                request_serializer=tahnode__pb2.Frame.SerializeToString,
+                response_deserializer=tahnode__pb2.StreamAck.FromString,
+                _registered_method=True)
+        self.Backward = channel.stream_unary(
+                '/tahnode.v1.StageService/Backward',
+                request_serializer=tahnode__pb2.Frame.SerializeToString,
+                response_deserializer=tahnode__pb2.StreamAck.FromString,
+                _registered_method=True)
+        self.Ping = channel.unary_unary(
+                '/tahnode.v1.StageService/Ping',
+                request_serializer=tahnode__pb2.PingRequest.SerializeToString,
+                response_deserializer=tahnode__pb2.PingReply.FromString,
+                _registered_method=True)
+        self.Probe = channel.stream_unary(
+                '/tahnode.v1.StageService/Probe',
+                request_serializer=tahnode__pb2.ProbeChunk.SerializeToString,
+                response_deserializer=tahnode__pb2.ProbeReply.FromString,
+                _registered_method=True)
+        self.Measure = channel.unary_unary(
+                '/tahnode.v1.StageService/Measure',
+                request_serializer=tahnode__pb2.MeasureRequest.SerializeToString,
+                response_deserializer=tahnode__pb2.MeasureReply.FromString,
+                _registered_method=True)
+
+
+class StageServiceServicer:
+    """Missing associated documentation comment in .proto file."""
+
+    def Forward(self, request_iterator, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Backward(self, request_iterator, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Ping(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Probe(self, request_iterator, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Measure(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_StageServiceServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'Forward': grpc.stream_unary_rpc_method_handler(
+                    servicer.Forward,
+                    request_deserializer=tahnode__pb2.Frame.FromString,
+                    response_serializer=tahnode__pb2.StreamAck.SerializeToString,
+            ),
+            'Backward': grpc.stream_unary_rpc_method_handler(
+                    servicer.Backward,
+                    request_deserializer=tahnode__pb2.Frame.FromString,
+                    response_serializer=tahnode__pb2.StreamAck.SerializeToString,
+            ),
+            'Ping': grpc.unary_unary_rpc_method_handler(
+                    servicer.Ping,
+                    request_deserializer=tahnode__pb2.PingRequest.FromString,
+                    response_serializer=tahnode__pb2.PingReply.SerializeToString,
+            ),
+            'Probe': grpc.stream_unary_rpc_method_handler(
+                    servicer.Probe,
+                    request_deserializer=tahnode__pb2.ProbeChunk.FromString,
+                    response_serializer=tahnode__pb2.ProbeReply.SerializeToString,
+            ),
+            'Measure': grpc.unary_unary_rpc_method_handler(
+                    servicer.Measure,
+                    request_deserializer=tahnode__pb2.MeasureRequest.FromString,
+                    response_serializer=tahnode__pb2.MeasureReply.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'tahnode.v1.StageService', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('tahnode.v1.StageService', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class StageService:
+    """Missing associated documentation comment in .proto file."""
+
+    @staticmethod
+    def Forward(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/tahnode.v1.StageService/Forward',
+            tahnode__pb2.Frame.SerializeToString,
+            tahnode__pb2.StreamAck.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Backward(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/tahnode.v1.StageService/Backward',
+            tahnode__pb2.Frame.SerializeToString,
+            tahnode__pb2.StreamAck.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Ping(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tahnode.v1.StageService/Ping',
+            tahnode__pb2.PingRequest.SerializeToString,
+            tahnode__pb2.PingReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Probe(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/tahnode.v1.StageService/Probe',
+            tahnode__pb2.ProbeChunk.SerializeToString,
+            tahnode__pb2.ProbeReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Measure(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tahnode.v1.StageService/Measure',
+            tahnode__pb2.MeasureRequest.SerializeToString,
+            tahnode__pb2.MeasureReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+
+class CoordinatorStub:
+    """Missing associated documentation comment in .proto file."""
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.Join = channel.unary_unary(
+                '/tahnode.v1.Coordinator/Join',
+                request_serializer=tahnode__pb2.JoinRequest.SerializeToString,
+                response_deserializer=tahnode__pb2.JoinReply.FromString,
+                _registered_method=True)
+        self.Heartbeat = channel.unary_unary(
+                '/tahnode.v1.Coordinator/Heartbeat',
+                request_serializer=tahnode__pb2.HeartbeatRequest.SerializeToString,
+                response_deserializer=tahnode__pb2.HeartbeatReply.FromString,
+                _registered_method=True)
+        self.Leave = channel.unary_unary(
+                '/tahnode.v1.Coordinator/Leave',
+                request_serializer=tahnode__pb2.LeaveRequest.SerializeToString,
+                response_deserializer=tahnode__pb2.LeaveReply.FromString,
+                _registered_method=True)
+
+
+class CoordinatorServicer:
+    """Missing associated documentation comment in .proto file."""
+
+    def Join(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Heartbeat(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Leave(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_CoordinatorServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'Join': grpc.unary_unary_rpc_method_handler(
+                    servicer.Join,
+                    request_deserializer=tahnode__pb2.JoinRequest.FromString,
+                    response_serializer=tahnode__pb2.JoinReply.SerializeToString,
+            ),
+            'Heartbeat': grpc.unary_unary_rpc_method_handler(
+                    servicer.Heartbeat,
+                    request_deserializer=tahnode__pb2.HeartbeatRequest.FromString,
+                    response_serializer=tahnode__pb2.HeartbeatReply.SerializeToString,
+            ),
+            'Leave': grpc.unary_unary_rpc_method_handler(
+                    servicer.Leave,
+                    request_deserializer=tahnode__pb2.LeaveRequest.FromString,
+                    response_serializer=tahnode__pb2.LeaveReply.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'tahnode.v1.Coordinator', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('tahnode.v1.Coordinator', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class Coordinator:
+    """Missing associated documentation comment in .proto file."""
+
+    @staticmethod
+    def Join(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tahnode.v1.Coordinator/Join',
+            tahnode__pb2.JoinRequest.SerializeToString,
+            tahnode__pb2.JoinReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Heartbeat(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tahnode.v1.Coordinator/Heartbeat',
+            tahnode__pb2.HeartbeatRequest.SerializeToString,
+            tahnode__pb2.HeartbeatReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Leave(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tahnode.v1.Coordinator/Leave',
+            tahnode__pb2.LeaveRequest.SerializeToString,
+            tahnode__pb2.LeaveReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
