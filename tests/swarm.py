@@ -1,0 +1,96 @@
+"""Test harness: a coordinator and stage daemons started as real subprocesses, the way users start
+them (`tahnode coordinator`, `tahnode join`), on 127.0.0.1 or inside network namespaces."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+TAHNODE = [sys.executable, "-m", "tahnode.cli"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Swarm:
+    def __init__(self, workdir: Path, token: str = "test-token", cache: Path | None = None):
+        self.workdir = workdir
+        self.token = token
+        self.grpc_port = free_port()
+        self.http_port = free_port()
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.env = {**os.environ, "PYTHONUNBUFFERED": "1", "TAHNODE_CACHE": str(cache or workdir / "cache")}
+
+    @property
+    def coordinator(self) -> str:
+        return f"127.0.0.1:{self.grpc_port}"
+
+    def spawn(self, name: str, args: list[str], prefix: list[str] | None = None) -> subprocess.Popen:
+        log = open(self.workdir / f"{name}.log", "a")
+        proc = subprocess.Popen([*(prefix or []), *TAHNODE, *args], stdout=log, stderr=subprocess.STDOUT, env=self.env)
+        self.procs[name] = proc
+        return proc
+
+    def start_coordinator(self, *run_flags: str, listen: str | None = None, http: str | None = None) -> None:
+        self.spawn("coordinator", ["coordinator", "--listen", listen or self.coordinator, "--http", http or f"127.0.0.1:{self.http_port}",
+                                   "--token", self.token, *run_flags])
+
+    def join(self, name: str, stage: int | str, *extra: str, prefix: list[str] | None = None, coordinator: str | None = None) -> subprocess.Popen:
+        return self.spawn(name, ["join", "--coordinator", coordinator or self.coordinator, "--stage", str(stage), "--listen", "127.0.0.1:0",
+                                 "--node-id", name, "--token", self.token, "--checkpoint-dir", str(self.workdir / "ck" / name),
+                                 "--device", "cpu", *extra], prefix=prefix)
+
+    def state(self) -> dict | None:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.http_port}/api/v1/state", timeout=2) as r:
+                return json.load(r)
+        except (OSError, ValueError):
+            return None
+
+    def wait_for(self, predicate, timeout: float, what: str) -> dict:
+        deadline = time.monotonic() + timeout
+        state = None
+        while time.monotonic() < deadline:
+            for name, p in self.procs.items():
+                if p.poll() not in (None, 0):
+                    raise AssertionError(f"{name} exited with {p.returncode} while waiting for {what}:\n{self.log(name)}")
+            state = self.state()
+            if state and predicate(state):
+                return state
+            time.sleep(0.3)
+        logs = "\n".join(f"--- {n}\n{self.log(n)[-3000:]}" for n in self.procs)
+        raise AssertionError(f"timed out after {timeout} s waiting for {what}; last state: {json.dumps(state)[:2000]}\n{logs}")
+
+    def wait_finished(self, steps: int, timeout: float = 240) -> dict:
+        return self.wait_for(lambda s: s["training"]["finished"] and s["training"]["step"] >= steps, timeout, f"{steps} steps")
+
+    def losses(self, state: dict) -> list[float]:
+        return [loss for _, loss in state["loss_history"]]
+
+    def log(self, name: str) -> str:
+        path = self.workdir / f"{name}.log"
+        return path.read_text(errors="replace") if path.exists() else ""
+
+    def wait_exit(self, name: str, timeout: float = 60) -> int:
+        return self.procs[name].wait(timeout)
+
+    def stop(self) -> None:
+        for p in self.procs.values():
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for p in self.procs.values():
+            try:
+                p.wait(15)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
