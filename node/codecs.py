@@ -199,7 +199,14 @@ class NaiveCodec(Codec):
     Params = naive_ref.NaiveParams
 
     def encode_payload(self, x, ctx):
-        payload, e = naive_ref.encode(x.detach(), self.params)
+        from tahnode.kernels.dispatch import use_triton
+
+        if use_triton(x):
+            from tahnode.kernels import naive_triton
+
+            payload, e = naive_triton.encode(x.detach(), self.params)
+        else:
+            payload, e = naive_ref.encode(x.detach(), self.params)
         return payload, {"exp": float(e)}
 
     def decode_payload(self, payload, shape, dtype, header, ctx):
@@ -207,6 +214,12 @@ class NaiveCodec(Codec):
         e = header.get("exp", math.nan)
         if not math.isfinite(e) or e != int(e):
             raise CodecError(f"naive header has an invalid scale exponent {e}")
+        from tahnode.kernels.dispatch import use_triton
+
+        if use_triton(payload):
+            from tahnode.kernels import naive_triton
+
+            return naive_triton.decode(payload, shape, params, int(e), dtype)
         return naive_ref.decode(payload, shape, params, int(e), dtype)
 
 
@@ -232,10 +245,23 @@ class TahQuantCodec(Codec):
     Params = tahquant_ref.TahQuantParams
 
     def encode_payload(self, x, ctx):
+        from tahnode.kernels.dispatch import use_triton
+
+        if use_triton(x):
+            from tahnode.kernels import tahquant_triton
+
+            return tahquant_triton.encode(x.detach(), self.params), {}
         return tahquant_ref.encode(x.detach(), self.params), {}
 
     def decode_payload(self, payload, shape, dtype, header, ctx):
-        return tahquant_ref.decode(payload, shape, self.from_header(header).params, dtype)
+        from tahnode.kernels.dispatch import use_triton
+
+        params = self.from_header(header).params
+        if use_triton(payload):
+            from tahnode.kernels import tahquant_triton
+
+            return tahquant_triton.decode(payload, shape, params, dtype)
+        return tahquant_ref.decode(payload, shape, params, dtype)
 
 
 @register

@@ -86,6 +86,9 @@ class RunConfig:
     def validate(self) -> "RunConfig":
         if not 1 <= self.stages <= self.model.n_layers:
             raise ValueError(f"stages must be in 1..{self.model.n_layers} (the model's layers), got {self.stages}")
+        if self.model.tie_embeddings and self.stages > 1:
+            raise ValueError("a model with tied embeddings cannot be split into stages yet (the embedding and the head "
+                             "would live on different machines); use tie_embeddings = false or one stage")
         if self.train.seq_len > self.model.max_seq_len:
             raise ValueError(f"train.seq_len {self.train.seq_len} exceeds the model's max_seq_len {self.model.max_seq_len}")
         self.train.validate()

@@ -77,16 +77,20 @@ class Swarm:
         return [name for name, p in self.procs if p.poll() not in (None, 0)]
 
     def stop(self, timeout: float = 15.0) -> None:
-        for _, p in self.procs:
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + timeout
-        for _, p in self.procs:
-            try:
-                p.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+        """SIGTERM the stage daemons (they save and leave), then the coordinator; kill stragglers."""
+        nodes = [p for name, p in self.procs if name != "coordinator"]
+        coordinator = [p for name, p in self.procs if name == "coordinator"]
+        for group in (nodes, coordinator):
+            for p in group:
+                if p.poll() is None:
+                    p.send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + timeout
+            for p in group:
+                try:
+                    p.wait(max(0.1, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    p.kill()
+                    p.wait()
 
     def tail(self, name: str, lines: int = 15) -> str:
         text = (self.workdir / f"{name}.log").read_text(errors="replace").splitlines()

@@ -181,7 +181,7 @@ class StageWorker:
         return ckpt.step
 
     def save(self) -> None:
-        if self.store is None:
+        if self.store is None or self.committed == 0:
             return
         extra = {"amaq_gate": self.amaq.gate} if self.amaq is not None else None
         path = self.store.save(self.stage, self.num_stages, self.committed, self.model, self.opt.opt, self.run_cfg.to_json(), extra)
