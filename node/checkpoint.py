@@ -44,6 +44,9 @@ class CheckpointStore:
                 found.append(Checkpoint(p, stage, num_stages, int(m[3])))
         return sorted(found, key=lambda c: c.step)
 
+    def find(self, stage: int, num_stages: int, step: int) -> Checkpoint | None:
+        return next((c for c in self.list(stage, num_stages) if c.step == step), None)
+
     def latest(self, stage: int, num_stages: int) -> Checkpoint | None:
         found = self.list(stage, num_stages)
         return found[-1] if found else None

@@ -51,7 +51,7 @@ class SwarmRegistry:
         self.timeout = heartbeat_timeout
         self.nodes: dict[str, NodeRecord] = {}
         self.epoch = 1
-        self.loss_history: list[tuple[int, float]] = []
+        self.ledger: dict[int, tuple[float, list[int]]] = {}  # committed step -> (loss, sample ids)
         self.events: list[str] = []
 
     # -- helpers ----------------------------------------------------------------------------
@@ -114,8 +114,10 @@ class SwarmRegistry:
         for link in req.links:
             node.links[link.dst] = (link.bytes, link.seconds)
         for point in req.stats.losses:
-            if not self.loss_history or point.step > self.loss_history[-1][0]:
-                self.loss_history.append((point.step, point.loss))
+            if point.step in self.ledger or any(s > point.step for s in self.ledger):
+                # a rollback: the steps from here on are trained again and replace the old ones
+                self.ledger = {s: v for s, v in self.ledger.items() if s < point.step}
+            self.ledger[point.step] = (point.loss, list(point.sample_ids))
         self.sweep()
         return pb.HeartbeatReply(assignment=self.assignment(node), known=True)
 
@@ -183,11 +185,16 @@ class SwarmRegistry:
             ],
             "links": self.links(),
             "training": self.training(),
-            "loss_history": self.loss_history[-2000:],
+            "loss_history": [[step, loss] for step, (loss, _) in sorted(self.ledger.items())][-2000:],
             "events": self.events[-20:],
             "stages": self.run.stages,
             "epoch": self.epoch,
         }
+
+
+    def ledger_json(self) -> dict:
+        """The sample ids of every committed step (GET /api/v1/ledger)."""
+        return {"steps": [{"step": step, "loss": loss, "sample_ids": ids} for step, (loss, ids) in sorted(self.ledger.items())]}
 
 
 class CoordinatorServicer(pb_grpc.CoordinatorServicer):

@@ -98,7 +98,9 @@ class CoordinatorClient:
         await self.channel.close()
 
 
-def training_stats(worker: StageWorker, reported: int) -> pb.TrainingStats:
+def training_stats(worker: StageWorker) -> pb.TrainingStats:
+    """This node's stats for a heartbeat; takes the unreported committed steps off the outbox
+    (the caller puts them back if the heartbeat fails)."""
     s = worker.stats
     stats = pb.TrainingStats(
         step=worker.committed,
@@ -116,8 +118,8 @@ def training_stats(worker: StageWorker, reported: int) -> pb.TrainingStats:
     if s.losses:
         stats.loss = s.losses[-1][1]
         stats.loss_first = s.losses[0][1]
-        for step, loss in s.losses[reported:]:
-            stats.losses.add(step=step, loss=loss)
+    for step, loss, ids in s.outbox:
+        stats.losses.add(step=step, loss=loss, sample_ids=ids)
     if worker.last and s.step_times:  # the last stage sees the whole pipeline's backward rate
         stats.backward_bits_per_element = s.bits_per_element(BACKWARD)
     return stats
@@ -150,7 +152,7 @@ class Progress:
         if not (self.enabled and worker.last and worker.stats.losses):
             return
         s = worker.stats
-        step, loss = s.losses[-1]
+        step, loss, _ = s.losses[-1]
         self.console.print(
             f"step {step + 1:>5}/{self.total}  loss {loss:.4f}  {s.tokens_per_s():8.0f} tok/s  "
             f"gradients {s.bits_per_element(BACKWARD):.2f} bits/element  sent {sum(s.wire_bytes.values()) / 2**20:.1f} MB"
@@ -199,13 +201,12 @@ async def run_node(cfg: NodeConfig) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop_requested.set)
 
-    reported = [0]  # losses already sent to the coordinator
-
     async def report() -> pb.HeartbeatReply:
-        stats = training_stats(worker, reported[0])
+        sent = len(worker.stats.outbox)
+        stats = training_stats(worker)
         links = [pb.LinkStats(dst=c.peer, bytes=c.bytes, seconds=c.seconds) for c in (transport.counters(FORWARD), transport.counters(BACKWARD)) if c.peer]
         hb = await coord.heartbeat(pb.HeartbeatRequest(node_id=node_id, stats=stats, links=links))
-        reported[0] += len(stats.losses)
+        del worker.stats.outbox[:sent]
         return hb
 
     async def heartbeats() -> None:

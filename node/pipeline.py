@@ -43,7 +43,8 @@ class Stats:
     wire_bytes: dict = field(default_factory=lambda: {FORWARD: 0, BACKWARD: 0})
     elements: dict = field(default_factory=lambda: {FORWARD: 0, BACKWARD: 0})
     uncompressed_bytes: int = 0
-    losses: list = field(default_factory=list)      # (step, mean loss)
+    losses: list = field(default_factory=list)      # (step, mean loss, sample ids), committed steps
+    outbox: list = field(default_factory=list)      # the same, not yet reported to the coordinator
     step_times: list = field(default_factory=list)  # wall time of each committed step
     tokens_per_step: int = 0
     finished: bool = False
@@ -70,7 +71,7 @@ class StageWorker:
 
     def __init__(self, run: RunConfig, stage: int, transport, device: str = "cpu", store: CheckpointStore | None = None,
                  dataset: TokenDataset | None = None, on_step: Callable[["StageWorker"], None] | None = None,
-                 model: StageModel | None = None):
+                 model: StageModel | None = None, on_saved: Callable[[str, int], None] | None = None):
         from .model import build_stage
 
         self.run_cfg, self.train = run, run.train
@@ -83,6 +84,7 @@ class StageWorker:
         self.opt = StageOptimizer(self.model.parameters(), self.train)
         self.store = store
         self.on_step = on_step
+        self.on_saved = on_saved
         self.fw_codec = codecs.get_codec(run.codec.forward, **run.codec.forward_params)
         self.bw_codec = codecs.get_codec(run.codec.backward, **run.codec.backward_params)
         self.amaq: AmaqState | None = None
@@ -103,6 +105,7 @@ class StageWorker:
         self.done_backward = 0
         self.partial_sumsq = 0.0           # gradient sum of squares of the later stages
         self.step_losses: list[float] = []
+        self.step_samples: list[int] = []
         self.step_started = time.perf_counter()
         self.last_commit = pb.StepEnd()
         # stage 0's driver
@@ -158,6 +161,7 @@ class StageWorker:
         self.done_backward = 0
         self.partial_sumsq = 0.0
         self.step_losses = []
+        self.step_samples = []
         self.model.zero_grad(set_to_none=True)
         if self.amaq is not None:
             self.amaq.zero_grad(set_to_none=True)
@@ -170,15 +174,41 @@ class StageWorker:
         ckpt = self.store.latest(self.stage, self.num_stages)
         if ckpt is None:
             return 0
+        self._load(ckpt)
+        return ckpt.step
+
+    def rollback(self, step: int) -> None:
+        """Return to the committed state of `step` (a checkpoint of it, or the initial weights)."""
+        if step == 0:
+            from .model import init_weights
+
+            init_weights(self.model, self.train.seed)
+            self.opt = StageOptimizer(self.model.parameters(), self.train)
+            if self.amaq is not None:
+                with torch.no_grad():
+                    self.amaq.gate.zero_()
+                self.amaq.step = 0
+            self.committed = 0
+            self._reset_step(0, self.attempt)
+        else:
+            ckpt = self.store.find(self.stage, self.num_stages, step) if self.store else None
+            if ckpt is None:
+                raise PipelineError(f"stage {self.stage} cannot roll back to step {step}: no checkpoint of that step")
+            self._load(ckpt)
+        self.stats.losses = [entry for entry in self.stats.losses if entry[0] < step]
+        self.send_ctx.clear()
+        self.recv_ctx.clear()
+        log.warning("stage %d rolled back to step %d", self.stage, step)
+
+    def _load(self, ckpt) -> None:
         extra = load_checkpoint(ckpt, self.model, self.opt.opt, self.run_cfg.to_json())
         if self.amaq is not None and "amaq_gate" in extra:
             with torch.no_grad():
                 self.amaq.gate.copy_(extra["amaq_gate"].to(self.device))
             self.amaq.step = ckpt.step
         self.committed = ckpt.step
-        self._reset_step(ckpt.step, 0)
-        log.info("stage %d resumed from %s (step %d)", self.stage, ckpt.path, ckpt.step)
-        return ckpt.step
+        self._reset_step(ckpt.step, self.attempt)
+        log.info("stage %d loaded %s (step %d)", self.stage, ckpt.path, ckpt.step)
 
     def save(self) -> None:
         if self.store is None or self.committed == 0:
@@ -186,6 +216,8 @@ class StageWorker:
         extra = {"amaq_gate": self.amaq.gate} if self.amaq is not None else None
         path = self.store.save(self.stage, self.num_stages, self.committed, self.model, self.opt.opt, self.run_cfg.to_json(), extra)
         log.info("stage %d saved step %d to %s", self.stage, self.committed, path)
+        if self.on_saved:
+            self.on_saved(str(path), self.committed)
 
     # -- compute (runs on the compute thread) -------------------------------------------------
     def _forward_first(self, index: int) -> tuple[pb.MicroBatch, int]:
@@ -208,6 +240,7 @@ class StageWorker:
             loss = self.model.loss(out, labels)
             (loss / self.train.micro_batches).backward()
             self.step_losses.append(float(loss.detach()))
+            self.step_samples.extend(ids)
             self.done_backward += 1
             extras = {"grad_sumsq": grad_sumsq(self.opt.params)} if self.done_backward == self.train.micro_batches else {}
             enc, gen = self._encode(BACKWARD, x.grad, ids)
@@ -249,8 +282,9 @@ class StageWorker:
         self.stats.step_times.append(now - self.step_started)
         self.step_started = now
         if self.last:
-            loss = sum(self.step_losses) / max(1, len(self.step_losses))
-            self.stats.losses.append((end.step, loss))
+            entry = (end.step, sum(self.step_losses) / max(1, len(self.step_losses)), list(self.step_samples))
+            self.stats.losses.append(entry)
+            self.stats.outbox.append(entry)
         self._reset_step(end.step + 1, 0)
         if not self.last:
             await self._send(FORWARD, self.t.generation(FORWARD), step_end=end)
@@ -318,6 +352,8 @@ class StageWorker:
             self.shutdown.set()
 
     async def _on_sync(self, sync: pb.Sync) -> None:
+        if sync.rollback and self.committed != sync.step:
+            await self.compute(self.rollback, sync.step)
         lc = sync.last_commit
         if lc.step + 1 == sync.step and self.committed == lc.step and self.step == lc.step and self.done_backward == self.train.micro_batches:
             log.info("stage %d applies step %d from the sync", self.stage, lc.step)
@@ -343,7 +379,9 @@ class StageWorker:
 
     # -- stage 0 drives the steps --------------------------------------------------------------
     async def _sync(self, attempt: int) -> None:
-        """Restart step self.step as `attempt` once every stage answers; repeat until they do."""
+        """Restart step self.committed as `attempt` once every stage answers; repeat until they do.
+        Stages that answer with different committed steps are all rolled back to the smallest."""
+        rollback = False
         while True:
             self.abort.clear()
             self._reset_step(self.committed, attempt)
@@ -351,19 +389,24 @@ class StageWorker:
             if self.num_stages == 1:
                 return
             self.sync_reply = asyncio.get_running_loop().create_future()
-            await self._send(FORWARD, self.t.generation(FORWARD), sync=pb.Sync(step=self.step, attempt=attempt, last_commit=self.last_commit))
+            sync = pb.Sync(step=self.step, attempt=attempt, last_commit=self.last_commit, rollback=rollback)
+            await self._send(FORWARD, self.t.generation(FORWARD), sync=sync)
             try:
                 ack = await asyncio.wait_for(asyncio.shield(self.sync_reply), timeout=5.0)
             except asyncio.TimeoutError:
                 log.info("waiting for every stage to answer (step %d, attempt %d)", self.step, attempt)
                 attempt += 1
                 continue
-            if ack.min_committed != ack.max_committed or ack.min_committed != self.committed:
-                raise PipelineError(
-                    f"stages disagree on the last committed step ({ack.min_committed}..{ack.max_committed}, "
-                    f"stage 0 at {self.committed}): restart every stage from the same checkpoint step"
-                )
-            return
+            low = min(ack.min_committed, self.committed)
+            if ack.max_committed == low and self.committed == low:
+                return
+            # a stage came back from an older checkpoint (e.g. a standby took it over): every stage
+            # returns to that step and the steps after it are trained again
+            log.warning("stages are at steps %d..%d: rolling every stage back to step %d", low, max(ack.max_committed, self.committed), low)
+            if self.committed != low:
+                await self.compute(self.rollback, low)
+            rollback = True
+            attempt += 1
 
     async def _run_step(self) -> bool:
         """Send every micro-batch of the step, wait for its gradients. False if aborted."""

@@ -293,6 +293,16 @@ class CoordinatorStub:
                 request_serializer=tahnode__pb2.LeaveRequest.SerializeToString,
                 response_deserializer=tahnode__pb2.LeaveReply.FromString,
                 _registered_method=True)
+        self.UploadCheckpoint = channel.stream_unary(
+                '/tahnode.v1.Coordinator/UploadCheckpoint',
+                request_serializer=tahnode__pb2.CheckpointChunk.SerializeToString,
+                response_deserializer=tahnode__pb2.UploadReply.FromString,
+                _registered_method=True)
+        self.DownloadCheckpoint = channel.unary_stream(
+                '/tahnode.v1.Coordinator/DownloadCheckpoint',
+                request_serializer=tahnode__pb2.DownloadRequest.SerializeToString,
+                response_deserializer=tahnode__pb2.CheckpointChunk.FromString,
+                _registered_method=True)
 
 
 class CoordinatorServicer:
@@ -316,6 +326,18 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def UploadCheckpoint(self, request_iterator, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DownloadCheckpoint(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CoordinatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -333,6 +355,16 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.Leave,
                     request_deserializer=tahnode__pb2.LeaveRequest.FromString,
                     response_serializer=tahnode__pb2.LeaveReply.SerializeToString,
+            ),
+            'UploadCheckpoint': grpc.stream_unary_rpc_method_handler(
+                    servicer.UploadCheckpoint,
+                    request_deserializer=tahnode__pb2.CheckpointChunk.FromString,
+                    response_serializer=tahnode__pb2.UploadReply.SerializeToString,
+            ),
+            'DownloadCheckpoint': grpc.unary_stream_rpc_method_handler(
+                    servicer.DownloadCheckpoint,
+                    request_deserializer=tahnode__pb2.DownloadRequest.FromString,
+                    response_serializer=tahnode__pb2.CheckpointChunk.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -416,6 +448,60 @@ class Coordinator:
             '/tahnode.v1.Coordinator/Leave',
             tahnode__pb2.LeaveRequest.SerializeToString,
             tahnode__pb2.LeaveReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UploadCheckpoint(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/tahnode.v1.Coordinator/UploadCheckpoint',
+            tahnode__pb2.CheckpointChunk.SerializeToString,
+            tahnode__pb2.UploadReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DownloadCheckpoint(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/tahnode.v1.Coordinator/DownloadCheckpoint',
+            tahnode__pb2.DownloadRequest.SerializeToString,
+            tahnode__pb2.CheckpointChunk.FromString,
             options,
             channel_credentials,
             insecure,
