@@ -77,6 +77,8 @@ def _add_swarm_commands(sub) -> None:
     co.add_argument("--http", default="0.0.0.0:8080", help="status page address (default 0.0.0.0:8080)")
     co.add_argument("--token", default=os.environ.get("TAHNODE_TOKEN", DEFAULT_TOKEN), help="swarm secret every node must present (env TAHNODE_TOKEN)")
     co.add_argument("--heartbeat-timeout", type=float, default=10.0, help="seconds without heartbeats before a node is declared failed")
+    co.add_argument("--store", default="tahnode-store", help="directory of the stage checkpoints nodes upload (for standbys)")
+    co.add_argument("--settle", type=float, default=3.0, help="seconds without new joins before --stage auto nodes are placed")
     _add_run_flags(co)
 
     jo = sub.add_parser("join", help="join a swarm and hold one pipeline stage",
@@ -185,7 +187,7 @@ def _coordinator(args) -> int:
     _setup_logging()
     run = run_config_from(args)
     _event_loop_policy()
-    asyncio.run(coordinator_server.serve(run, args.listen, args.http, args.token, args.heartbeat_timeout))
+    asyncio.run(coordinator_server.serve(run, args.listen, args.http, args.token, args.heartbeat_timeout, args.store, args.settle))
     return 0
 
 

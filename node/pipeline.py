@@ -114,6 +114,7 @@ class StageWorker:
         self.abort = asyncio.Event()
         self.sync_reply: asyncio.Future | None = None
         self.stopping = False
+        self.saved_step = -1
         self.shutdown = asyncio.Event()
         self.t.on_link_down(self._link_down)
 
@@ -211,8 +212,9 @@ class StageWorker:
         log.info("stage %d loaded %s (step %d)", self.stage, ckpt.path, ckpt.step)
 
     def save(self) -> None:
-        if self.store is None or self.committed == 0:
+        if self.store is None or self.committed == 0 or self.committed == self.saved_step:
             return
+        self.saved_step = self.committed
         extra = {"amaq_gate": self.amaq.gate} if self.amaq is not None else None
         path = self.store.save(self.stage, self.num_stages, self.committed, self.model, self.opt.opt, self.run_cfg.to_json(), extra)
         log.info("stage %d saved step %d to %s", self.stage, self.committed, path)
