@@ -98,13 +98,10 @@ class SwarmView:
     @classmethod
     def from_state(cls, state: Mapping[str, Any]) -> SwarmView:
         """A view from a state dict in the /api/v1/state shape (e.g. the coordinator's registry);
-        keys outside the schema are kept in `extra` (training's under `training_detail`)."""
+        keys outside the schema are kept (top-level ones in `extra`)."""
         training = dict(state.get("training") or {})
         extra = {k: v for k, v in state.items()
                  if k not in ("nodes", "links", "training", "loss_history", "events", "stages")}
-        detail = {k: v for k, v in training.items() if k not in TRAINING_KEYS}
-        if detail:
-            extra["training_detail"] = detail
         return cls(
             nodes=[_pick(n, NODE_KEYS) for n in state.get("nodes", [])],
             links=[_pick(link, LINK_KEYS) for link in state.get("links", [])],
@@ -117,10 +114,11 @@ class SwarmView:
 
 
 def _pick(item: Any, keys: tuple[str, ...]) -> dict[str, Any]:
+    """The schema's keys (with defaults) first, then any further keys the item has."""
     d = asdict(item) if is_dataclass(item) else dict(item)
     defaults = {"address": "", "status": "active", "device": "", "rtt_ms": None, "step": 0, "loss": None,
                 "tokens_per_s": 0.0, "bits_per_element": 0.0}
-    return {k: d.get(k, defaults.get(k)) for k in keys}
+    return {**{k: d.get(k, defaults.get(k)) for k in keys}, **{k: v for k, v in d.items() if k not in keys}}
 
 
 def _num(x: Any) -> float | None:
