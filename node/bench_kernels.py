@@ -148,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
         rows = bench_shape(shape, DTYPES[args.dtype], args.iters)
         print(f"{gpu}  shape {list(shape)} {args.dtype}  ({rows[0]['nbytes'] / 1e6:.1f} MB)")
         for r in rows:
-            ref = f"  ref {r['ref'] * 1e6:9.1f} us ({r['ref'] / r['t']:.1f}x slower)" if r["ref"] is not None else ""
+            ref = f"  reference {r['ref'] * 1e6:9.1f} us (ref/kernel {r['ref'] / r['t']:.1f})" if r["ref"] is not None else ""
             note = f"  bytes != ref: {r['diff']}" if r["diff"] else ""
             print(f"  {r['op']:<16} {r['t'] * 1e6:9.1f} us  {r['nbytes'] / r['t'] / 1e9:7.1f} GB/s  "
                   f"{r['t'] / r['clone']:5.2f}x clone{ref}{note}")

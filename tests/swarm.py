@@ -43,7 +43,7 @@ class Swarm:
 
     def start_coordinator(self, *run_flags: str, listen: str | None = None, http: str | None = None) -> None:
         self.spawn("coordinator", ["coordinator", "--listen", listen or self.coordinator, "--http", http or f"127.0.0.1:{self.http_port}",
-                                   "--token", self.token, *run_flags])
+                                   "--token", self.token, "--store", str(self.workdir / "store"), *run_flags])
 
     def join(self, name: str, stage: int | str, *extra: str, prefix: list[str] | None = None, coordinator: str | None = None) -> subprocess.Popen:
         return self.spawn(name, ["join", "--coordinator", coordinator or self.coordinator, "--stage", str(stage), "--listen", "127.0.0.1:0",

@@ -1,0 +1,32 @@
+"""Which implementation serves a tensor: the Triton kernels for CUDA tensors, the pure-torch
+references for everything else. Tests route CPU tensors through the kernels under Triton's CPU
+interpreter with TAHNODE_FORCE_TRITON=1 (and TRITON_INTERPRET=1)."""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+__all__ = ["use_triton", "triton_available"]
+
+
+@functools.lru_cache(maxsize=None)
+def triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+        import triton.language  # noqa: F401
+    except Exception:  # ImportError, or a broken install that fails while importing
+        return False
+    return True
+
+
+def use_triton(t: torch.Tensor) -> bool:
+    """True when `t` (the input of encode, or the payload already on the decode device) should go
+    to the Triton kernels: a CUDA tensor, or a CPU tensor when TAHNODE_FORCE_TRITON=1 and
+    TRITON_INTERPRET=1 are set; never when triton cannot be imported."""
+    if t.is_cuda:
+        return triton_available()
+    forced = os.environ.get("TAHNODE_FORCE_TRITON") == "1" and os.environ.get("TRITON_INTERPRET") == "1"
+    return forced and t.device.type == "cpu" and triton_available()
