@@ -68,3 +68,17 @@ def test_clear_errors(tmp_path, act):
     assert r.returncode == 2 and "not a readable" in r.stderr
     r = run(str(act), "--codec", "nosuch")
     assert r.returncode == 2 and "invalid choice" in r.stderr
+
+
+def test_data_prepare_command(tmp_path):
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "a.txt").write_text("hello tahnode\n")
+    out = tmp_path / "data.bin"
+    r = subprocess.run([TAHNODE, "data", "prepare", "--input", str(tmp_path / "docs"), "--out", str(out)],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "wrote 15 tokens" in r.stdout  # 14 bytes + the end-of-document token
+    assert out.stat().st_size == 15 * 2
+    r = subprocess.run([TAHNODE, "data", "prepare", "--input", str(tmp_path / "nowhere"), "--out", str(out)],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "Traceback" not in r.stderr

@@ -73,9 +73,9 @@ def test_tahquant_converges_like_none(swarm, tmp_path, cache):
     assert abs(last - sum(ref[-5:]) / 5) <= 0.02 * sum(ref[-5:]) / 5
 
 
-@pytest.mark.parametrize("codec", ["naive", "group", "aqsgd", "amaq"])
-def test_every_codec_trains_through_the_pipeline(swarm, codec):
-    state = run_swarm(swarm, 12, *SMALL, "--codec", codec)
+@pytest.mark.parametrize("codec,schedule", [("naive", "gpipe"), ("group", "1f1b"), ("aqsgd", "1f1b"), ("amaq", "gpipe")])
+def test_every_codec_trains_through_the_pipeline(swarm, codec, schedule):
+    state = run_swarm(swarm, 12, *SMALL, "--codec", codec, "--schedule", schedule)
     losses = swarm.losses(state)
     assert len(losses) == 12 and losses[-1] < losses[0] - 0.5
     t = state["training"]
@@ -129,3 +129,24 @@ def test_bad_peers_get_clear_errors_and_the_daemon_keeps_serving(swarm):
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     final = swarm.wait_finished(25)
     assert [s for s, _ in final["loss_history"]] == list(range(25))
+
+
+def test_demo_runs_the_whole_swarm_and_prints_a_json_summary(tmp_path, cache):
+    """`tahnode demo` as `make demo` runs it (fewer steps): real processes, a summary on the last line."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "TAHNODE_CACHE": str(cache)}
+    r = subprocess.run([sys.executable, "-m", "tahnode.cli", "demo", "--steps", "8", "--json", "--http-port", "0",
+                        "--workdir", str(tmp_path / "demo")], capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode == 0, r.stdout + r.stderr
+    summary = json.loads(r.stdout.strip().splitlines()[-1])
+    assert set(summary) >= {"steps", "loss_first", "loss_last", "tokens_per_s", "forward_bits_per_element",
+                            "backward_bits_per_element", "wire_bytes", "uncompressed_bytes"}
+    assert summary["steps"] == 8 and summary["loss_last"] < summary["loss_first"]
+    assert 4.3 < summary["forward_bits_per_element"] < 4.5 and summary["wire_bytes"] * 4 < summary["uncompressed_bytes"]
+    assert "status page: http://127.0.0.1:" in r.stderr
+    assert sorted(p.name for p in (tmp_path / "demo" / "checkpoints").iterdir()) == [
+        "stage0-of3-step8.safetensors", "stage1-of3-step8.safetensors", "stage2-of3-step8.safetensors"]
