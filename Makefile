@@ -22,7 +22,7 @@ $(STAMP): pyproject.toml Makefile
 venv: $(STAMP)
 
 test: $(STAMP)
-	TRITON_INTERPRET=1 $(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 demo: $(STAMP)
 	$(VENV)/bin/tahnode demo

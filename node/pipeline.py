@@ -458,7 +458,7 @@ class StageWorker:
         else:
             await self.serve()
 
-    async def stop(self, drain_s: float = 10.0) -> None:
+    async def stop(self, drain_s: float = 5.0) -> None:
         """Graceful stop (SIGTERM): wait briefly for a pending step end, save the committed state."""
         self.stopping = True
         deadline = time.monotonic() + drain_s
