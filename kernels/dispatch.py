@@ -5,11 +5,12 @@ interpreter with TAHNODE_FORCE_TRITON=1 (and TRITON_INTERPRET=1)."""
 from __future__ import annotations
 
 import functools
+import importlib
 import os
 
 import torch
 
-__all__ = ["use_triton", "triton_available"]
+__all__ = ["use_triton", "triton_available", "implementation"]
 
 
 @functools.lru_cache(maxsize=None)
@@ -30,3 +31,9 @@ def use_triton(t: torch.Tensor) -> bool:
         return triton_available()
     forced = os.environ.get("TAHNODE_FORCE_TRITON") == "1" and os.environ.get("TRITON_INTERPRET") == "1"
     return forced and t.device.type == "cpu" and triton_available()
+
+
+def implementation(codec: str, t: torch.Tensor):
+    """The module serving `t` for `codec`: tahnode.kernels.<codec>_triton or <codec>_ref."""
+    kind = "triton" if use_triton(t) else "ref"
+    return importlib.import_module(f"tahnode.kernels.{codec}_{kind}")

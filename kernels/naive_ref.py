@@ -49,7 +49,9 @@ def encode(x: torch.Tensor, params: NaiveParams = NaiveParams()) -> tuple[torch.
     return torch.cat([as_bytes(scale16), pack_bits(padded, params.bits)]), e
 
 
-def decode(payload: torch.Tensor, shape, params: NaiveParams, e: int, dtype: torch.dtype) -> torch.Tensor:
+def sections(payload: torch.Tensor, shape, params: NaiveParams, e: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Check the header and the payload's size; -> (scale fp16 (C,), packed codes). Shared with
+    the Triton decoder."""
     params.validate()
     if not -126 <= e <= 127:
         raise CodecError(f"naive: scale exponent {e} out of range [-126, 127]")
@@ -57,13 +59,19 @@ def decode(payload: torch.Tensor, shape, params: NaiveParams, e: int, dtype: tor
     if payload.numel() != expected:
         raise CodecError(f"naive payload has {payload.numel()} bytes, shape {list(shape)} needs {expected}")
     rd = PayloadReader(payload, "naive")
+    scale16 = rd.take_array(shape[-1], torch.float16, "scales")
+    codes = rd.take(packed_nbytes(math.prod(shape), params.bits), "codes")
+    rd.finish()
+    return scale16, codes
+
+
+def decode(payload: torch.Tensor, shape, params: NaiveParams, e: int, dtype: torch.dtype) -> torch.Tensor:
+    scale16, packed = sections(payload, shape, params, e)
     c = shape[-1]
     n = math.prod(shape)
-    scale16 = rd.take_array(c, torch.float16, "scales")
     if not (bool(torch.isfinite(scale16).all()) and bool((scale16 >= 0).all())):
         raise CodecError("naive payload is corrupt: negative or non-finite scale")
-    codes = unpack_bits(rd.take(packed_nbytes(n, params.bits), "codes"), params.bits, padded_count(n))
-    rd.finish()
+    codes = unpack_bits(packed, params.bits, padded_count(n))
     if bool((codes[:n] > 2 * params.qmax).any()) or bool(codes[n:].any()):
         raise CodecError("naive payload is corrupt: code out of range or non-zero padding")
     x = dequantize_sym(codes[:n].reshape(-1, c), scale16, e, params.qmax)

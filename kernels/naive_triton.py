@@ -18,10 +18,10 @@ import triton
 import triton.language as tl
 
 from .bitpack import packed_nbytes, padded_count, plane_widths
-from .naive_ref import NaiveParams, payload_nbytes
+from .naive_ref import NaiveParams, sections
 from .quant_ref import absmax_scales, check_finite
 from .triton_util import on_device, round_half_even, to_bf16_rne
-from .wire import CodecError, PayloadReader
+from .wire import CodecError
 
 __all__ = ["encode", "decode"]
 
@@ -153,19 +153,10 @@ def decode(payload: torch.Tensor, shape, params: NaiveParams, e: int, dtype: tor
 
 
 def _decode(payload: torch.Tensor, shape, params: NaiveParams, e: int, dtype: torch.dtype) -> torch.Tensor:
-    params.validate()
-    if not -126 <= e <= 127:
-        raise CodecError(f"naive: scale exponent {e} out of range [-126, 127]")
-    expected = payload_nbytes(shape, params)
-    if payload.numel() != expected:
-        raise CodecError(f"naive payload has {payload.numel()} bytes, shape {list(shape)} needs {expected}")
-    rd = PayloadReader(payload, "naive")
+    scale16, codes = sections(payload, shape, params, e)
     c = shape[-1]
     n = math.prod(shape)
     n_pad = padded_count(n)
-    scale16 = rd.take_array(c, torch.float16, "scales")
-    codes = rd.take(packed_nbytes(n, params.bits), "codes")
-    rd.finish()
     out = torch.empty(n, dtype=dtype, device=payload.device)
     block = _block()
     grid = triton.cdiv(n_pad, block)

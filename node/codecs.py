@@ -11,11 +11,12 @@ import math
 import struct
 import zlib
 from dataclasses import dataclass, field
-from typing import Any, Callable, ClassVar
+from typing import Any, ClassVar
 
 import torch
 
 from tahnode.kernels import aqsgd_ref, amaq_ref, group_ref, naive_ref, tahquant_ref
+from tahnode.kernels.dispatch import implementation
 from tahnode.kernels.quant_ref import check_finite
 from tahnode.kernels.wire import CodecError, from_bytes
 from tahnode.proto import tahnode_pb2 as pb
@@ -199,14 +200,7 @@ class NaiveCodec(Codec):
     Params = naive_ref.NaiveParams
 
     def encode_payload(self, x, ctx):
-        from tahnode.kernels.dispatch import use_triton
-
-        if use_triton(x):
-            from tahnode.kernels import naive_triton
-
-            payload, e = naive_triton.encode(x.detach(), self.params)
-        else:
-            payload, e = naive_ref.encode(x.detach(), self.params)
+        payload, e = implementation("naive", x).encode(x.detach(), self.params)
         return payload, {"exp": float(e)}
 
     def decode_payload(self, payload, shape, dtype, header, ctx):
@@ -214,13 +208,7 @@ class NaiveCodec(Codec):
         e = header.get("exp", math.nan)
         if not math.isfinite(e) or e != int(e):
             raise CodecError(f"naive header has an invalid scale exponent {e}")
-        from tahnode.kernels.dispatch import use_triton
-
-        if use_triton(payload):
-            from tahnode.kernels import naive_triton
-
-            return naive_triton.decode(payload, shape, params, int(e), dtype)
-        return naive_ref.decode(payload, shape, params, int(e), dtype)
+        return implementation("naive", payload).decode(payload, shape, params, int(e), dtype)
 
 
 @register
@@ -245,23 +233,10 @@ class TahQuantCodec(Codec):
     Params = tahquant_ref.TahQuantParams
 
     def encode_payload(self, x, ctx):
-        from tahnode.kernels.dispatch import use_triton
-
-        if use_triton(x):
-            from tahnode.kernels import tahquant_triton
-
-            return tahquant_triton.encode(x.detach(), self.params), {}
-        return tahquant_ref.encode(x.detach(), self.params), {}
+        return implementation("tahquant", x).encode(x.detach(), self.params), {}
 
     def decode_payload(self, payload, shape, dtype, header, ctx):
-        from tahnode.kernels.dispatch import use_triton
-
-        params = self.from_header(header).params
-        if use_triton(payload):
-            from tahnode.kernels import tahquant_triton
-
-            return tahquant_triton.decode(payload, shape, params, dtype)
-        return tahquant_ref.decode(payload, shape, params, dtype)
+        return implementation("tahquant", payload).decode(payload, shape, self.from_header(header).params, dtype)
 
 
 @register

@@ -3,9 +3,7 @@ stage assignment with neighbours, and the aggregated training state the status p
 
 from __future__ import annotations
 
-import asyncio
 import logging
-import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path

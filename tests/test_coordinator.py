@@ -3,9 +3,6 @@ its status page, loaded in headless Chromium, shows the real swarm's nodes and l
 
 from __future__ import annotations
 
-import json
-import time
-
 import grpc
 import pytest
 

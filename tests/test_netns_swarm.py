@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from swarm import TAHNODE, Swarm
+from swarm import Swarm
 from tahnode.config import RunConfig
 from tahnode.daemon import NodeConfig, open_dataset
 from tahnode.data import SampleSchedule
