@@ -32,6 +32,9 @@ from .transport import BACKWARD, FORWARD, Inbound
 log = logging.getLogger("tahnode.pipeline")
 
 
+STALE = object()  # what compute returns for a micro-batch of an attempt that was dropped meanwhile
+
+
 class PipelineError(RuntimeError):
     """The pipeline cannot go on (e.g. stages resumed from different steps)."""
 
@@ -234,6 +237,8 @@ class StageWorker:
         return mb, gen
 
     def _forward(self, item: Inbound, mb: pb.MicroBatch):
+        if (mb.step, mb.attempt) != (self.step, self.attempt):
+            return STALE
         x = self._decode(item, mb).requires_grad_(True)
         out = self.model(x)
         ids = list(mb.sample_ids)
@@ -253,6 +258,8 @@ class StageWorker:
         return FORWARD, pb.MicroBatch(step=mb.step, index=mb.index, sample_ids=ids, labels=mb.labels, tensor=enc, attempt=mb.attempt), gen
 
     def _backward(self, item: Inbound, mb: pb.MicroBatch):
+        if (mb.step, mb.attempt) != (self.step, self.attempt) or mb.index not in self.pending:
+            return STALE
         grad = self._decode(item, mb)
         p = self.pending.pop(mb.index)
         p.out.backward(grad)
@@ -268,6 +275,7 @@ class StageWorker:
         return pb.MicroBatch(step=mb.step, index=mb.index, sample_ids=p.sample_ids, tensor=enc, attempt=mb.attempt, extras=extras), gen
 
     def _apply(self, step: int, total_sumsq: float) -> None:
+        """Clip and step (runs on the compute thread, like every change to the step state)."""
         if self.amaq is not None:
             self.amaq.regularization().backward()
             self.amaq_opt.step()
@@ -275,6 +283,11 @@ class StageWorker:
             self.amaq.step = step + 1
         self.opt.apply(step, total_sumsq)
         self.committed = step + 1
+        if self.last:
+            entry = (step, sum(self.step_losses) / max(1, len(self.step_losses)), list(self.step_samples))
+            self.stats.losses.append(entry)
+            self.stats.outbox.append(entry)
+        self._reset_step(step + 1, 0)
 
     # -- commit --------------------------------------------------------------------------------
     async def _commit(self, end: pb.StepEnd) -> None:
@@ -283,11 +296,6 @@ class StageWorker:
         now = time.perf_counter()
         self.stats.step_times.append(now - self.step_started)
         self.step_started = now
-        if self.last:
-            entry = (end.step, sum(self.step_losses) / max(1, len(self.step_losses)), list(self.step_samples))
-            self.stats.losses.append(entry)
-            self.stats.outbox.append(entry)
-        self._reset_step(end.step + 1, 0)
         if not self.last:
             await self._send(FORWARD, self.t.generation(FORWARD), step_end=end)
         if self.committed % self.train.checkpoint_every == 0:
@@ -325,10 +333,14 @@ class StageWorker:
                 log.debug("stage %d dropped stale micro-batch %d/%d of step %d", self.stage, mb.index, mb.attempt, mb.step)
                 return
             if item.direction == FORWARD:
-                direction, out, gen = await self.compute(self._forward, item, mb)
-                await self._send(direction, gen, micro_batch=out)
+                result = await self.compute(self._forward, item, mb)
+                if result is not STALE:
+                    direction, out, gen = result
+                    await self._send(direction, gen, micro_batch=out)
             else:
                 result = await self.compute(self._backward, item, mb)
+                if result is STALE:
+                    return
                 if result is not None:
                     await self._send(BACKWARD, result[1], micro_batch=result[0])
                 elif self.done_backward == self.train.micro_batches:
@@ -360,7 +372,7 @@ class StageWorker:
         if lc.step + 1 == sync.step and self.committed == lc.step and self.step == lc.step and self.done_backward == self.train.micro_batches:
             log.info("stage %d applies step %d from the sync", self.stage, lc.step)
             await self._commit(lc)
-        self._reset_step(sync.step, sync.attempt)
+        await self.compute(self._reset_step, sync.step, sync.attempt)
         if self.last:
             ack = pb.SyncAck(step=sync.step, attempt=sync.attempt, min_committed=self.committed, max_committed=self.committed)
             await self._send(BACKWARD, self.t.generation(BACKWARD), sync_ack=ack)
@@ -386,7 +398,7 @@ class StageWorker:
         rollback = False
         while True:
             self.abort.clear()
-            self._reset_step(self.committed, attempt)
+            await self.compute(self._reset_step, self.committed, attempt)
             self.window = asyncio.Semaphore(self.num_stages if self.train.schedule == "1f1b" else self.train.micro_batches)
             if self.num_stages == 1:
                 return
