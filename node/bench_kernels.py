@@ -20,7 +20,8 @@ import torch
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 ALL_SHAPES = [(4, 2048, 4096), (1, 1024, 1600), (8, 4096, 8192)]
-HEADER = """# Kernel benchmarks
+HEADER = """
+### Kernel timings
 
 Written by `tahnode bench kernels` (node/bench_kernels.py): median of CUDA-event timings after
 warm-up. GB/s = bytes of the input tensor / time; `× clone` = time / time of `x.clone()` of the same
@@ -123,9 +124,10 @@ def format_row(r: dict, gpu: str, versions: str, dtype_name: str, date: str) -> 
 
 def append_rows(path: str, lines: list[str]) -> None:
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    new = not os.path.exists(path) or os.path.getsize(path) == 0
+    table = HEADER.strip().splitlines()[-2]  # the table's column line
+    has_table = os.path.exists(path) and table in open(path, encoding="utf-8").read()
     with open(path, "a", encoding="utf-8") as f:
-        if new:
+        if not has_table:  # the table's header once, below whatever the file already holds
             f.write(HEADER)
         f.write("\n".join(lines) + "\n")
 
