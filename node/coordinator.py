@@ -3,6 +3,7 @@ stage assignment with neighbours, and the aggregated training state the status p
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
 from dataclasses import dataclass, field
@@ -55,12 +56,14 @@ class SwarmRegistry:
     def __init__(self, run: RunConfig, key: SwarmKey, heartbeat_timeout: float = 10.0, store_dir: str | Path = "tahnode-store",
                  settle_s: float = 3.0):
         self.run = run
-        self.store = CheckpointStore(store_dir, keep=3)
+        self.run_json = run.to_json()
+        # one folder per run configuration: a checkpoint of another run is never handed out
+        self.run_id = hashlib.sha256(self.run_json.encode()).hexdigest()[:12]
+        self.store = CheckpointStore(Path(store_dir) / f"run-{self.run_id}", keep=3)
         self.settle_s = settle_s
         self.last_join = 0.0
         self.probes: dict[tuple[str, str], tuple[float, float]] = {}  # (src, dst) -> (Mbit/s, RTT ms)
         self.last_result = None
-        self.run_json = run.to_json()
         self.key = key
         self.timeout = heartbeat_timeout
         self.nodes: dict[str, NodeRecord] = {}
@@ -273,6 +276,7 @@ class SwarmRegistry:
             "uncompressed_bytes": sum(n.stats.uncompressed_bytes for n in self.nodes.values()),
             "finished": bool(last and s.finished),
             "replays": sum(n.stats.replays for n in self.nodes.values()),
+            "aqsgd_cache_bytes": sum(n.stats.aqsgd_cache_bytes for n in self.nodes.values() if n.status == "active"),
             "steps_total": self.run.train.steps,
         }
 

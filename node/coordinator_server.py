@@ -68,7 +68,8 @@ async def serve(run: RunConfig, listen: str, http: str, token: str, heartbeat_ti
     await site.start()
     shown = "127.0.0.1" if host in ("", "0.0.0.0") else host
     print(f"tahnode coordinator: control plane on {listen}, status page at http://{shown}:{port}/ "
-          f"({run.stages} stages of {run.model.n_layers} layers, codecs {run.codec.forward}/{run.codec.backward})", flush=True)
+          f"({run.stages} stages of {run.model.n_layers} layers, codecs {run.codec.forward}/{run.codec.backward}; "
+          f"checkpoints in {registry.store.dir})", flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

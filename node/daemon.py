@@ -141,15 +141,14 @@ class CoordinatorClient:
 
 
 def training_stats(worker: StageWorker) -> pb.TrainingStats:
-    """This node's stats for a heartbeat; takes the unreported committed steps off the outbox
-    (the caller puts them back if the heartbeat fails)."""
+    """This node's stats for a heartbeat, with the committed steps not yet reported (the caller
+    takes them off the outbox once the heartbeat went through)."""
     s = worker.stats
     stats = pb.TrainingStats(
         step=worker.committed,
         tokens_per_s=s.tokens_per_s(),
         forward_bits_per_element=s.bits_per_element(FORWARD),
         backward_bits_per_element=s.bits_per_element(BACKWARD),
-        wire_bytes=sum(s.wire_bytes.values()),
         uncompressed_bytes=s.uncompressed_bytes,
         finished=s.finished,
         replays=s.replays,
@@ -162,8 +161,6 @@ def training_stats(worker: StageWorker) -> pb.TrainingStats:
         stats.loss_first = s.losses[0][1]
     for step, loss, ids in s.outbox:
         stats.losses.add(step=step, loss=loss, sample_ids=ids)
-    if worker.last and s.step_times:  # the last stage sees the whole pipeline's backward rate
-        stats.backward_bits_per_element = s.bits_per_element(BACKWARD)
     return stats
 
 
@@ -220,7 +217,7 @@ class Progress:
         step, loss, _ = s.losses[-1]
         self.console.print(
             f"step {step + 1:>5}/{self.total}  loss {loss:.4f}  {s.tokens_per_s():8.0f} tok/s  "
-            f"gradients {s.bits_per_element(BACKWARD):.2f} bits/element  sent {sum(s.wire_bytes.values()) / 2**20:.1f} MB"
+            f"gradients {s.bits_per_element(BACKWARD):.2f} bits/element  encoded {sum(s.encoded_bytes.values()) / 2**20:.1f} MB"
         )
 
 
@@ -242,7 +239,9 @@ class Heartbeats:
         if self.worker is not None:
             sent = len(self.worker.stats.outbox)
             req.stats.CopyFrom(training_stats(self.worker))
-            for c in (self.t.counters(FORWARD), self.t.counters(BACKWARD)):
+            counters = (self.t.counters(FORWARD), self.t.counters(BACKWARD))
+            req.stats.wire_bytes = sum(c.bytes for c in counters)  # whole envelopes: labels and ids too
+            for c in counters:
                 if c.peer:
                     req.links.add(dst=c.peer, bytes=c.bytes, seconds=c.seconds)
         hb = await self.coord.heartbeat(req)

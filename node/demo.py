@@ -109,7 +109,8 @@ def main(args, run: RunConfig) -> int:
     started = time.monotonic()
     try:
         swarm.start("coordinator", ["coordinator", "--listen", f"127.0.0.1:{grpc_port}", "--http", f"127.0.0.1:{http_port}",
-                                    "--model", args.model, "--config", str(workdir / "run.toml"), "--token", token])
+                                    "--model", args.model, "--config", str(workdir / "run.toml"), "--token", token,
+                                    "--store", str(workdir / "store")])
         for stage in range(run.stages):
             swarm.start(f"stage{stage}", ["join", "--coordinator", f"127.0.0.1:{grpc_port}", "--stage", str(stage),
                                           "--listen", "127.0.0.1:0", "--node-id", f"demo-stage{stage}", "--token", token,

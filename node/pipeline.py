@@ -43,7 +43,7 @@ class PipelineError(RuntimeError):
 class Stats:
     """Counters every stage keeps; the last stage also has the losses."""
 
-    wire_bytes: dict = field(default_factory=lambda: {FORWARD: 0, BACKWARD: 0})
+    encoded_bytes: dict = field(default_factory=lambda: {FORWARD: 0, BACKWARD: 0})  # EncodedTensor messages
     elements: dict = field(default_factory=lambda: {FORWARD: 0, BACKWARD: 0})
     uncompressed_bytes: int = 0
     losses: list = field(default_factory=list)      # (step, mean loss, sample ids), committed steps
@@ -55,7 +55,7 @@ class Stats:
 
     def bits_per_element(self, direction: str) -> float:
         n = self.elements[direction]
-        return 8.0 * self.wire_bytes[direction] / n if n else 0.0
+        return 8.0 * self.encoded_bytes[direction] / n if n else 0.0
 
     def tokens_per_s(self, last: int = 10) -> float:
         times = self.step_times[-last:]
@@ -137,7 +137,7 @@ class StageWorker:
         gen = self.t.generation(direction)
         codec = self.fw_codec if direction == FORWARD else self.bw_codec
         msg = codec.encode(tensor.detach(), self._ctx(self.send_ctx, direction, gen, sample_ids))
-        self.stats.wire_bytes[direction] += msg.ByteSize()
+        self.stats.encoded_bytes[direction] += msg.ByteSize()
         self.stats.elements[direction] += tensor.numel()
         self.stats.uncompressed_bytes += tensor.numel() * tensor.element_size()
         return msg, gen
