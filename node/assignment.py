@@ -13,8 +13,9 @@ unknown one of the same nominal speed), and a bandwidth <= 0 makes the link unus
 
 Search. Up to `exact_limit` (12) candidate nodes: an exact branch and bound over every placement
 of the auto nodes into the open stages, seeded with the heuristic's chain as the bound, with a
-per-stage lower bound on what is still to come; then a second pass picks, among the chains with
-that optimal bottleneck, the first in node-id order. Beyond: a heuristic in the spirit of DT-FM
+per-stage lower bound on what is still to come; among the chains with that optimal bottleneck
+it then takes those whose slowest link is fastest (so a compute-bound pipeline still avoids a
+slow link), and of these the first in node-id order. Beyond: a heuristic in the spirit of DT-FM
 and Petals: build a chain greedily from every possible stage-0 node (each step takes the node
 with the cheapest incoming link + compute, looking one pinned stage ahead), then improve the best
 few chains by local search (swap two stages' nodes, or swap a chain node for a spare) under the
@@ -195,15 +196,19 @@ def _validate(p: AssignmentProblem) -> tuple[list[str | None], list[str]]:
 # -- exact search ---------------------------------------------------------------------------------
 
 def _exact(costs: _Costs, slots: list[str | None], auto: list[str], incumbent: list[str]) -> list[str]:
-    """The optimal chain, first in node-id order among equally good ones.
+    """The optimal chain: the smallest bottleneck; among those, the fastest slowest link (compute
+    may set the bottleneck, but a chain that also avoids a slow link stays fast when the traffic,
+    not the compute, turns out to limit it); then the first in node-id order.
 
     Branch and bound over stages 0..K-1, state (stage k, node on k, set of auto nodes used).
-    Pass 1 finds the optimal bottleneck: children best-first, anything not strictly better than
-    the best chain so far (initially the heuristic's) is cut, and so is a child whose lower bound
-    on the stages still open is not better. Since the best only decreases, a state whose subtree
-    held nothing better than the best can never help again: a table of such states bounds the
-    work by the number of states (<= 12 * 2^12), whatever the instance. Pass 2 walks the tree in
-    node-id order and returns the first chain within the optimum (failed states again tabled).
+    `optimum` finds the best bottleneck of a cost matrix: children best-first, anything not
+    strictly better than the best chain so far (initially the given bound) is cut, and so is a
+    child whose lower bound on the stages still open is not better. Since the best only
+    decreases, a state whose subtree held nothing better than the best can never help again: a
+    table of such states bounds the work by the number of states (<= 12 * 2^12), whatever the
+    instance. It runs twice: on the real costs (the bottleneck B), then on the links alone with
+    compute above B forbidden (the slowest link L). `first` walks the tree in node-id order and
+    returns the first chain within both (failed states again tabled).
     """
     K = len(slots)
     names = auto + [s for s in slots if s is not None]
@@ -216,56 +221,68 @@ def _exact(costs: _Costs, slots: list[str | None], auto: list[str], incumbent: l
     # possible incoming and outgoing links (over all nodes: still a valid bound).
     in_min = [min((link[m][n] for m in range(N) if m != n), default=0.0) for n in range(N)]
     out_min = [min((link[n][m] for m in range(N) if m != n), default=0.0) for n in range(N)]
-    stage_lb = [[max(comp[n][j], in_min[n] if j > 0 else 0.0, out_min[n] if j < K - 1 else 0.0)
-                 for j in range(K)] for n in range(N)]
-    lb_pinned = [0.0] * (K + 1)  # bound from the pinned stages after position k
-    for j in range(K - 1, -1, -1):
-        lb_pinned[j] = max(lb_pinned[j + 1], stage_lb[pin[j]][j] if pin[j] >= 0 else 0.0)
     open_after = [[j for j in range(k + 1, K) if pin[j] < 0] for k in range(K)]
 
-    def remaining_lb(k: int, used: int) -> float:
-        lb = lb_pinned[k + 1]
-        for j in open_after[k]:
-            lb = max(lb, min(stage_lb[n][j] for n in range(A) if not used >> n & 1))
-        return lb
+    def search(comp: list[list[float]]):
+        """(children, remaining_lb) of the tree under the compute costs `comp`."""
+        stage_lb = [[max(comp[n][j], in_min[n] if j > 0 else 0.0, out_min[n] if j < K - 1 else 0.0)
+                     for j in range(K)] for n in range(N)]
+        lb_pinned = [0.0] * (K + 1)  # bound from the pinned stages after position k
+        for j in range(K - 1, -1, -1):
+            lb_pinned[j] = max(lb_pinned[j + 1], stage_lb[pin[j]][j] if pin[j] >= 0 else 0.0)
 
-    def children(k: int, last: int, used: int, partial: float) -> list[tuple[float, int, int]]:
-        """(bottleneck so far, node, auto set) for every node that can take stage k."""
-        pool = (pin[k],) if pin[k] >= 0 else [n for n in range(A) if not used >> n & 1]
-        out = []
-        for n in pool:
-            v = max(partial, comp[n][k], link[last][n] if last >= 0 else 0.0)
-            out.append((v, n, used | (1 << n) if n < A else used))
-        return out
+        def remaining_lb(k: int, used: int) -> float:
+            lb = lb_pinned[k + 1]
+            for j in open_after[k]:
+                lb = max(lb, min(stage_lb[n][j] for n in range(A) if not used >> n & 1))
+            return lb
 
-    # Pass 1: the optimal bottleneck value.
-    best = [costs.bottleneck(incumbent)]
-    done: set[tuple[int, int, int]] = set()
+        def children(k: int, last: int, used: int, partial: float) -> list[tuple[float, int, int]]:
+            """(bottleneck so far, node, auto set) for every node that can take stage k."""
+            pool = (pin[k],) if pin[k] >= 0 else [n for n in range(A) if not used >> n & 1]
+            out = []
+            for n in pool:
+                v = max(partial, comp[n][k], link[last][n] if last >= 0 else 0.0)
+                out.append((v, n, used | (1 << n) if n < A else used))
+            return out
 
-    def improve(k: int, last: int, used: int, partial: float) -> None:
-        if k == K:
-            best[0] = partial
-            return
-        for v, n, u in sorted(children(k, last, used, partial)):
-            if v >= best[0]:
-                break
-            if (k, n, u) in done or remaining_lb(k, u) >= best[0]:
-                continue
-            improve(k + 1, n, u, v)
-            if best[0] > v:  # nothing below best[0] from here, whatever the prefix: table it
-                done.add((k, n, u))
+        return children, remaining_lb
 
-    improve(0, -1, 0, 0.0)
-    target = best[0]
+    def optimum(comp: list[list[float]], bound: float) -> float:
+        """The smallest bottleneck under `comp`, or `bound` if none is strictly smaller."""
+        children, remaining_lb = search(comp)
+        best = [bound]
+        done: set[tuple[int, int, int]] = set()
 
-    # Pass 2: the first chain in node-id order whose bottleneck is within the optimum.
+        def improve(k: int, last: int, used: int, partial: float) -> None:
+            if k == K:
+                best[0] = partial
+                return
+            for v, n, u in sorted(children(k, last, used, partial)):
+                if v >= best[0]:
+                    break
+                if (k, n, u) in done or remaining_lb(k, u) >= best[0]:
+                    continue
+                improve(k + 1, n, u, v)
+                if best[0] > v:  # nothing below best[0] from here, whatever the prefix: table it
+                    done.add((k, n, u))
+
+        improve(0, -1, 0, 0.0)
+        return best[0]
+
+    bottleneck = optimum(comp, costs.bottleneck(incumbent))
+    allowed = [[0.0 if c <= bottleneck else math.inf for c in row] for row in comp]
+    slowest_link = optimum(allowed, bottleneck)
+
+    # The first chain in node-id order within both optima.
+    children, remaining_lb = search(allowed)
     failed: set[tuple[int, int, int]] = set()
 
     def first(k: int, last: int, used: int, partial: float) -> list[int] | None:
         if k == K:
             return []
         for v, n, u in children(k, last, used, partial):
-            if v > target or (k, n, u) in failed or remaining_lb(k, u) > target:
+            if v > slowest_link or (k, n, u) in failed or remaining_lb(k, u) > slowest_link:
                 continue
             rest = first(k + 1, n, u, v)
             if rest is not None:
