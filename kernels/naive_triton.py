@@ -3,10 +3,12 @@ naive_ref byte for byte.
 
 encode(x (..., C), params) -> (uint8 payload, e)     decode(payload, shape, params, e, dtype) -> (shape)
 
-The per-channel absmax is a torch reduction; quantize + bit-plane pack and unpack + dequantize are
-one kernel each over blocks of consecutive codes (the planes of the whole code array, row-major,
-as bitpack.pack_bits lays them out). The scales and their shared exponent come from the spec's own
-quant_ref.absmax_scales, applied to the (1, C) absmax."""
+Encode is three kernels and one synchronization (e travels in the header, so the host must read
+it): the absmax of blocks of tokens per channel, the per-channel absmax / qmax and their maximum
+(whose power of two is e), then quantize + bit-plane pack over blocks of consecutive codes (the
+planes of the whole code array, row-major, as bitpack.pack_bits lays them out), which also
+writes the fp16 scales. The scale arithmetic is quant_ref.absmax_scales', op for op. Decode is
+one kernel (unpack + dequantize + checks) and a reduction of its error flags."""
 
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ import triton.language as tl
 
 from .bitpack import packed_nbytes, padded_count, plane_widths
 from .naive_ref import NaiveParams, sections
-from .quant_ref import absmax_scales, check_finite
+from .quant_ref import check_finite
 from .triton_util import on_device, round_half_even, to_bf16_rne
 from .wire import CodecError
 
@@ -45,17 +47,81 @@ def _load_plane(q, codes_ptr, i, in_pad, n_pad, W: tl.constexpr, SHIFT: tl.const
 
 
 @triton.jit
+def _colmax_kernel(x_ptr, stride_x, n_rows, n_chan, part_ptr, badp_ptr, status_ptr, TB: tl.constexpr, CB: tl.constexpr):
+    """Program (b, c): the absmax of channels [c*CB, +CB) over rows [b*TB, +TB) -> part[b, :] (the
+    non-finite values counted as 0) and badp[b, c] = 1 if any value is NaN/Inf. Program (0, 0)
+    clears the status words."""
+    pb = tl.program_id(0)
+    cb = tl.program_id(1)
+    if (pb == 0) & (cb == 0):
+        tl.store(status_ptr + tl.arange(0, 4), tl.zeros([4], dtype=tl.int32))
+    r = pb * TB + tl.arange(0, TB)
+    c = cb * CB + tl.arange(0, CB)
+    m = (r < n_rows)[:, None] & (c < n_chan)[None, :]
+    a = tl.abs(tl.load(x_ptr + r.to(tl.int64)[:, None] * stride_x + c[None, :], mask=m, other=0.0).to(tl.float32))
+    bad = (a != a) | (a == float("inf"))
+    tl.store(part_ptr + pb.to(tl.int64) * n_chan + c, tl.max(tl.where(bad, 0.0, a), axis=0), mask=c < n_chan)
+    tl.store(badp_ptr + pb * tl.num_programs(1) + cb, tl.max(tl.max(bad.to(tl.int32), axis=1), axis=0).to(tl.uint8))
+
+
+@triton.jit
+def _ratio_kernel(part_ptr, badp_ptr, n_part, n_chan, ratio_ptr, status_ptr, QMAX: tl.constexpr, CB: tl.constexpr, PB: tl.constexpr):
+    """Program c: ratio = absmax / qmax (fp32) of channels [c*CB, +CB) from the n_part partial
+    maxima; the largest ratio's bit pattern is max-ed into status[1] (ratios >= 0 order like their
+    bits) and a non-finite input sets status[0] bit 0."""
+    cb = tl.program_id(0)
+    c = cb * CB + tl.arange(0, CB)
+    p = tl.arange(0, PB)
+    amax = tl.zeros([CB], dtype=tl.float32)
+    bad = tl.zeros([PB], dtype=tl.int32)
+    for s in range(0, n_part, PB):
+        pm = (s + p) < n_part
+        part = tl.load(part_ptr + (s + p).to(tl.int64)[:, None] * n_chan + c[None, :], mask=pm[:, None] & (c < n_chan)[None, :], other=0.0)
+        amax = tl.maximum(amax, tl.max(part, axis=0))
+        bad |= tl.load(badp_ptr + (s + p) * tl.num_programs(0) + cb, mask=pm, other=0).to(tl.int32)
+    ratio = tl.math.div_rn(amax, tl.full([CB], QMAX, tl.float32))
+    tl.store(ratio_ptr + c, ratio, mask=c < n_chan)
+    tl.atomic_max(status_ptr + 1, tl.max(ratio.to(tl.int32, bitcast=True), axis=0))
+    if tl.max(bad, axis=0) > 0:
+        tl.atomic_or(status_ptr, 1)
+
+
+@triton.jit
+def _exponent(peak_bits):
+    """quant_ref.pow2_exponent of the fp32 value with these bits (>= 0, finite): e with
+    peak * 2**-e in [2**14, 2**15), 0 for 0, clamped to [-126, 126]."""
+    be = (peak_bits >> 23) & 0xFF
+    mant = peak_bits & 0x7FFFFF
+    sub = (mant.to(tl.float32).to(tl.int32, bitcast=True) >> 23) - 275  # frexp exponent of a subnormal
+    frexp_e = tl.where(be == 0, sub, be - 126)
+    return tl.where(peak_bits == 0, 0, tl.minimum(tl.maximum(frexp_e - 15, -126), 126))
+
+
+@triton.jit
+def _pow2(e):
+    """2.0**e in fp32 for e in [-126, 127], built from its bits (exact)."""
+    return ((e + 127) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _naive_encode_kernel(
-    x_ptr, scale_ptr, pow2, out_ptr, n, n_pad, n_chan,
+    x_ptr, ratio_ptr, status_ptr, scale_ptr, out_ptr, n, n_pad, n_chan,
     QMAX: tl.constexpr, BLOCK: tl.constexpr, S8: tl.constexpr, S4: tl.constexpr, S2: tl.constexpr, S1: tl.constexpr,
 ):
     """Codes q + QMAX of x (flat, n values) for elements [pid*BLOCK, +BLOCK), zero past n, stored
-    into each plane of the payload; S<w> = the bit offset of the width-w plane, -1 if absent."""
+    into each plane of the payload; S<w> = the bit offset of the width-w plane, -1 if absent. The
+    channel scales are fp16(ratio * 2**-e), e from the largest ratio (status[1]); this program
+    also stores the scales of channels [pid*BLOCK, +BLOCK), and program 0 stores e in status[2]
+    and sets status[0] bit 1 if a scale overflowed fp16."""
     pid = tl.program_id(0)
+    e = _exponent(tl.load(status_ptr + 1))
+    inv = _pow2(-e)
+    pow2 = _pow2(e)
     i = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     inside = i < n
     x = tl.load(x_ptr + i, mask=inside, other=0.0).to(tl.float32)
-    s = tl.load(scale_ptr + i % n_chan, mask=inside, other=0.0).to(tl.float32) * pow2
+    s16 = (tl.load(ratio_ptr + i % n_chan, mask=inside, other=0.0) * inv).to(tl.float16)
+    s = s16.to(tl.float32) * pow2
     pos = s > 0
     u = tl.where(pos, tl.math.div_rn(x, tl.where(pos, s, 1.0)), 0.0)
     u = tl.minimum(tl.maximum(u, -QMAX), QMAX)
@@ -70,6 +136,13 @@ def _naive_encode_kernel(
         _store_plane(out_ptr, q, pid, n_pad, BLOCK, 2, S2)
     if S1 >= 0:
         _store_plane(out_ptr, q, pid, n_pad, BLOCK, 1, S1)
+    c = pid * BLOCK + tl.arange(0, BLOCK)
+    cs16 = (tl.load(ratio_ptr + c, mask=c < n_chan, other=0.0) * inv).to(tl.float16)
+    tl.store(scale_ptr + c, cs16, mask=c < n_chan)
+    if tl.max(((cs16 == float("inf")) & (c < n_chan)).to(tl.int32), axis=0) > 0:
+        tl.atomic_or(status_ptr, 2)
+    if pid == 0:
+        tl.store(status_ptr + 2, e)
 
 
 @triton.jit
@@ -78,8 +151,9 @@ def _naive_decode_kernel(
     QMAX: tl.constexpr, BLOCK: tl.constexpr, S8: tl.constexpr, S4: tl.constexpr, S2: tl.constexpr, S1: tl.constexpr,
     OUT_BF16: tl.constexpr,
 ):
-    """x = (code - QMAX) * scale for elements [pid*BLOCK, +BLOCK); bad[pid] = 1 if a code exceeds
-    2*QMAX or a padding code is not zero."""
+    """x = (code - QMAX) * scale for elements [pid*BLOCK, +BLOCK); bad[pid] = 2 if a scale of its
+    elements is negative or non-finite, else 1 if a code exceeds 2*QMAX or a padding code is not
+    zero, else 0 (the reference checks the scales first: the largest flag names the error)."""
     pid = tl.program_id(0)
     i = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     in_pad = i < n_pad
@@ -93,18 +167,24 @@ def _naive_decode_kernel(
         q = _load_plane(q, codes_ptr, i, in_pad, n_pad, 2, S2)
     if S1 >= 0:
         q = _load_plane(q, codes_ptr, i, in_pad, n_pad, 1, S1)
-    bad = tl.where(inside, q > 2 * QMAX, q != 0) & in_pad
-    tl.store(bad_ptr + pid, tl.max(bad.to(tl.int32), axis=0).to(tl.uint8))
-    s = tl.load(scale_ptr + i % n_chan, mask=inside, other=0.0).to(tl.float32) * pow2
-    y = (q.to(tl.float32) - QMAX) * s
+    bad_code = tl.where(inside, q > 2 * QMAX, q != 0) & in_pad
+    s16 = tl.load(scale_ptr + i % n_chan, mask=inside, other=0.0).to(tl.float32)
+    bad_scale = inside & ((s16 != s16) | (s16 == float("inf")) | (s16 < 0))
+    bad = tl.where(bad_scale, 2, bad_code.to(tl.int32))
+    tl.store(bad_ptr + pid, tl.max(bad, axis=0).to(tl.uint8))
+    y = (q.to(tl.float32) - QMAX) * (s16 * pow2)
     if OUT_BF16:
         tl.store(out_ptr + i, to_bf16_rne(y), mask=inside)
     else:
         tl.store(out_ptr + i, y.to(out_ptr.dtype.element_ty), mask=inside)
 
 
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
 def _block() -> int:
-    return 65536 if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0") else 4096
+    return 65536 if _interpreting() else 4096
 
 
 def _constexprs(params: NaiveParams) -> dict:
@@ -129,19 +209,34 @@ def _encode(x: torch.Tensor, params: NaiveParams) -> tuple[torch.Tensor, int]:
         raise CodecError(f"naive: cannot encode an empty tensor (shape {list(x.shape)})")
     c = x.shape[-1]
     x2 = x.detach().reshape(-1, c)
-    xf = x2.reshape(-1) if x2.is_contiguous() else x2.contiguous().reshape(-1)
-    absmax = torch.linalg.vector_norm(x2, ord=float("inf"), dim=0).float()  # NaN/Inf propagate
-    if not bool(torch.isfinite(absmax).all()):
-        check_finite(x, "naive")  # raises with the reference's message
-    scale16, e = absmax_scales(absmax[None, :], params.qmax, "naive")  # the spec's scales and exponent
-    n = x.numel()
+    if x2.stride(1) != 1 or x2.stride(0) != c:
+        x2 = x2.contiguous()
+    n_rows, n = x2.shape[0], x.numel()
     n_pad = padded_count(n)
-    out = torch.empty(2 * c + packed_nbytes(n, params.bits), dtype=torch.uint8, device=x.device)
-    out[: 2 * c] = scale16.view(torch.uint8)
+    dev = x.device
+    if _interpreting():  # its cost is per program: few, large blocks
+        cb = min(triton.next_power_of_2(c), 1024)
+        tb = min(triton.next_power_of_2(n_rows), max(16, 262144 // cb))
+    else:
+        tb, cb = 64, 256
+    grid = (triton.cdiv(n_rows, tb), triton.cdiv(c, cb))
+    part = torch.empty(grid[0], c, dtype=torch.float32, device=dev)
+    badp = torch.empty(grid, dtype=torch.uint8, device=dev)
+    ratio = torch.empty(c, dtype=torch.float32, device=dev)
+    status = torch.empty(4, dtype=torch.int32, device=dev)  # bad input / scale overflow bits, max ratio bits, e
+    out = torch.empty(2 * c + packed_nbytes(n, params.bits), dtype=torch.uint8, device=dev)
+    _colmax_kernel[grid](x2, x2.stride(0), n_rows, c, part, badp, status, TB=tb, CB=cb)
+    _ratio_kernel[(grid[1],)](part, badp, grid[0], c, ratio, status, QMAX=params.qmax, CB=cb, PB=16)
     block = _block()
     _naive_encode_kernel[(triton.cdiv(n_pad, block),)](
-        xf, scale16, 2.0**e, out[2 * c :], n, n_pad, c, BLOCK=block, **_constexprs(params)
+        x2.reshape(-1), ratio, status, out[: 2 * c].view(torch.float16), out[2 * c :], n, n_pad, c, BLOCK=block,
+        **_constexprs(params),
     )
+    bad, _, e = status.tolist()[:3]  # the one synchronization
+    if bad & 1:
+        check_finite(x, "naive")  # raises with the reference's message
+    if bad & 2:
+        raise CodecError("naive: per-channel scale overflowed fp16")
     return out, e
 
 
@@ -164,11 +259,9 @@ def _decode(payload: torch.Tensor, shape, params: NaiveParams, e: int, dtype: to
     _naive_decode_kernel[(grid,)](
         codes, scale16, 2.0**e, out, bad, n, n_pad, c, BLOCK=block, OUT_BF16=dtype == torch.bfloat16, **_constexprs(params)
     )
-    scale_ok, codes_ok = torch.stack(
-        [(torch.isfinite(scale16).all() & (scale16 >= 0).all()), ~bad.bool().any()]
-    ).tolist()
-    if not scale_ok:
+    worst = int(bad.max())  # the one synchronization
+    if worst == 2:
         raise CodecError("naive payload is corrupt: negative or non-finite scale")
-    if not codes_ok:
+    if worst == 1:
         raise CodecError("naive payload is corrupt: code out of range or non-zero padding")
     return out.reshape(shape)

@@ -27,11 +27,26 @@ def _cases():
     from tahnode.kernels.tahquant_ref import Layout, TahQuantParams
 
     out = []
-    for dt, seg, block in (("bf16", 4096, 2048), ("fp32", 64, 64), ("fp16", 1600, 2048)):
-        rows, block = tq._entropy_blocks(seg)
-        sig = dict(x_ptr=PTR[dt], stride_x="i32", out_ptr="*fp32", n_entries="i32", n_seg="i32", seg_len="i32", n_chan="i32",
-                   ROWS="constexpr", BLOCK="constexpr", NCHUNK="constexpr")
-        out.append((f"entropy {dt} seg={seg}", tq._entropy_kernel, sig, dict(ROWS=rows, BLOCK=block, NCHUNK=triton.cdiv(seg, block))))
+    for dt, seg, g in (("bf16", 4096, 64), ("fp32", 64, 64), ("fp16", 1600, 128), ("bf16", 40, 64), ("fp32", 8, 8)):
+        rows, block = tq._stats_blocks(seg, g)
+        sig = dict(x_ptr=PTR[dt], stride_x="i32", ent_ptr="*fp32", flag_ptr="*u8", piv_ptr="*u8", status_ptr="*i32",
+                   n_entries="i32", n_seg="i32", seg_len="i32", n_chan="i32", n_tpt="i32", tau="fp32",
+                   G="constexpr", ROWS="constexpr", BLOCK="constexpr", NCHUNK="constexpr")
+        const = dict(G=g, ROWS=rows, BLOCK=block, NCHUNK=triton.cdiv(seg, block))
+        out.append((f"stats {dt} seg={seg} G={g}", tq._stats_kernel, sig, const))
+
+    for sb in (64, 2048, 8192):
+        sig = dict(ent_ptr="*fp32", seq_len="i32", n_low="i32", slack2="fp64", n_slots="i32", thr_ptr="*fp64",
+                   cnt_ptr="*i32", cand_i_ptr="*i32", status_ptr="*i32", SB="constexpr", NSLOT="constexpr")
+        out.append((f"cut SB={sb}", tq._cut_kernel, sig, dict(SB=sb, NSLOT=tq.NSLOT)))
+        sig = dict(ent_ptr="*fp32", thr_ptr="*fp64", cnt_ptr="*i32", cand_e_ptr="*fp64", cand_i_ptr="*i32", low_ptr="*u8",
+                   off_ptr="*i64", seq_len="i32", n_low="i32", n_slots="i32", seq_bytes="i64", tok_bytes="i32",
+                   diff_bytes="i32", SB="constexpr", NSLOT="constexpr")
+        out.append((f"alloc SB={sb}", tq._alloc_kernel, sig, dict(SB=sb, NSLOT=tq.NSLOT)))
+    for dt in ("bf16", "fp32"):
+        sig = dict(x_ptr=PTR[dt], stride_x="i32", seq_len="i32", n_chan="i32", cnt_ptr="*i32", cand_e_ptr="*fp64",
+                   cand_i_ptr="*i32", NSLOT="constexpr", CB="constexpr", NCB="constexpr")
+        out.append((f"refine {dt}", tq._refine_kernel, sig, dict(NSLOT=tq.NSLOT, CB=1024, NCB=4)))
 
     configs = [
         ("bf16", TahQuantParams()),
@@ -46,19 +61,37 @@ def _cases():
         cx, _ = tq._launch_config(p, Layout.of((2, 64, 4096), p.group_size))
         assert cx["TC"] == 1, "compile the GPU launch configuration"
         const = {k: v for k, v in cx.items()}
-        sig = dict(x_ptr=PTR[dt], stride_x="i32", n_tokens="i32", n_chan="i32", n_tpt="i32", low_ptr="*u8", off_ptr="*i64",
-                   codes_ptr="*u8", zero_ptr="*fp16", scale_ptr="*fp16", piv_ptr="*u8", stat_ptr="*u8", tau="fp32")
+        sig = dict(x_ptr=PTR[dt], stride_x="i32", n_tokens="i32", n_chan="i32", n_tpt="i32", flag_ptr="*u8", piv_ptr="*u8",
+                   cum_ptr="*i32", low_ptr="*u8", off_ptr="*i64", codes_ptr="*u8", n_codes="i64", zero_ptr="*fp16",
+                   scale_ptr="*fp16", compact_ptr="*u8", status_ptr="*i32")
         sig.update({k: "constexpr" for k in const})
         out.append((f"tahquant encode {dt} {p}", tq._encode_kernel, sig, const))
-        sig = dict(codes_ptr="*u8", off_ptr="*i64", alloc_ptr="*u8", flag_ptr="*u8", piv_ptr="*u8", zero_ptr="*fp16",
-                   scale_ptr="*fp16", out_ptr=PTR[dt], stride_out="i32", n_tokens="i32", n_chan="i32", n_tpt="i32")
-        dconst = dict(const, OUT_BF16=dt == "bf16")
+        planes = tq._pivot_planes(p)
+        sig = dict(out_ptr="*u8", low_ptr="*u8", flag_ptr="*u8", zs_ptr="*u8", compact_ptr="*u8", cum_ptr="*i32",
+                   status_ptr="*i32", n_alloc="i32", nt="i32", bm_a="i32", bm_f="i32", head="i32", piv_max="i32")
+        aconst = dict(planes, BLK=2048)
+        sig.update({k: "constexpr" for k in aconst})
+        out.append((f"tahquant assemble {p}", tq._assemble_kernel, sig, aconst))
+        sig = dict(pay_ptr="*u8", n_pay="i64", cum_ptr="*i32", status_ptr="*i32", out_ptr=PTR[dt], stride_out="i32",
+                   n_tokens="i32", n_chan="i32", n_tpt="i32", nt="i32", bm_a="i32", bm_f="i32", head="i32")
+        dconst = dict(const, OUT_BF16=dt == "bf16", **planes)
         sig.update({k: "constexpr" for k in dconst})
         out.append((f"tahquant decode {dt} {p}", tq._decode_kernel, sig, dconst))
+    sig = dict(pay_ptr="*u8", pc_ptr="*i32", status_ptr="*i32", n_bytes="i32", bm_a="i32", n_alloc="i32", nt="i32", BLK="constexpr")
+    out.append(("tahquant bitcount", tq._bitcount_kernel, sig, dict(BLK=2048)))
 
+    for dt in ("bf16", "fp32"):
+        sig = dict(x_ptr=PTR[dt], stride_x="i32", n_rows="i32", n_chan="i32", part_ptr="*fp32", badp_ptr="*u8",
+                   status_ptr="*i32", TB="constexpr", CB="constexpr")
+        out.append((f"naive colmax {dt}", nt._colmax_kernel, sig, dict(TB=64, CB=256)))
+    for bits in (6, 8):
+        sig = dict(part_ptr="*fp32", badp_ptr="*u8", n_part="i32", n_chan="i32", ratio_ptr="*fp32", status_ptr="*i32",
+                   QMAX="constexpr", CB="constexpr", PB="constexpr")
+        out.append((f"naive ratio bits={bits}", nt._ratio_kernel, sig, dict(QMAX=NaiveParams(bits).qmax, CB=256, PB=16)))
     for dt, bits in (("bf16", 6), ("fp32", 7), ("fp16", 8)):  # planes 4+2, 4+2+1, 8
         const = dict(BLOCK=4096, **nt._constexprs(NaiveParams(bits)))
-        sig = dict(x_ptr=PTR[dt], scale_ptr="*fp16", pow2="fp32", out_ptr="*u8", n="i64", n_pad="i64", n_chan="i32")
+        sig = dict(x_ptr=PTR[dt], ratio_ptr="*fp32", status_ptr="*i32", scale_ptr="*fp16", out_ptr="*u8", n="i64",
+                   n_pad="i64", n_chan="i32")
         sig.update({k: "constexpr" for k in const})
         out.append((f"naive encode {dt} bits={bits}", nt._naive_encode_kernel, sig, const))
         dconst = dict(const, OUT_BF16=dt == "bf16")

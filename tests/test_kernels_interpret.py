@@ -183,6 +183,77 @@ def test_tahquant_gpu_launch_configuration(monkeypatch):
     run_case(activations((1, 20, 320), F32, seed=4), P(group_size=128, alloc=1))
 
 
+# torch ops that only allocate or make views: no kernel runs for them on a GPU
+_NO_KERNEL = {"empty", "empty_strided", "view", "_unsafe_view", "slice", "as_strided", "alias", "detach", "lift_fresh",
+              "_reshape_alias", "select", "expand", "t", "transpose", "unsqueeze", "squeeze", "permute", "reshape",
+              "_to_copy", "copy_", "_local_scalar_dense"}  # the last three: the one read back to the host
+
+
+def launches(module, fn):
+    """(the module's kernels launched by fn(), torch ops that run a kernel outside those launches,
+    fn's result): wraps every `*_kernel` of the module and watches torch's dispatcher (the
+    interpreter's own tensor copies inside a launch do not count)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    launched, ops, inside = [], [], [False]
+
+    class Counted:
+        def __init__(self, name, kernel):
+            self.name, self.kernel = name, kernel
+
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                launched.append(self.name)
+                inside[0] = True
+                try:
+                    return self.kernel[grid](*args, **kwargs)
+                finally:
+                    inside[0] = False
+            return launch
+
+    class Ops(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = func.overloadpacket.__name__
+            if not inside[0] and name not in _NO_KERNEL:
+                ops.append(name)
+            return func(*args, **(kwargs or {}))
+
+    mp = pytest.MonkeyPatch()
+    try:
+        for name in [n for n in vars(module) if n.endswith("_kernel")]:
+            mp.setattr(module, name, Counted(name, getattr(module, name)))
+        with Ops():
+            result = fn()
+    finally:
+        mp.undo()
+    return launched, ops, result
+
+
+def test_kernel_paths_are_a_few_launches():
+    """The GPU paths are a few launches, because launch overhead (not bytes) would dominate
+    otherwise (design.md section 4): tahquant encode = six kernels and one torch scan, decode = two
+    kernels and one scan; naive encode = three kernels, decode = one kernel, the reference's copy of
+    the scales and one reduction of the error flags."""
+    x = activations((2, 64, 256), BF16, seed=13).to(DEVICE)
+    shape, p = tuple(x.shape), P()
+    kernels, ops, payload = launches(tahquant_triton, lambda: tahquant_triton.encode(x, p))
+    assert kernels == ["_stats_kernel", "_cut_kernel", "_refine_kernel", "_alloc_kernel", "_encode_kernel", "_assemble_kernel"]
+    assert ops == ["cumsum"]
+    kernels, ops, y = launches(tahquant_triton, lambda: tahquant_triton.decode(payload, shape, p, BF16))
+    assert kernels == ["_bitcount_kernel", "_decode_kernel"] and ops == ["cumsum"]
+    check_payload(payload, tahquant_ref.encode(x.cpu(), p), shape, p)
+    check_decode(y, tahquant_ref.decode(payload.cpu(), shape, p, BF16), payload, shape, p)
+
+    nv = naive_ref.NaiveParams()
+    kernels, ops, (pk, e) = launches(naive_triton, lambda: naive_triton.encode(x, nv))
+    assert kernels == ["_colmax_kernel", "_ratio_kernel", "_naive_encode_kernel"] and ops == []
+    kernels, ops, y = launches(naive_triton, lambda: naive_triton.decode(pk, shape, nv, e, BF16))
+    assert kernels == ["_naive_decode_kernel"] and ops == ["clone", "max"]
+    pr, er = naive_ref.encode(x.cpu(), nv)
+    assert e == er and torch.equal(pk.cpu(), pr)
+    assert torch.equal(y.cpu(), naive_ref.decode(pr, shape, nv, er, BF16))
+
+
 def test_tahquant_noncontiguous_input():
     x = activations((37, 2, 96), F16, seed=5).transpose(0, 1)
     assert not x.is_contiguous()
@@ -212,9 +283,14 @@ def _near_tie_tokens(n_tokens, n_close, seed):
     return x[None]
 
 
-def test_tahquant_allocation_window_and_fallback(monkeypatch):
-    """A cluster of near-equal entropies at the cut is re-ranked in float64 inside the window; a
-    cluster wider than the window makes encode rank everything exactly. Both give the reference's bytes."""
+@pytest.mark.parametrize("path", ["kernels", "torch"])
+def test_tahquant_allocation_near_ties_and_fallback(monkeypatch, path):
+    """A cluster of near-equal entropies at the cut is settled in float64: by the refine kernel
+    (sequences of up to SEQ_MAX tokens) or inside rank_low's window (longer ones, here forced). A
+    cluster larger than NSLOT, or than the window, makes encode rank everything exactly. Every way
+    gives the reference's bytes."""
+    if path == "torch":
+        monkeypatch.setattr(tahquant_triton, "SEQ_MAX", 0)
     calls = []
     real = tahquant_triton._exact_allocation
     monkeypatch.setattr(tahquant_triton, "_exact_allocation", lambda *a: calls.append(1) or real(*a))
@@ -222,6 +298,45 @@ def test_tahquant_allocation_window_and_fallback(monkeypatch):
     assert calls == []
     run_case(_near_tie_tokens(1000, 400, seed=8), P())
     assert calls == [1]
+
+
+def _cluster_at_cut(n_tokens, n_low, width, seed):
+    """(n_tokens, 32) tokens with spread-out entropies, except that ranks [n_low - width // 2,
+    n_low + width // 2] hold scaled copies of the token of rank n_low - 1 (entropies equal up to
+    rounding): the INT3/INT4 cut runs through the cluster."""
+    gen = torch.Generator().manual_seed(seed)
+    sharp = torch.linspace(0.2, 3.0, n_tokens)[:, None]
+    x = torch.randn(n_tokens, 32, generator=gen) * torch.exp(sharp * torch.randn(n_tokens, 32, generator=gen))
+    order = torch.argsort(tahquant_ref.token_entropy(x))
+    pivot = order[n_low - 1]
+    victims = order[n_low - width // 2 : n_low + width // 2 + 1]
+    victims = victims[victims != pivot]
+    x[victims] = x[pivot] * (1.0 + 1e-3 * torch.arange(1, len(victims) + 1, dtype=torch.float32))[:, None]
+    return x
+
+
+def test_kernel_allocation_settles_uncertain_tokens():
+    """The cut kernel's uncertain tokens (fp32 entropies within twice the error bound of the cut)
+    are there, fewer than NSLOT, and the refine and alloc kernels rank them like the reference."""
+    n_low = 300 - round(0.8 * 300)
+    for seed in range(4):
+        x = torch.stack([_cluster_at_cut(300, n_low, 4 + 6 * seed, seed=20 + 2 * seed + q) for q in range(2)])
+        lay, p = Layout.of(tuple(x.shape), 64), P()
+        x2 = x.reshape(lay.tokens, lay.channels).to(DEVICE)
+        status = torch.zeros(4, dtype=torch.int32, device=DEVICE)
+        e32, _, _ = tahquant_triton._stats(x2, lay, p, status)
+        low, off = tahquant_triton._kernel_allocation(x2, lay, p, e32, n_low, status)
+        expected = tahquant_ref.low_bit_mask(tahquant_ref.token_entropy(x), 0.8)
+        assert int(status[0]) & 4 == 0
+        assert torch.equal(low.cpu().bool().reshape(2, 300), expected), seed
+        # the cluster sits at the cut: the fp32 entropies leave the side of several tokens uncertain
+        e = e32.cpu().double().reshape(2, 300)
+        cut = e.sort(-1).values[:, n_low - 1 : n_low + 1]
+        slack = tahquant_triton.entropy_slack(32)
+        uncertain = (e >= cut[:, 1:] - 2 * slack) & (e <= cut[:, :1] + 2 * slack)
+        assert (uncertain.sum(-1) >= 3).all(), uncertain.sum(-1)
+        sizes = torch.where(low.cpu().bool(), 3, 4).long() * 64 // 8  # one tile of 64 (32 channels, padded)
+        assert torch.equal(off.cpu(), torch.cumsum(sizes, 0) - sizes)
 
 
 def test_rank_low_matches_low_bit_mask():
@@ -327,6 +442,8 @@ def test_naive_matches_reference(bits):
         x[..., 0] = 0.0
         if bits == 6:
             x = x * 1e-8  # tiny gradients: the shared exponent
+        if bits == 7 and dtype == F32:
+            x = x * 1e-40  # subnormal float32: the exponent of a subnormal peak, clamped at -126
         pk, ek = naive_triton.encode(x.to(DEVICE), p)
         pr, er = naive_ref.encode(x, p)
         assert ek == er and torch.equal(pk.cpu(), pr), (shape, dtype)
@@ -335,6 +452,7 @@ def test_naive_matches_reference(bits):
 
 
 def test_naive_gpu_block_and_errors(monkeypatch):
+    monkeypatch.setattr(naive_triton, "_interpreting", lambda: False)  # the GPU's block shapes
     monkeypatch.setattr(naive_triton, "_block", lambda: 4096)
     p = naive_ref.NaiveParams(6)
     x = torch.randn(3, 999, 7)  # 20979 codes: 5 padding codes
