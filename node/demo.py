@@ -97,6 +97,10 @@ class Swarm:
         return "\n".join(text[-lines:])
 
 
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
+
+
 def main(args, run: RunConfig) -> int:
     console = Console(stderr=True, highlight=False)
     workdir = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="tahnode-demo-"))
@@ -107,6 +111,9 @@ def main(args, run: RunConfig) -> int:
     token = f"demo-{os.getpid()}"
     swarm = Swarm(workdir)
     started = time.monotonic()
+    # the daemons run in sessions of their own: `kill`, a closed terminal or `timeout` must stop them too
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, _interrupt)
     try:
         swarm.start("coordinator", ["coordinator", "--listen", f"127.0.0.1:{grpc_port}", "--http", f"127.0.0.1:{http_port}",
                                     "--model", args.model, "--config", str(workdir / "run.toml"), "--token", token,

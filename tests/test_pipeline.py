@@ -3,7 +3,11 @@ real gRPC, checked against single-process training and across codecs, restarts a
 
 from __future__ import annotations
 
+import os
 import signal
+import subprocess
+import sys
+import time
 
 import grpc
 import pytest
@@ -134,9 +138,6 @@ def test_bad_peers_get_clear_errors_and_the_daemon_keeps_serving(swarm):
 def test_demo_runs_the_whole_swarm_and_prints_a_json_summary(tmp_path, cache):
     """`tahnode demo` as `make demo` runs it (fewer steps): real processes, a summary on the last line."""
     import json
-    import os
-    import subprocess
-    import sys
 
     env = {**os.environ, "TAHNODE_CACHE": str(cache)}
     r = subprocess.run([sys.executable, "-m", "tahnode.cli", "demo", "--steps", "8", "--json", "--http-port", "0",
@@ -150,3 +151,53 @@ def test_demo_runs_the_whole_swarm_and_prints_a_json_summary(tmp_path, cache):
     assert "status page: http://127.0.0.1:" in r.stderr
     assert sorted(p.name for p in (tmp_path / "demo" / "checkpoints").iterdir()) == [
         "stage0-of3-step8.safetensors", "stage1-of3-step8.safetensors", "stage2-of3-step8.safetensors"]
+
+
+def _processes_with(marker: str) -> list[int]:
+    """Pids of the processes whose command line holds `marker`."""
+    pids = []
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/cmdline", "rb") as f:
+                    if marker.encode() in f.read():
+                        pids.append(int(d))
+            except OSError:
+                pass
+    return pids
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
+def test_demo_stops_every_process_on_ctrl_c_and_sigterm(tmp_path, cache, sig):
+    """The daemons run in sessions of their own; Ctrl-C (SIGINT) or SIGTERM to `tahnode demo` stops
+    them all, each stage saving its checkpoint, and the demo exits with 130."""
+    from swarm import free_port
+    from tahnode.demo import fetch_state
+
+    port = free_port()
+    env = {**os.environ, "TAHNODE_CACHE": str(cache)}
+    proc = subprocess.Popen([sys.executable, "-m", "tahnode.cli", "demo", "--steps", "1000", "--http-port", str(port),
+                             "--workdir", str(tmp_path / "demo")], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=env, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    marker = f"demo-{proc.pid}"  # the swarm token, on every daemon's command line
+    try:
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline:
+            state = fetch_state(port)
+            if state and state["training"]["step"] >= 2:
+                break
+            assert proc.poll() is None, proc.communicate()
+            time.sleep(0.5)
+        else:
+            pytest.fail("the demo did not reach step 2")
+        assert len(_processes_with(marker)) == 4  # coordinator + 3 stages
+        proc.send_signal(sig)
+        _, err = proc.communicate(timeout=90)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, err
+    assert "interrupted: stopping the swarm" in err
+    assert _processes_with(marker) == []
+    saved = sorted(p.name for p in (tmp_path / "demo" / "checkpoints").iterdir())
+    assert [n.split("-step")[0] for n in saved] == ["stage0-of3", "stage1-of3", "stage2-of3"], saved
