@@ -178,6 +178,22 @@ def _load_pivot(v, pay_ptr, n_pay, piv0, k, n_pad, mask, W: tl.constexpr, SHIFT:
     return v | (((b >> ((k % PER) * W)) & ((1 << W) - 1)) << SHIFT)
 
 
+@triton.jit
+def _load_pivots(pay_ptr, n_pay, piv0, k, n_pad, mask, P8: tl.constexpr, P4: tl.constexpr, P2: tl.constexpr, P1: tl.constexpr):
+    """Pivots k (int32) from the packed section at byte piv0, every plane (P<w>: bit offset of the
+    width-w plane, -1 if absent); 0 where masked."""
+    v = tl.zeros_like(k)
+    if P8 >= 0:
+        v = _load_pivot(v, pay_ptr, n_pay, piv0, k, n_pad, mask, 8, P8)
+    if P4 >= 0:
+        v = _load_pivot(v, pay_ptr, n_pay, piv0, k, n_pad, mask, 4, P4)
+    if P2 >= 0:
+        v = _load_pivot(v, pay_ptr, n_pay, piv0, k, n_pad, mask, 2, P2)
+    if P1 >= 0:
+        v = _load_pivot(v, pay_ptr, n_pay, piv0, k, n_pad, mask, 1, P1)
+    return v
+
+
 # ---------------------------------------------------------------------------------------------
 # kernels
 
@@ -544,15 +560,7 @@ def _decode_kernel(
     tbit = (tile % 8).to(tl.int32)
     flag = ((fbyte >> tbit) & 1) != 0
     k = tl.load(cum_ptr + bm_a + fb - 1, mask=rvalid, other=0) - n_low + _popcount8(fbyte & ((1 << tbit) - 1))
-    pivot = tl.zeros([BR], dtype=tl.int32)
-    if P8 >= 0:
-        pivot = _load_pivot(pivot, pay_ptr, n_pay, head, k, n_pad, rvalid & flag, 8, P8)
-    if P4 >= 0:
-        pivot = _load_pivot(pivot, pay_ptr, n_pay, head, k, n_pad, rvalid & flag, 4, P4)
-    if P2 >= 0:
-        pivot = _load_pivot(pivot, pay_ptr, n_pay, head, k, n_pad, rvalid & flag, 2, P2)
-    if P1 >= 0:
-        pivot = _load_pivot(pivot, pay_ptr, n_pay, head, k, n_pad, rvalid & flag, 1, P1)
+    pivot = _load_pivots(pay_ptr, n_pay, head, k, n_pad, rvalid & flag, P8, P4, P2, P1)
 
     # fp16 zero-point and scale from their byte pairs (the sections have no alignment)
     zo = bm_a + bm_f + 2 * tile
@@ -591,15 +599,7 @@ def _decode_kernel(
     if tl.program_id(0) == 0:  # the padding codes after the last pivot must be zero
         kk = n_flag + tl.arange(0, 8)
         inpad = kk < n_pad
-        v = tl.zeros([8], dtype=tl.int32)
-        if P8 >= 0:
-            v = _load_pivot(v, pay_ptr, n_pay, head, kk, n_pad, inpad, 8, P8)
-        if P4 >= 0:
-            v = _load_pivot(v, pay_ptr, n_pay, head, kk, n_pad, inpad, 4, P4)
-        if P2 >= 0:
-            v = _load_pivot(v, pay_ptr, n_pay, head, kk, n_pad, inpad, 2, P2)
-        if P1 >= 0:
-            v = _load_pivot(v, pay_ptr, n_pay, head, kk, n_pad, inpad, 1, P1)
+        v = _load_pivots(pay_ptr, n_pay, head, kk, n_pad, inpad, P8, P4, P2, P1)
         w = tl.arange(0, 4)
         word = tl.where(w == 0, tl.max((inpad & (v != 0)).to(tl.int32), axis=0), tl.where(w == 1, n_low, n_flag))
         tl.store(status_ptr + 2 + w, word, mask=w < 3)
