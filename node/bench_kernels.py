@@ -54,7 +54,40 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="input dtype (default bf16)")
     ap.add_argument("--iters", type=int, default=50, help="timed runs per op after warm-up; the median is reported (default 50)")
     ap.add_argument("--out", default="docs/benchmarks.md", help="markdown file the rows are appended to (default docs/benchmarks.md)")
+    ap.add_argument("--profile", action="store_true",
+                    help="also print the GPU time of each kernel of one encode and one decode (torch.profiler), per shape")
     return ap
+
+
+def profile_codecs(shape, dtype) -> str:
+    """Per-kernel GPU times of one tahquant and one naive encode + decode (after warm-up): where the
+    time goes, for tuning. Returns the profiler's table."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from tahnode.kernels import naive_ref, naive_triton, tahquant_ref, tahquant_triton
+
+    x = activations(shape, dtype)
+    tq, nv = tahquant_ref.TahQuantParams(), naive_ref.NaiveParams()
+
+    def once():
+        payload = tahquant_triton.encode(x, tq)
+        tahquant_triton.decode(payload, shape, tq, dtype)
+        codes, e = naive_triton.encode(x, nv)
+        naive_triton.decode(codes, shape, nv, e, dtype)
+
+    for _ in range(3):
+        once()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        once()
+        torch.cuda.synchronize()
+    averages = prof.key_averages()
+    for key in ("self_device_time_total", "self_cuda_time_total"):  # the name changed across torch versions
+        try:
+            return averages.table(sort_by=key, row_limit=25)
+        except (AttributeError, KeyError, ValueError):
+            continue
+    return averages.table(row_limit=25)
 
 
 def time_cuda(fn: Callable[[], object], iters: int, warmup: int = 3) -> float:
@@ -155,6 +188,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  {r['op']:<16} {r['t'] * 1e6:9.1f} us  {r['nbytes'] / r['t'] / 1e9:7.1f} GB/s  "
                   f"{r['t'] / r['clone']:5.2f}x clone{ref}{note}")
             lines.append(format_row(r, gpu, versions, args.dtype, date))
+        if args.profile:
+            print(profile_codecs(shape, DTYPES[args.dtype]))
         torch.cuda.empty_cache()
     append_rows(args.out, lines)
     print(f"appended {len(lines)} rows to {args.out}")

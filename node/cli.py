@@ -135,6 +135,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:2] == ["bench", "kernels"]:  # its own parser (argparse's REMAINDER drops leading --flags)
+        from . import bench_kernels
+
+        return bench_kernels.main(argv[2:])
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
@@ -152,10 +157,6 @@ def main(argv: list[str] | None = None) -> int:
             return demo.main(args, run_config_from(args))
         if args.command == "data":
             return _data_prepare(args)
-        if args.command == "bench" and args.bench_cmd == "kernels":
-            from . import bench_kernels
-
-            return bench_kernels.main(args.rest)
     except (CodecError, ValueError, OSError) as exc:
         print(f"tahnode: error: {exc}", file=sys.stderr)
         return 2

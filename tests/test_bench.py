@@ -1,0 +1,53 @@
+"""`tahnode bench kernels` as users call it: its flags reach its own parser, bad input and a machine
+without a GPU get clear errors, and the rows it appends to docs/benchmarks.md keep one table header."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tahnode import bench_kernels
+
+TAHNODE = [sys.executable, "-m", "tahnode.cli"]
+
+
+def run(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([*TAHNODE, *args], capture_output=True, text=True, timeout=120)
+
+
+def test_flags_reach_the_bench_parser():
+    r = run("bench", "kernels", "--help")
+    assert r.returncode == 0
+    for flag in ("--shape", "--dtype", "--iters", "--out", "--profile"):
+        assert flag in r.stdout
+    r = run("bench", "kernels", "--shape", "4,x,8")
+    assert r.returncode == 2 and "--shape must be B,S,C or 'all', got '4,x,8'" in r.stderr
+    r = run("bench", "kernels", "--dtype", "int8")
+    assert r.returncode == 2 and "invalid choice" in r.stderr
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU: the bench would run")
+def test_without_a_gpu_it_says_so(tmp_path):
+    out = tmp_path / "bench.md"
+    r = run("bench", "kernels", "--shape", "all", "--out", str(out))
+    assert r.returncode == 2 and "no CUDA GPU" in r.stderr
+    assert not out.exists()
+
+
+def test_shapes_and_rows(tmp_path):
+    assert bench_kernels._parse_shape("all") == bench_kernels.ALL_SHAPES
+    assert bench_kernels._parse_shape("1,1024,1600") == [(1, 1024, 1600)]
+    row = dict(op="tahquant encode", t=50e-6, ref=5e-3, diff="3", shape=(4, 2048, 4096), nbytes=64 * 2**20, clone=45e-6)
+    line = bench_kernels.format_row(row, "NVIDIA H100 80GB HBM3", "2.11.0 / 3.6.0", "bf16", "2026-11-23")
+    assert line == ("| 2026-11-23 | NVIDIA H100 80GB HBM3 | 2.11.0 / 3.6.0 | 4×2048×4096 | bf16 | tahquant encode | 50.0 | "
+                    "1342 | 1.11 | 5000 | 100.0 | 3 |")
+    page = tmp_path / "benchmarks.md"
+    page.write_text("# Benchmarks\n\nearlier text\n")
+    bench_kernels.append_rows(str(page), [line])
+    bench_kernels.append_rows(str(page), [line])
+    text = page.read_text()
+    assert text.startswith("# Benchmarks\n\nearlier text\n")
+    assert text.count("| date | GPU |") == 1 and text.count(line) == 2
