@@ -35,9 +35,9 @@ class Swarm:
     def coordinator(self) -> str:
         return f"127.0.0.1:{self.grpc_port}"
 
-    def spawn(self, name: str, args: list[str], prefix: list[str] | None = None) -> subprocess.Popen:
+    def spawn(self, name: str, args: list[str], prefix: list[str] | None = None, env: dict | None = None) -> subprocess.Popen:
         log = open(self.workdir / f"{name}.log", "a")
-        proc = subprocess.Popen([*(prefix or []), *TAHNODE, *args], stdout=log, stderr=subprocess.STDOUT, env=self.env)
+        proc = subprocess.Popen([*(prefix or []), *TAHNODE, *args], stdout=log, stderr=subprocess.STDOUT, env={**self.env, **(env or {})})
         self.procs[name] = proc
         return proc
 
@@ -45,10 +45,11 @@ class Swarm:
         self.spawn("coordinator", ["coordinator", "--listen", listen or self.coordinator, "--http", http or f"127.0.0.1:{self.http_port}",
                                    "--token", self.token, "--store", str(self.workdir / "store"), *run_flags])
 
-    def join(self, name: str, stage: int | str, *extra: str, prefix: list[str] | None = None, coordinator: str | None = None) -> subprocess.Popen:
+    def join(self, name: str, stage: int | str, *extra: str, prefix: list[str] | None = None, coordinator: str | None = None,
+             env: dict | None = None) -> subprocess.Popen:
         return self.spawn(name, ["join", "--coordinator", coordinator or self.coordinator, "--stage", str(stage), "--listen", "127.0.0.1:0",
                                  "--node-id", name, "--token", self.token, "--checkpoint-dir", str(self.workdir / "ck" / name),
-                                 "--device", "cpu", *extra], prefix=prefix)
+                                 "--device", "cpu", *extra], prefix=prefix, env=env)
 
     def state(self) -> dict | None:
         try:

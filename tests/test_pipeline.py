@@ -89,6 +89,28 @@ def test_every_codec_trains_through_the_pipeline(swarm, codec, schedule):
         assert t["bits_per_element"] > 16
 
 
+def test_a_kernel_stage_and_reference_stages_interoperate(swarm, tmp_path, cache):
+    """Stage 1 encodes and decodes with the Triton kernels (what a GPU node runs; here in Triton's
+    interpreter), stages 0 and 2 with the pure-torch references: the run trains as the all-reference
+    run does, step for step (the payloads match up to the documented Hadamard rounding)."""
+    pytest.importorskip("triton")
+    flags = ("--micro-batches", "2", "--batch-size", "2", "--seq-len", "32")
+    swarm.start_coordinator("--steps", "4", *flags)
+    swarm.join("n0", 0, "--quiet")
+    swarm.join("n1", 1, "--quiet", env={"TAHNODE_FORCE_TRITON": "1", "TRITON_INTERPRET": "1"})
+    swarm.join("n2", 2, "--quiet")
+    mixed = swarm.losses(swarm.wait_finished(4))
+    swarm.stop()
+    (tmp_path / "ref").mkdir()
+    plain = Swarm(tmp_path / "ref", cache=cache)
+    try:
+        reference = plain.losses(run_swarm(plain, 4, *flags))
+    finally:
+        plain.stop()
+    assert mixed == pytest.approx(reference, rel=1e-3)
+    assert reference[-1] < reference[0]
+
+
 def test_sigterm_and_restart_resumes_from_checkpoint(swarm):
     """SIGTERM stage 1 mid-run: it saves its stage; restarted, it resumes and the run completes
     with every step trained exactly once."""
