@@ -13,7 +13,6 @@ one kernel (unpack + dequantize + checks) and a reduction of its error flags."""
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 import triton
@@ -22,6 +21,7 @@ import triton.language as tl
 from .bitpack import packed_nbytes, padded_count, plane_widths
 from .naive_ref import NaiveParams, sections
 from .quant_ref import check_finite
+from .triton_util import interpreting as _interpreting
 from .triton_util import on_device, round_half_even, to_bf16_rne
 from .wire import CodecError
 
@@ -177,10 +177,6 @@ def _naive_decode_kernel(
         tl.store(out_ptr + i, to_bf16_rne(y), mask=inside)
     else:
         tl.store(out_ptr + i, y.to(out_ptr.dtype.element_ty), mask=inside)
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 def _block() -> int:

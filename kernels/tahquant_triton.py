@@ -31,7 +31,6 @@ docs/wire-format.md for what that does to the codes)."""
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 import triton
@@ -40,6 +39,7 @@ import triton.language as tl
 from .bitpack import packed_nbytes, plane_widths
 from .quant_ref import check_finite, fp16_min_scale
 from .tahquant_ref import ALLOC_TOKEN, Layout, TahQuantParams, low_bit_mask, token_entropy
+from .triton_util import interpreting as _interpreting
 from .triton_util import on_device, round_half_even, to_bf16_rne
 from .wire import CodecError, PayloadReader
 
@@ -607,10 +607,6 @@ def _decode_kernel(
 
 # ---------------------------------------------------------------------------------------------
 # Python side: block sizes, the allocation, and the launches
-
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 def _launch_config(params: TahQuantParams, lay: Layout) -> tuple[dict, tuple[int]]:

@@ -4,12 +4,13 @@ rint and truncates fp32 -> bf16 casts) and launching on a tensor's own GPU."""
 from __future__ import annotations
 
 import contextlib
+import os
 
 import torch
 import triton
 import triton.language as tl
 
-__all__ = ["round_half_even", "to_bf16_rne", "on_device"]
+__all__ = ["round_half_even", "to_bf16_rne", "on_device", "interpreting"]
 
 
 @triton.jit
@@ -34,3 +35,8 @@ def to_bf16_rne(y):
 def on_device(t: torch.Tensor):
     """Launch on t's GPU (Triton launches on the current device); nothing for the interpreter."""
     return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
+
+
+def interpreting() -> bool:
+    """True when Triton runs in its CPU interpreter (TRITON_INTERPRET set): block sizes differ there."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
