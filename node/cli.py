@@ -34,7 +34,10 @@ def _add_codec_commands(sub) -> None:
 
 def _add_run_flags(p) -> None:
     """Flags that override the run configuration (built-in defaults < --config TOML < flags)."""
-    p.add_argument("--model", default="llama-tiny", help="model preset name (configs/NAME.toml) or a TOML path (default: llama-tiny)")
+    from .config import preset_names
+
+    p.add_argument("--model", default="llama-tiny",
+                   help=f"model preset ({', '.join(preset_names())}; shipped with tahnode) or a TOML path (default: llama-tiny)")
     p.add_argument("--stages", type=int, help="number of pipeline stages (default 3)")
     p.add_argument("--config", help="run TOML with [run], [train] and [codec] tables")
     p.add_argument("--steps", type=int, help="optimizer steps to train")
@@ -68,7 +71,7 @@ def run_config_from(args):
 
 
 def _add_swarm_commands(sub) -> None:
-    from .auth import DEFAULT_TOKEN
+    from .config import DEFAULT_TOKEN, TransportKind
 
     co = sub.add_parser("coordinator", help="run the swarm's coordinator (control plane + status page)",
                         description="Run the coordinator: nodes join it, it tells each its stage and neighbours, "
@@ -95,6 +98,8 @@ def _add_swarm_commands(sub) -> None:
     jo.add_argument("--data-dir", default="", help="where stage 0 prepares the built-in corpus (default ~/.cache/tahnode)")
     jo.add_argument("--init-from", default="", help="local Hugging Face Llama/Qwen2 checkpoint directory to load this stage's weights from")
     jo.add_argument("--window", type=int, default=4, help="micro-batch messages in flight per outgoing link (default 4)")
+    jo.add_argument("--transport", default=TransportKind.GRPC.value, choices=[k.value for k in TransportKind],
+                    help="data-plane transport to the neighbour stages (default grpc: every node reachable at --advertise)")
     jo.add_argument("--quiet", action="store_true", help="no per-step progress lines")
     jo.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
 
@@ -137,14 +142,14 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:2] == ["bench", "kernels"]:  # its own parser (argparse's REMAINDER drops leading --flags)
-        from . import bench_kernels
+        from .tools import bench_kernels
 
         return bench_kernels.main(argv[2:])
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
         if args.command == "codec" and args.codec_cmd == "eval":
-            from . import codec_eval
+            from .tools import codec_eval
 
             return codec_eval.main(args)
         if args.command == "coordinator":
@@ -152,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "join":
             return _join(args)
         if args.command == "demo":
-            from . import demo
+            from .tools import demo
 
             return demo.main(args, run_config_from(args))
         if args.command == "data":
@@ -183,29 +188,35 @@ def _event_loop_policy() -> None:
 
 
 def _coordinator(args) -> int:
-    from . import coordinator_server
+    from .config import CoordinatorConfig
+    from .coordinator.server import serve
 
     _setup_logging()
     run = run_config_from(args)
+    cfg = CoordinatorConfig(listen=args.listen, http=args.http, token=args.token, heartbeat_timeout=args.heartbeat_timeout,
+                            store=args.store, settle_s=args.settle)
     _event_loop_policy()
-    asyncio.run(coordinator_server.serve(run, args.listen, args.http, args.token, args.heartbeat_timeout, args.store, args.settle))
+    asyncio.run(serve(run, cfg))
     return 0
 
 
 def _join(args) -> int:
-    from .daemon import JoinError, NodeConfig, run_node
+    from .config import AUTO_STAGE, NodeConfig, TransportKind
+    from .daemon.device import DeviceUnavailable
+    from .daemon.node import run_node
+    from .net.errors import CoordinatorError
 
     _setup_logging(args.log_level)
     if args.stage != "auto" and not args.stage.isdigit():
         raise ValueError(f"--stage must be a stage number or 'auto', got {args.stage!r}")
-    cfg = NodeConfig(coordinator=args.coordinator, stage=-1 if args.stage == "auto" else int(args.stage), listen=args.listen,
+    cfg = NodeConfig(coordinator=args.coordinator, stage=AUTO_STAGE if args.stage == "auto" else int(args.stage), listen=args.listen,
                      advertise=args.advertise, device=args.device, token=args.token, node_id=args.node_id,
                      checkpoint_dir=args.checkpoint_dir, data_dir=args.data_dir, init_from=args.init_from,
-                     window=args.window, progress=not args.quiet)
+                     window=args.window, progress=not args.quiet, transport=TransportKind(args.transport))
     _event_loop_policy()
     try:
         return asyncio.run(run_node(cfg))
-    except JoinError as exc:
+    except (CoordinatorError, DeviceUnavailable) as exc:
         print(f"tahnode join: {exc}", file=sys.stderr)
         return 1
 
@@ -213,7 +224,7 @@ def _join(args) -> int:
 def _data_prepare(args) -> int:
     from pathlib import Path
 
-    from .data import default_corpus, prepare
+    from .train.corpus import default_corpus, prepare
 
     limit = int(args.limit_mb * 2**20) if args.limit_mb else None
     inputs = [Path(p) for p in args.input] if args.input else default_corpus(limit_bytes=limit)

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from tahnode.assignment import AssignmentProblem, assign, chain_bottleneck
+from tahnode.coordinator.assignment import AssignmentProblem, assign, chain_bottleneck
 
 MB = 1_000_000
 

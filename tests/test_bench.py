@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from tahnode import bench_kernels
+from tahnode.tools import bench_kernels
 
 TAHNODE = [sys.executable, "-m", "tahnode.cli"]
 

@@ -14,7 +14,7 @@ import torch
 
 from tahnode import codecs
 from tahnode.codecs import CodecContext, CodecError
-from tahnode.codec_eval import sqnr_db
+from tahnode.tools.codec_eval import sqnr_db
 from helpers import bits_lsb_first, outlier_activations
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]

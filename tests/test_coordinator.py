@@ -7,7 +7,7 @@ import grpc
 import pytest
 
 from swarm import Swarm
-from tahnode.auth import SwarmKey
+from tahnode.net.auth import SwarmKey
 from tahnode.proto import tahnode_pb2 as pb
 from tahnode.proto import tahnode_pb2_grpc as pb_grpc
 from test_status_page import DomIndex, chromium, run_chromium  # noqa: F401  (chromium is a fixture)

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from tahnode.data import (BYTE_VOCAB_SIZE, EOD_TOKEN, DatasetInfo, SampleSchedule, TokenDataset,
-                          default_corpus, prepare)
+from tahnode.train.corpus import BYTE_VOCAB_SIZE, EOD_TOKEN, DatasetInfo, default_corpus, prepare
+from tahnode.train.data import SampleSchedule, TokenDataset
 
 DOCS = {
     "b/second.py": "print('héllo')\n",

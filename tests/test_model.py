@@ -6,13 +6,18 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import save_file
 
-from tahnode.model import (CONFIG_DIR, ModelConfig, StageModel, apply_rope, build_stage,
-                           full_model, load_stage_from_hf, param_count, rope_cos_sin, stage_layers)
+from tahnode.config import ModelConfig, preset_names
+from tahnode.train.hf import load_stage_from_hf
+from tahnode.train.model import (StageModel, apply_rope, build_stage, full_model, param_count, rope_cos_sin,
+                                 stage_layers)
+
+CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"  # the presets in the source tree
 
 TINY = ModelConfig(vocab_size=96, dim=64, n_layers=6, n_heads=4, n_kv_heads=2, ffn_dim=160,
                    max_seq_len=32)
@@ -288,6 +293,7 @@ def test_load_missing_tensor_is_named(tmp_path):
 
 def test_presets_load_and_split():
     names = sorted(p.stem for p in CONFIG_DIR.glob("*.toml"))
+    assert names == preset_names()  # every preset in the tree ships with the package
     assert {"llama-tiny", "llama-125m", "llama-1b"} <= set(names)
     for name in names:
         cfg = ModelConfig.from_name(name)

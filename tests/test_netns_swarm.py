@@ -16,8 +16,7 @@ import pytest
 
 from swarm import Swarm
 from tahnode.config import RunConfig
-from tahnode.daemon import NodeConfig, open_dataset
-from tahnode.data import SampleSchedule
+from tahnode.train.data import SampleSchedule, open_dataset
 
 pytestmark = [pytest.mark.slow, pytest.mark.netns]
 SCRIPT = Path(__file__).resolve().parents[1] / "deploy" / "netns-swarm.sh"
@@ -114,7 +113,7 @@ def test_auto_assignment_avoids_the_slow_link_and_a_standby_takes_over(shaped):
     losses = [e["loss"] for e in ledger]
     assert sum(losses[-5:]) / 5 < sum(losses[:5]) / 5 - 0.5
     run = RunConfig.build("llama-tiny", **{"train.batch_size": 8, "train.seq_len": 128, "train.micro_batches": 2})
-    schedule = SampleSchedule(len(open_dataset(run, NodeConfig(data_dir=str(swarm.env["TAHNODE_CACHE"])))), 8, 2, seed=0)
+    schedule = SampleSchedule(len(open_dataset(run, str(swarm.env["TAHNODE_CACHE"]))), 8, 2, seed=0)
     for e in ledger:
         expected = schedule.ids(e["step"], 0) + schedule.ids(e["step"], 1)
         assert sorted(e["sample_ids"]) == sorted(expected)

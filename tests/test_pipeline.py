@@ -13,11 +13,11 @@ import grpc
 import pytest
 
 from swarm import Swarm
-from tahnode.auth import SwarmKey
+from tahnode.net.auth import SwarmKey
 from tahnode.config import RunConfig
-from tahnode.daemon import NodeConfig, open_dataset
-from tahnode.grpc_transport import frames_of
-from tahnode.local_train import train_local
+from tahnode.net.framing import frames_of
+from tahnode.train.data import open_dataset
+from tahnode.train.local import train_local
 from tahnode.proto import tahnode_pb2 as pb
 from tahnode.proto import tahnode_pb2_grpc as pb_grpc
 
@@ -49,7 +49,7 @@ def test_pipeline_equals_single_process(swarm, cache):
     state = run_swarm(swarm, 5, "--codec", "none", "--backward-codec", "none", "--seed", "3")
     run = RunConfig.build("llama-tiny", **{"train.steps": 5, "codec.forward": "none", "codec.backward": "none",
                                             "codec.backward_params": {}, "train.seed": 3})
-    reference = train_local(run, open_dataset(run, NodeConfig(data_dir=str(cache))))
+    reference = train_local(run, open_dataset(run, str(cache)))
     losses = swarm.losses(state)
     assert [s for s, _ in state["loss_history"]] == [0, 1, 2, 3, 4]
     assert losses == pytest.approx(reference, abs=1e-5)
@@ -194,7 +194,7 @@ def test_demo_stops_every_process_on_ctrl_c_and_sigterm(tmp_path, cache, sig):
     """The daemons run in sessions of their own; Ctrl-C (SIGINT) or SIGTERM to `tahnode demo` stops
     them all, each stage saving its checkpoint, and the demo exits with 130."""
     from swarm import free_port
-    from tahnode.demo import fetch_state
+    from tahnode.tools.demo import fetch_state
 
     port = free_port()
     env = {**os.environ, "TAHNODE_CACHE": str(cache)}

@@ -18,7 +18,7 @@ from html.parser import HTMLParser
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tahnode.status import LinkInfo, NodeInfo, SwarmView, TrainingInfo, make_app, start_server
+from tahnode.coordinator.status_page import LinkInfo, NodeInfo, SwarmView, TrainingInfo, make_app, start_server
 
 NODES = [
     NodeInfo("node-a", 0, "10.77.0.11:7100", "active", "cpu"),
@@ -168,6 +168,7 @@ def test_metrics_per_app_registry_and_stale_labels_dropped():
         assert m[("tahnode_nodes", (("status", "active"),))] == 3
         assert m[("tahnode_nodes", (("status", "standby"),))] == 1
         assert m[("tahnode_nodes", (("status", "failed"),))] == 0
+        assert m[("tahnode_nodes", (("status", "left"),))] == 0  # every status, even at 0
         assert m[("tahnode_node_stage", (("node", "node-c"),))] == -1
         for link in LINKS:
             assert m[("tahnode_link_mbps", (("dst", link.dst), ("src", link.src)))] == link.mbps
@@ -178,10 +179,12 @@ def test_metrics_per_app_registry_and_stale_labels_dropped():
         # A node that failed and a link that went away show up in the next scrape.
         current["view"] = make_view(step=41)
         current["view"].nodes[1] = NodeInfo("node-b", 1, "10.77.0.12:7100", "failed", "cuda:0")
+        current["view"].nodes[3] = NodeInfo("node-c", -1, "10.77.0.13:7100", "left", "cpu")
         current["view"].links = LINKS[:2]
         m = metric_samples(get(base + "/metrics")[1])
         assert m[("tahnode_step", ())] == 41
         assert m[("tahnode_nodes", (("status", "failed"),))] == 1
+        assert m[("tahnode_nodes", (("status", "left"),))] == 1
         assert ("tahnode_link_mbps", (("dst", "node-d"), ("src", "node-b"))) not in m
 
 

@@ -1,0 +1,217 @@
+"""The codec interface and its registry: encode(tensor, ctx) -> EncodedTensor and
+decode(EncodedTensor, ctx) -> tensor for every codec; the wire header is validated here.
+
+The byte layouts and the arithmetic are specified in tahnode.kernels.<codec>_ref (pure torch);
+tahnode.codecs.builtin registers the six codecs, which dispatch CUDA tensors to Triton kernels."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import struct
+import zlib
+from typing import Any, ClassVar
+
+import torch
+
+from ..kernels.wire import CodecError
+from ..proto import tahnode_pb2 as pb
+from ..proto.parse import parse
+from .state import CodecContext, CodecState
+
+__all__ = [
+    "CodecError",
+    "CodecContext",
+    "CodecState",
+    "Codec",
+    "register",
+    "CODECS",
+    "get_codec",
+    "parse_param_args",
+    "decode",
+    "serialize",
+    "parse_message",
+    "bits_per_element",
+    "checksum",
+]
+
+MAX_NDIM = 8
+MAX_ELEMENTS = 1 << 31  # refuse headers that would describe more than 2**31 elements
+
+DTYPES = {torch.float32: pb.FLOAT32, torch.float16: pb.FLOAT16, torch.bfloat16: pb.BFLOAT16}
+TORCH_DTYPES = {v: k for k, v in DTYPES.items()}
+
+
+class Codec:
+    """Base class: subclasses set name, version, Params and implement the payload functions."""
+
+    name: ClassVar[str]
+    version: ClassVar[int] = 1
+    Params: ClassVar[type]
+    keeps_stream_state: ClassVar[bool] = False  # both ends update per-stream state on every message
+
+    def __init__(self, **params: Any):
+        try:
+            self.params = self.Params(**params)
+        except TypeError as exc:
+            known = ", ".join(f.name for f in dataclasses.fields(self.Params)) or "none"
+            raise CodecError(f"{self.name}: unknown parameter ({exc}); known parameters: {known}") from None
+        if hasattr(self.params, "validate"):
+            self.params.validate()
+
+    # -- subclasses -------------------------------------------------------------------------
+    def encode_payload(self, x: torch.Tensor, ctx: CodecContext) -> tuple[torch.Tensor, dict[str, float]]:
+        raise NotImplementedError
+
+    def decode_payload(self, payload: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype, header: dict[str, float], ctx: CodecContext) -> torch.Tensor:
+        raise NotImplementedError
+
+    def sender_state(self, channels: int, device: torch.device | str = "cpu") -> CodecState:
+        """What the sending stage keeps across the streams of one direction (base: nothing)."""
+        return CodecState()
+
+    # -- the interface ----------------------------------------------------------------------
+    def header_params(self) -> dict[str, float]:
+        return {f.name: float(getattr(self.params, f.name)) for f in dataclasses.fields(self.params)}
+
+    def encode(self, x: torch.Tensor, ctx: CodecContext | None = None) -> pb.EncodedTensor:
+        ctx = ctx if ctx is not None else CodecContext()
+        _check_input(x, self.name)
+        payload, extra = self.encode_payload(x, ctx)
+        data = payload.cpu().numpy().tobytes()
+        msg = pb.EncodedTensor(codec=self.name, version=self.version, shape=list(x.shape), dtype=DTYPES[x.dtype], payload=data)
+        for key, value in {**self.header_params(), **extra}.items():
+            msg.params[key] = value
+        msg.crc32 = checksum(msg)
+        return msg
+
+    def decode(self, msg: pb.EncodedTensor, ctx: CodecContext | None = None, device: torch.device | str = "cpu") -> torch.Tensor:
+        ctx = ctx if ctx is not None else CodecContext()
+        if msg.codec != self.name:
+            raise CodecError(f"message was encoded with codec {msg.codec!r}, not {self.name!r}")
+        if msg.version != self.version:
+            raise CodecError(f"codec {self.name} version {msg.version} is not supported (this build reads version {self.version})")
+        shape, dtype = _check_header(msg)
+        if checksum(msg) != msg.crc32:
+            raise CodecError(f"{self.name} message checksum mismatch: the message was corrupted in transit")
+        payload = torch.frombuffer(bytearray(msg.payload), dtype=torch.uint8) if msg.payload else torch.empty(0, dtype=torch.uint8)
+        return self.decode_payload(payload.to(device), shape, dtype, dict(msg.params), ctx)
+
+    @classmethod
+    def from_header(cls, header: dict[str, float], extra: tuple[str, ...] = ()) -> "Codec":
+        """The codec instance a message's params describe (unknown or non-integral values rejected)."""
+        kwargs: dict[str, Any] = {}
+        for f in dataclasses.fields(cls.Params):
+            if f.name not in header:
+                raise CodecError(f"{cls.name} header lacks parameter {f.name!r}")
+            value = header[f.name]
+            if f.type in ("int", int):
+                if not math.isfinite(value) or value != int(value):
+                    raise CodecError(f"{cls.name} header parameter {f.name}={value} must be an integer")
+                value = int(value)
+            kwargs[f.name] = value
+        unknown = set(header) - set(kwargs) - set(extra)
+        if unknown:
+            raise CodecError(f"{cls.name} header has unknown parameters: {', '.join(sorted(unknown))}")
+        return cls(**kwargs)
+
+
+def checksum(msg: pb.EncodedTensor) -> int:
+    """CRC-32 (zlib) of the canonical header followed by the payload (docs/wire-format.md): codec
+    name, 0, version u32, dtype u32, ndim u32, dims u64, then each param sorted by key as
+    key, 0, value f64; all little-endian."""
+    head = bytearray(msg.codec.encode() + b"\0")
+    head += struct.pack("<III", msg.version, msg.dtype, len(msg.shape))
+    head += struct.pack(f"<{len(msg.shape)}Q", *msg.shape)
+    for key in sorted(msg.params):
+        head += key.encode() + b"\0" + struct.pack("<d", msg.params[key])
+    return zlib.crc32(msg.payload, zlib.crc32(bytes(head)))
+
+
+def _check_input(x: torch.Tensor, name: str) -> None:
+    if not isinstance(x, torch.Tensor):
+        raise CodecError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in DTYPES:
+        raise CodecError(f"{name}: dtype {x.dtype} is not supported (float32, float16, bfloat16)")
+    if x.dim() == 0 or x.numel() == 0:
+        raise CodecError(f"{name}: cannot encode an empty or 0-d tensor (shape {list(x.shape)})")
+    if x.dim() > MAX_NDIM or x.numel() > MAX_ELEMENTS:
+        raise CodecError(f"{name}: tensor of shape {list(x.shape)} is too large to encode")
+
+
+def _check_header(msg: pb.EncodedTensor) -> tuple[tuple[int, ...], torch.dtype]:
+    shape = tuple(int(d) for d in msg.shape)
+    if not 1 <= len(shape) <= MAX_NDIM:
+        raise CodecError(f"{msg.codec}: shape {list(shape)} must have 1..{MAX_NDIM} dims")
+    if any(d < 1 for d in shape):
+        raise CodecError(f"{msg.codec}: shape {list(shape)} has an empty dimension")
+    if math.prod(shape) > MAX_ELEMENTS:
+        raise CodecError(f"{msg.codec}: shape {list(shape)} describes more than 2**31 elements")
+    if msg.dtype not in TORCH_DTYPES:
+        raise CodecError(f"{msg.codec}: unknown or missing dtype {msg.dtype}")
+    return shape, TORCH_DTYPES[msg.dtype]
+
+
+CODECS: dict[str, type[Codec]] = {}
+
+
+def register(cls: type[Codec]) -> type[Codec]:
+    """Class decorator: make a codec known by its name."""
+    CODECS[cls.name] = cls
+    return cls
+
+
+def get_codec(name: str, **params: Any) -> Codec:
+    """A codec by registry name, with parameters overriding its defaults."""
+    if name not in CODECS:
+        raise CodecError(f"unknown codec {name!r}; known codecs: {', '.join(sorted(CODECS))}")
+    return CODECS[name](**params)
+
+
+def parse_param_args(name: str, items: list[str]) -> dict[str, Any]:
+    """Parse `k=v` strings into typed parameters of codec `name` (for the CLI and TOML configs)."""
+    if name not in CODECS:
+        raise CodecError(f"unknown codec {name!r}; known codecs: {', '.join(sorted(CODECS))}")
+    fields = {f.name: f for f in dataclasses.fields(CODECS[name].Params)}
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, raw = item.partition("=")
+        if not sep:
+            raise CodecError(f"codec parameter {item!r} is not of the form key=value")
+        if key not in fields:
+            raise CodecError(f"{name} has no parameter {key!r}; known: {', '.join(fields) or 'none'}")
+        kind = fields[key].type
+        try:
+            out[key] = int(raw) if kind in ("int", int) else float(raw)
+        except ValueError:
+            raise CodecError(f"{name} parameter {key}={raw!r} is not a number") from None
+    return out
+
+
+def serialize(msg: pb.EncodedTensor) -> bytes:
+    """Deterministic wire bytes of a message (map entries sorted by key)."""
+    return msg.SerializeToString(deterministic=True)
+
+
+def parse_message(data: bytes) -> pb.EncodedTensor:
+    """Parse wire bytes into an EncodedTensor, turning protobuf's errors into CodecError."""
+    return parse(pb.EncodedTensor, data, CodecError, "EncodedTensor message")
+
+
+def decode(msg: pb.EncodedTensor, ctx: CodecContext | None = None, device: torch.device | str = "cpu") -> torch.Tensor:
+    """Decode any message with the codec it names (its parameters come from its header)."""
+    if msg.codec not in CODECS:
+        raise CodecError(f"unknown codec {msg.codec!r} in message; known codecs: {', '.join(sorted(CODECS))}")
+    return _bare(CODECS[msg.codec]).decode(msg, ctx, device)
+
+
+def _bare(cls: type[Codec]) -> Codec:
+    """An instance whose parameters come from the message header (decode never uses self.params)."""
+    inst = cls.__new__(cls)
+    inst.params = None
+    return inst
+
+
+def bits_per_element(msg: pb.EncodedTensor) -> float:
+    """Wire size of the whole serialized message, header included, per tensor element."""
+    return 8.0 * len(serialize(msg)) / math.prod(msg.shape)

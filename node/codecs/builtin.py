@@ -1,0 +1,135 @@
+"""The six codecs of tahnode, registered by name: none, naive, group, tahquant, aqsgd, amaq.
+Each validates its header and calls its specification in tahnode.kernels (or a Triton kernel)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from ..kernels import amaq_ref, aqsgd_ref, group_ref, naive_ref, tahquant_ref
+from ..kernels.dispatch import implementation
+from ..kernels.quant_ref import check_finite
+from ..kernels.wire import CodecError, from_bytes
+from .base import Codec, register
+from .state import AmaqSenderState, CodecContext
+
+__all__ = ["NoneCodec", "NaiveCodec", "GroupCodec", "TahQuantCodec", "AqsgdCodec", "AmaqCodec"]
+
+
+@dataclass(frozen=True)
+class NoParams:
+    pass
+
+
+@register
+class NoneCodec(Codec):
+    """The uncompressed baseline: the tensor's own bytes, row-major, little-endian."""
+
+    name = "none"
+    Params = NoParams
+
+    def encode_payload(self, x, ctx):
+        check_finite(x, self.name)  # a NaN activation means a diverged run: say so at the source
+        return x.detach().contiguous().reshape(-1).view(torch.uint8), {}
+
+    def decode_payload(self, payload, shape, dtype, header, ctx):
+        expected = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        if payload.numel() != expected:
+            raise CodecError(f"none payload has {payload.numel()} bytes, shape {list(shape)} of {dtype} needs {expected}")
+        return from_bytes(payload, dtype).reshape(shape)
+
+
+@register
+class NaiveCodec(Codec):
+    """k-bit symmetric absmax, one fp16 scale per channel (with a shared power-of-two exponent)."""
+
+    name = "naive"
+    Params = naive_ref.NaiveParams
+
+    def encode_payload(self, x, ctx):
+        payload, e = implementation("naive", x).encode(x.detach(), self.params)
+        return payload, {"exp": float(e)}
+
+    def decode_payload(self, payload, shape, dtype, header, ctx):
+        params = self.from_header(header, extra=("exp",)).params
+        e = header.get("exp", math.nan)
+        if not math.isfinite(e) or e != int(e):
+            raise CodecError(f"naive header has an invalid scale exponent {e}")
+        return implementation("naive", payload).decode(payload, shape, params, int(e), dtype)
+
+
+@register
+class GroupCodec(Codec):
+    """k-bit asymmetric min-max per tile of G channels, fp16 zero-point and scale."""
+
+    name = "group"
+    Params = group_ref.GroupParams
+
+    def encode_payload(self, x, ctx):
+        return group_ref.encode(x.detach(), self.params), {}
+
+    def decode_payload(self, payload, shape, dtype, header, ctx):
+        return group_ref.decode(payload, shape, self.from_header(header).params, dtype)
+
+
+@register
+class TahQuantCodec(Codec):
+    """TAH-Quant: entropy-guided INT3/INT4 per token, adaptive pivot swap + Hadamard per tile."""
+
+    name = "tahquant"
+    Params = tahquant_ref.TahQuantParams
+
+    def encode_payload(self, x, ctx):
+        return implementation("tahquant", x).encode(x.detach(), self.params), {}
+
+    def decode_payload(self, payload, shape, dtype, header, ctx):
+        return implementation("tahquant", payload).decode(payload, shape, self.from_header(header).params, dtype)
+
+
+@register
+class AqsgdCodec(Codec):
+    """AQ-SGD: quantized delta against a per-sample cache kept on both ends (ctx.aqsgd_cache)."""
+
+    name = "aqsgd"
+    Params = aqsgd_ref.AqsgdParams
+    keeps_stream_state = True
+
+    def _ids(self, n: int, ctx: CodecContext) -> list[int]:
+        if ctx.sample_ids is None:
+            raise CodecError("aqsgd needs the sample ids of the rows in the codec context")
+        return list(ctx.sample_ids)
+
+    def encode_payload(self, x, ctx):
+        return aqsgd_ref.encode(x.detach(), self._ids(x.shape[0], ctx), ctx.aqsgd_cache, self.params), {}
+
+    def decode_payload(self, payload, shape, dtype, header, ctx):
+        params = self.from_header(header).params
+        return aqsgd_ref.decode(payload, shape, dtype, self._ids(shape[0], ctx), ctx.aqsgd_cache, params)
+
+
+@register
+class AmaqCodec(Codec):
+    """AMAQ: per-channel learned integer bit widths (the sender's ctx.amaq_state), min-max per channel."""
+
+    name = "amaq"
+    Params = amaq_ref.AmaqParams
+
+    def state_for(self, channels: int, ctx: CodecContext, device=None) -> amaq_ref.AmaqState:
+        """The sender's gates, created on first use (Q = 0)."""
+        if ctx.amaq_state is None:
+            ctx.amaq_state = amaq_ref.AmaqState(channels, self.params, device=device)
+        if ctx.amaq_state.gate.numel() != channels:
+            raise CodecError(f"amaq: state has {ctx.amaq_state.gate.numel()} channels, tensor has {channels}")
+        return ctx.amaq_state
+
+    def encode_payload(self, x, ctx):
+        state = self.state_for(x.shape[-1], ctx, x.device)
+        return amaq_ref.encode(x.detach(), state.bits()), {"step": float(state.step)}
+
+    def sender_state(self, channels, device="cpu"):
+        return AmaqSenderState(channels, self.params, device=device)
+
+    def decode_payload(self, payload, shape, dtype, header, ctx):
+        return amaq_ref.decode(payload, shape, dtype)

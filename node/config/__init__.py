@@ -1,0 +1,9 @@
+"""Configuration as dataclasses, in one place: the model's shape and its presets, the run every
+stage agrees on, and each process's own settings (defaults < TOML < flags)."""
+
+from .model import PRESETS, ModelConfig, preset_names
+from .node import AUTO_STAGE, DEFAULT_TOKEN, CoordinatorConfig, NodeConfig, TransportKind
+from .run import CodecConfig, RunConfig, TrainConfig
+
+__all__ = ["ModelConfig", "PRESETS", "preset_names", "TrainConfig", "CodecConfig", "RunConfig", "NodeConfig",
+           "CoordinatorConfig", "TransportKind", "DEFAULT_TOKEN", "AUTO_STAGE"]

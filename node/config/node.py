@@ -1,0 +1,52 @@
+"""What one process is told on its command line: a stage daemon's settings (`NodeConfig`) and the
+coordinator's (`CoordinatorConfig`); the run itself is `RunConfig`, handed out by the coordinator."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+__all__ = ["DEFAULT_TOKEN", "TransportKind", "NodeConfig", "CoordinatorConfig", "AUTO_STAGE"]
+
+DEFAULT_TOKEN = "tahnode-open-swarm"  # used when no --token is given; the daemons warn about it
+AUTO_STAGE = -1                       # --stage auto: the coordinator chooses
+
+
+class TransportKind(Enum):
+    """How a node's data plane reaches its neighbours."""
+
+    GRPC = "grpc"  # direct gRPC streams: every node must be reachable at its advertised address
+
+    def __str__(self) -> str:
+        return self.value
+
+
+@dataclass
+class NodeConfig:
+    """`tahnode join`: where the coordinator is, which stage to hold, how to serve the data plane."""
+
+    coordinator: str = "127.0.0.1:7000"
+    stage: int = AUTO_STAGE
+    listen: str = "0.0.0.0:0"
+    advertise: str = ""
+    device: str = "auto"
+    token: str = DEFAULT_TOKEN
+    node_id: str = ""
+    checkpoint_dir: str = ""
+    data_dir: str = ""              # where the built-in corpus is prepared (default: ~/.cache/tahnode)
+    init_from: str = ""             # a local Hugging Face checkpoint directory
+    window: int = 4                 # envelopes in flight per outgoing link
+    progress: bool = True
+    transport: TransportKind = TransportKind.GRPC
+
+
+@dataclass
+class CoordinatorConfig:
+    """`tahnode coordinator`: its addresses, the swarm token, failure detection and the store."""
+
+    listen: str = "0.0.0.0:7000"
+    http: str = "0.0.0.0:8080"
+    token: str = DEFAULT_TOKEN
+    heartbeat_timeout: float = 10.0  # seconds without heartbeats before a node is declared failed
+    store: str = "tahnode-store"     # stage checkpoints uploaded by the nodes (for standbys)
+    settle_s: float = 3.0            # seconds without joins before --stage auto nodes are placed

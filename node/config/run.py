@@ -1,0 +1,153 @@
+"""The run configuration every stage agrees on (model, [train], [codec]): built-in defaults,
+overridden by a TOML file, overridden by CLI flags. The coordinator hands it to every node."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .model import ModelConfig
+from .toml import load_toml, toml_table
+
+__all__ = ["TrainConfig", "CodecConfig", "RunConfig"]
+
+
+@dataclass
+class TrainConfig:
+    """How the swarm trains: batch shape, optimizer, schedule, checkpoints."""
+
+    steps: int = 100
+    micro_batches: int = 4          # M micro-batches per optimizer step
+    batch_size: int = 4             # samples per micro-batch
+    seq_len: int = 64
+    lr: float = 3e-3                # peak learning rate (AdamW)
+    min_lr: float = 3e-4            # end of the cosine decay
+    warmup_steps: int = 10
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    grad_clip: float = 1.0          # clip by the global norm (summed across stages); 0 = off
+    schedule: str = "1f1b"          # "1f1b" (at most K micro-batches in flight) or "gpipe" (all M)
+    seed: int = 0                   # model init and data order
+    checkpoint_every: int = 20      # save each stage every N steps (and on SIGTERM)
+    dtype: str = "float32"          # compute dtype: float32 or bfloat16
+
+    def validate(self) -> "TrainConfig":
+        for name in ("steps", "micro_batches", "batch_size", "seq_len", "checkpoint_every"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"train.{name} must be >= 1, got {getattr(self, name)}")
+        if self.schedule not in ("1f1b", "gpipe"):
+            raise ValueError(f"train.schedule must be '1f1b' or 'gpipe', got {self.schedule!r}")
+        if self.dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"train.dtype must be 'float32' or 'bfloat16', got {self.dtype!r}")
+        if not 0 <= self.min_lr <= self.lr:
+            raise ValueError("train.min_lr must be in [0, lr]")
+        return self
+
+
+@dataclass
+class CodecConfig:
+    """Which codecs carry activations forward and gradients backward, with their parameters."""
+
+    forward: str = "tahquant"
+    backward: str = "naive"
+    forward_params: dict[str, float] = field(default_factory=dict)
+    backward_params: dict[str, float] = field(default_factory=lambda: {"bits": 6})
+
+    def validate(self) -> "CodecConfig":
+        from ..codecs import get_codec
+
+        get_codec(self.forward, **self.forward_params)
+        get_codec(self.backward, **self.backward_params)
+        if self.backward in ("aqsgd", "amaq"):
+            raise ValueError(f"codec {self.backward!r} is a forward (activation) codec; use none, naive or group backward")
+        return self
+
+
+@dataclass
+class RunConfig:
+    """Everything every stage must agree on; the coordinator sends it to each node as JSON."""
+
+    model: ModelConfig
+    stages: int = 3
+    data: str = ""                  # prepared token file (tahnode data prepare); "" = built-in corpus
+    data_limit_mb: float = 4.0      # size of the built-in corpus (Python's stdlib sources)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    codec: CodecConfig = field(default_factory=CodecConfig)
+
+    def validate(self) -> "RunConfig":
+        if not 1 <= self.stages <= self.model.n_layers:
+            raise ValueError(f"stages must be in 1..{self.model.n_layers} (the model's layers), got {self.stages}")
+        if self.model.tie_embeddings and self.stages > 1:
+            raise ValueError("a model with tied embeddings cannot be split into stages yet (the embedding and the head "
+                             "would live on different machines); use tie_embeddings = false or one stage")
+        if self.train.seq_len > self.model.max_seq_len:
+            raise ValueError(f"train.seq_len {self.train.seq_len} exceeds the model's max_seq_len {self.model.max_seq_len}")
+        self.train.validate()
+        self.codec.validate()
+        return self
+
+    def to_toml(self) -> str:
+        """The [run], [train] and [codec] tables (the model is named separately, by --model)."""
+        d = dataclasses.asdict(self)
+        run = {k: d[k] for k in ("stages", "data", "data_limit_mb")}
+        return "\n".join(toml_table(name, table) for name, table in (("run", run), ("train", d["train"]), ("codec", d["codec"])))
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> "RunConfig":
+        d = json.loads(text)
+        return cls(
+            model=ModelConfig.from_dict(d["model"]),
+            stages=d["stages"],
+            data=d["data"],
+            data_limit_mb=d["data_limit_mb"],
+            train=_build(TrainConfig, d["train"], "train"),
+            codec=_build(CodecConfig, d["codec"], "codec"),
+        ).validate()
+
+    @classmethod
+    def build(cls, model: str | Path, toml_path: str | Path | None = None, **overrides: Any) -> "RunConfig":
+        """Defaults, then the [run], [train] and [codec] tables of a TOML file, then `overrides`
+        (dotted keys like "train.steps" or plain RunConfig fields)."""
+        doc = load_toml(toml_path) if toml_path else {}
+        run = cls(model=ModelConfig.from_name(str(model)))
+        for key, value in doc.get("run", {}).items():
+            _set(run, key, value, "run")
+        run.train = _build(TrainConfig, doc.get("train", {}), "train")
+        run.codec = _build(CodecConfig, doc.get("codec", {}), "codec")
+        for key, value in overrides.items():
+            if value is None:
+                continue
+            target, _, name = key.rpartition(".")
+            _set(getattr(run, target) if target else run, name, value, target or "run")
+        return run.validate()
+
+
+def _build(kind, table: dict, section: str):
+    obj = kind()
+    for key, value in table.items():
+        _set(obj, key, value, section)
+    return obj
+
+
+def _set(obj, key: str, value: Any, section: str) -> None:
+    names = {f.name: f for f in dataclasses.fields(obj)}
+    if key not in names or key == "model":
+        raise ValueError(f"unknown setting [{section}] {key}; known: {', '.join(n for n in names if n != 'model')}")
+    current = getattr(obj, key)
+    if isinstance(current, bool) or isinstance(current, dict) or isinstance(current, str):
+        setattr(obj, key, value)
+    elif isinstance(current, int):
+        if isinstance(value, float) and value != int(value):
+            raise ValueError(f"[{section}] {key} must be an integer, got {value}")
+        setattr(obj, key, int(value))
+    elif isinstance(current, float):
+        setattr(obj, key, float(value))
+    else:
+        setattr(obj, key, value)

@@ -1,0 +1,159 @@
+"""The coordinator's membership: join, heartbeat, leave, failure by timeout; which stage each node
+holds and who its neighbours are; the ledger of committed steps and the event log."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import time
+from pathlib import Path
+
+from ..config import RunConfig
+from ..net.auth import SwarmKey
+from ..net.errors import InvalidRequest, NotAuthenticated, StageTaken, UnknownNode
+from ..pipeline.checkpoint import CheckpointStore
+from ..proto import tahnode_pb2 as pb
+from .state import STANDBY, NodeRecord, NodeStatus
+
+log = logging.getLogger("tahnode.coordinator")
+
+__all__ = ["SwarmRegistry"]
+
+
+class SwarmRegistry:
+    """Who is in the swarm and which stage each node holds. Not thread-safe: used from the event loop.
+    Refused requests raise the typed errors of tahnode.net.errors."""
+
+    def __init__(self, run: RunConfig, key: SwarmKey, heartbeat_timeout: float = 10.0, store_dir: str | Path = "tahnode-store"):
+        self.run = run
+        self.run_json = run.to_json()
+        # one folder per run configuration: a checkpoint of another run is never handed out
+        run_id = hashlib.sha256(self.run_json.encode()).hexdigest()[:12]
+        self.store = CheckpointStore(Path(store_dir) / f"run-{run_id}", keep=3)
+        self.key = key
+        self.timeout = heartbeat_timeout
+        self.nodes: dict[str, NodeRecord] = {}
+        self.epoch = 1
+        self.last_join = 0.0
+        self.ledger: dict[int, tuple[float, list[int]]] = {}  # committed step -> (loss, sample ids)
+        self.events: list[str] = []
+
+    # -- helpers ----------------------------------------------------------------------------
+    def event(self, text: str) -> None:
+        log.info(text)
+        self.events = (self.events + [f"{time.strftime('%H:%M:%S')} {text}"])[-50:]
+
+    def holder(self, stage: int) -> NodeRecord | None:
+        for n in self.nodes.values():
+            if n.stage == stage and n.status is NodeStatus.ACTIVE:
+                return n
+        return None
+
+    def live(self) -> list[NodeRecord]:
+        return [n for n in self.nodes.values() if n.status.live]
+
+    def waiting(self) -> list[NodeRecord]:
+        return [n for n in self.nodes.values() if n.status.waiting]
+
+    def open_stages(self) -> list[int]:
+        return [k for k in range(self.run.stages) if self.holder(k) is None]
+
+    def _check_mac(self, req) -> None:
+        if not self.key.verify(req):
+            raise NotAuthenticated("request failed authentication: wrong swarm token")
+
+    def _peer(self, stage: int) -> pb.Peer:
+        n = self.holder(stage) if 0 <= stage < self.run.stages else None
+        return pb.Peer(node_id=n.node_id, address=n.address, stage=stage) if n else pb.Peer(stage=stage)
+
+    def resume_step(self, stage: int) -> int:
+        """The step a new holder of `stage` resumes from: the store's newest checkpoint of it."""
+        ckpt = self.store.latest(stage, self.run.stages)
+        return ckpt.step if ckpt else 0
+
+    def assignment(self, node: NodeRecord) -> pb.Assignment:
+        stage = node.stage if node.status is NodeStatus.ACTIVE else STANDBY
+        a = pb.Assignment(stage=stage, num_stages=self.run.stages, epoch=self.epoch, run_config=self.run_json, resume_step=node.resume_step)
+        if stage >= 0:
+            a.prev.CopyFrom(self._peer(node.stage - 1))
+            a.next.CopyFrom(self._peer(node.stage + 1))
+        return a
+
+    def place(self, node: NodeRecord, stage: int) -> bool:
+        """Make `node` the holder of `stage` (resuming from the store); False if it already was."""
+        if node.status is NodeStatus.ACTIVE and node.stage == stage:
+            return False
+        node.stage, node.status = stage, NodeStatus.ACTIVE
+        node.resume_step = self.resume_step(stage)
+        return True
+
+    def stand_by(self, node: NodeRecord) -> bool:
+        """Make `node` a standby; False if it already was."""
+        if node.status is NodeStatus.STANDBY:
+            return False
+        node.status, node.stage = NodeStatus.STANDBY, STANDBY
+        return True
+
+    # -- requests ---------------------------------------------------------------------------
+    def join(self, req: pb.JoinRequest) -> pb.JoinReply:
+        self._check_mac(req)
+        if not req.node_id or not req.address:
+            raise InvalidRequest("join needs a node id and an address")
+        if req.stage < -1 or req.stage >= self.run.stages:
+            raise InvalidRequest(f"stage {req.stage} does not exist: this swarm has stages 0..{self.run.stages - 1}")
+        self.sweep()
+        stage = req.stage
+        if stage >= 0:
+            held = self.holder(stage)
+            if held and held.node_id != req.node_id:
+                raise StageTaken(f"stage {stage} is held by node {held.node_id} ({held.address})")
+        rejoin = req.node_id in self.nodes
+        node = NodeRecord(req.node_id, req.address, stage, req.device, req.memory_bytes, req.compute_ms,
+                          status=NodeStatus.ACTIVE if stage >= 0 else NodeStatus.JOINING)
+        if stage >= 0:
+            node.resume_step = self.resume_step(stage)
+        self.nodes[req.node_id] = node
+        self.epoch += 1
+        self.last_join = time.monotonic()
+        where = f"stage {stage}" if stage >= 0 else "waiting for an assignment (--stage auto)"
+        self.event(f"{'rejoined' if rejoin else 'joined'}: {req.node_id} at {req.address} ({req.device or '?'}) -> {where}")
+        return pb.JoinReply(assignment=self.assignment(node), swarm="tahnode")
+
+    def heartbeat(self, req: pb.HeartbeatRequest) -> pb.HeartbeatReply:
+        self._check_mac(req)
+        node = self.nodes.get(req.node_id)
+        if node is None or not node.status.live:
+            raise UnknownNode(f"unknown node {req.node_id!r}: join first")
+        node.last_seen = time.monotonic()
+        node.stats.CopyFrom(req.stats)
+        if req.layer_ms > 0:
+            node.layer_ms = req.layer_ms
+        for link in req.links:
+            node.links[link.dst] = (link.bytes, link.seconds)
+        for point in req.stats.losses:
+            if point.step in self.ledger or any(s > point.step for s in self.ledger):
+                # a rollback: the steps from here on are trained again and replace the old ones
+                self.ledger = {s: v for s, v in self.ledger.items() if s < point.step}
+            self.ledger[point.step] = (point.loss, list(point.sample_ids))
+        self.sweep()
+        return pb.HeartbeatReply(assignment=self.assignment(node), known=True)
+
+    def leave(self, req: pb.LeaveRequest) -> pb.LeaveReply:
+        self._check_mac(req)
+        node = self.nodes.get(req.node_id)
+        if node is None:
+            raise UnknownNode(f"unknown node {req.node_id!r}")
+        node.status = NodeStatus.LEFT
+        self.epoch += 1
+        self.event(f"left: {req.node_id} (stage {node.stage})")
+        return pb.LeaveReply()
+
+    def sweep(self) -> None:
+        """Declare nodes that missed their heartbeats for `timeout` seconds failed."""
+        now = time.monotonic()
+        for node in self.nodes.values():
+            if node.status.live and now - node.last_seen > self.timeout:
+                held = f"stage {node.stage}" if node.status is NodeStatus.ACTIVE else str(node.status)
+                node.status = NodeStatus.FAILED
+                self.epoch += 1
+                self.event(f"failed: {node.node_id} ({held}) missed heartbeats for {self.timeout:.0f} s")

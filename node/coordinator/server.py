@@ -1,0 +1,78 @@
+"""`tahnode coordinator`: serves the Coordinator gRPC control plane and the HTTP status side
+(`/`, `/api/v1/state`, `/metrics`, `/api/v1/ledger`), and places nodes, until interrupted."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+
+import grpc
+from aiohttp import web
+
+from ..config import DEFAULT_TOKEN, CoordinatorConfig, RunConfig
+from ..net.auth import SwarmKey
+from ..net.probe import request_measure
+from ..proto import tahnode_pb2_grpc as pb_grpc
+from .placement import Measure, Placement
+from .registry import SwarmRegistry
+from .service import CoordinatorServicer
+from .state import NodeRecord
+from .status_page import SwarmView, make_app
+from .view import ledger_json, swarm_state
+
+log = logging.getLogger("tahnode.coordinator")
+
+__all__ = ["serve", "http_app"]
+
+
+def http_app(registry: SwarmRegistry, placement: Placement) -> web.Application:
+    app = make_app(lambda: SwarmView.from_state(swarm_state(registry, placement)))
+    app.router.add_get("/api/v1/ledger", lambda _r: web.json_response(ledger_json(registry)))
+    return app
+
+
+def measurer(key: SwarmKey) -> Measure:
+    async def measure(a: NodeRecord, b: NodeRecord) -> tuple[float, float]:
+        """Ask node a to measure its link to b over a's own data plane."""
+        return await request_measure(key, a.address, b.node_id, b.address)
+
+    return measure
+
+
+async def serve(run: RunConfig, cfg: CoordinatorConfig) -> None:
+    if cfg.token == DEFAULT_TOKEN:
+        log.warning("no --token given: this swarm uses the public default token; anyone who can reach it can join")
+    key = SwarmKey(cfg.token)
+    registry = SwarmRegistry(run, key, cfg.heartbeat_timeout, store_dir=cfg.store)
+    placement = Placement(registry, cfg.settle_s)
+    measure = measurer(key)
+    server = grpc.aio.server()
+    pb_grpc.add_CoordinatorServicer_to_server(CoordinatorServicer(registry), server)
+    if server.add_insecure_port(cfg.listen) == 0:
+        raise OSError(f"cannot listen on {cfg.listen} for the control plane")
+    await server.start()
+    runner = web.AppRunner(http_app(registry, placement), access_log=None)
+    await runner.setup()
+    host, _, port = cfg.http.rpartition(":")
+    site = web.TCPSite(runner, host or "0.0.0.0", int(port))
+    await site.start()
+    shown = "127.0.0.1" if host in ("", "0.0.0.0") else host
+    print(f"tahnode coordinator: control plane on {cfg.listen}, status page at http://{shown}:{port}/ "
+          f"({run.stages} stages of {run.model.n_layers} layers, codecs {run.codec.forward}/{run.codec.backward}; "
+          f"checkpoints in {registry.store.dir})", flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        while not stop.is_set():
+            await placement.round(measure)
+            try:
+                await asyncio.wait_for(stop.wait(), 1.0)
+            except asyncio.TimeoutError:
+                pass
+    finally:
+        await server.stop(grace=1.0)
+        await runner.cleanup()
+        log.info("coordinator stopped")

@@ -1,0 +1,72 @@
+"""The Coordinator gRPC service: join, heartbeat and leave go to the registry (a refusal becomes
+its gRPC status), and stage checkpoints stream into and out of the store."""
+
+from __future__ import annotations
+
+import logging
+
+import grpc
+
+from ..net.errors import Refused
+from ..pipeline.checkpoint import ChunkWriter, read_chunks
+from ..proto import tahnode_pb2 as pb
+from ..proto import tahnode_pb2_grpc as pb_grpc
+from .registry import SwarmRegistry
+
+log = logging.getLogger("tahnode.coordinator")
+
+__all__ = ["CoordinatorServicer"]
+
+
+class CoordinatorServicer(pb_grpc.CoordinatorServicer):
+    def __init__(self, registry: SwarmRegistry):
+        self.r = registry
+
+    async def _call(self, fn, request, context):
+        try:
+            return fn(request)
+        except Refused as exc:
+            log.warning("refused %s from %s: %s", type(request).__name__, context.peer(), exc)
+            await context.abort(exc.code, str(exc))
+
+    async def Join(self, request, context):
+        return await self._call(self.r.join, request, context)
+
+    async def Heartbeat(self, request, context):
+        return await self._call(self.r.heartbeat, request, context)
+
+    async def Leave(self, request, context):
+        return await self._call(self.r.leave, request, context)
+
+    async def UploadCheckpoint(self, request_iterator, context):
+        """Receive a stage checkpoint into the store (written to a temp file, renamed when whole)."""
+        writer: ChunkWriter | None = None
+        total = 0
+        try:
+            async for chunk in request_iterator:
+                if not self.r.key.verify(chunk):
+                    await context.abort(grpc.StatusCode.UNAUTHENTICATED, "checkpoint chunk failed authentication: wrong swarm token")
+                if chunk.num_stages != self.r.run.stages or chunk.stage >= chunk.num_stages:
+                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"checkpoint of stage {chunk.stage}/{chunk.num_stages} does not fit this swarm")
+                if writer is None:
+                    writer = ChunkWriter(self.r.store.path(chunk.stage, chunk.num_stages, chunk.step), f".{chunk.node_id}.part")
+                writer.write(chunk.data)
+                total += len(chunk.data)
+                if chunk.last:
+                    final = writer.commit()
+                    writer = None
+                    self.r.store.prune(chunk.stage, chunk.num_stages)
+                    log.info("stored %s (%d bytes) from %s", final.name, total, chunk.node_id)
+        finally:
+            if writer is not None:
+                writer.close()
+        return pb.UploadReply(bytes=total)
+
+    async def DownloadCheckpoint(self, request, context):
+        if not self.r.key.verify(request):
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "download failed authentication: wrong swarm token")
+        ckpt = self.r.store.find(request.stage, self.r.run.stages, request.step)
+        if ckpt is None:
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"no checkpoint of stage {request.stage} at step {request.step} in the store")
+        for data, last in read_chunks(ckpt.path):
+            yield self.r.key.sign(pb.CheckpointChunk(stage=request.stage, num_stages=self.r.run.stages, step=request.step, data=data, last=last))

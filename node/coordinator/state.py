@@ -1,0 +1,54 @@
+"""What the coordinator knows of each node, as types: its status (an Enum, so a new status is one
+line and a typo is an error) and its record (address, stage, speed, last stats)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from enum import Enum
+
+from ..proto import tahnode_pb2 as pb
+
+__all__ = ["NodeStatus", "NodeRecord", "STANDBY"]
+
+STANDBY = -1  # the stage number of a node that holds none
+
+
+class NodeStatus(Enum):
+    """Where a node stands in the swarm."""
+
+    JOINING = "joining"  # joined with --stage auto, not placed yet
+    ACTIVE = "active"    # holds a stage
+    STANDBY = "standby"  # placed as a spare: takes over a failed stage
+    FAILED = "failed"    # missed its heartbeats
+    LEFT = "left"        # said goodbye
+
+    def __str__(self) -> str:
+        return self.value
+
+    @property
+    def live(self) -> bool:
+        """Still in the swarm (it heartbeats)."""
+        return self in (NodeStatus.JOINING, NodeStatus.ACTIVE, NodeStatus.STANDBY)
+
+    @property
+    def waiting(self) -> bool:
+        """Live without a stage: a candidate for the next placement."""
+        return self in (NodeStatus.JOINING, NodeStatus.STANDBY)
+
+
+@dataclass
+class NodeRecord:
+    node_id: str
+    address: str
+    stage: int
+    device: str
+    memory_bytes: int = 0
+    compute_ms: float = 0.0
+    status: NodeStatus = NodeStatus.ACTIVE
+    layer_ms: float = 0.0
+    joined_at: float = field(default_factory=time.monotonic)
+    resume_step: int = 0
+    last_seen: float = field(default_factory=time.monotonic)
+    stats: pb.TrainingStats = field(default_factory=pb.TrainingStats)
+    links: dict = field(default_factory=dict)  # dst node id -> (bytes, seconds)

@@ -1,0 +1,81 @@
+"""The swarm as the status page shows it: nodes, measured links, training progress, the loss
+history and events (`swarm_state`, the /api/v1/state document), and the ledger of sample ids."""
+
+from __future__ import annotations
+
+from ..proto import tahnode_pb2 as pb
+from .placement import Placement
+from .registry import SwarmRegistry
+from .state import NodeRecord, NodeStatus
+
+__all__ = ["swarm_state", "ledger_json"]
+
+
+def latest_on(r: SwarmRegistry, stage: int) -> NodeRecord | None:
+    """The active holder of a stage, else the node that held it last (for finished runs)."""
+    held = r.holder(stage)
+    if held:
+        return held
+    former = [n for n in r.nodes.values() if n.stage == stage]
+    return max(former, key=lambda n: n.last_seen) if former else None
+
+
+def training(r: SwarmRegistry) -> dict:
+    last = latest_on(r, r.run.stages - 1)
+    senders = [n for n in r.nodes.values() if n.stage >= 0 and n.stats.forward_bits_per_element > 0]
+    fw = sum(n.stats.forward_bits_per_element for n in senders) / len(senders) if senders else 0.0
+    s = last.stats if last else pb.TrainingStats()
+    return {
+        "step": int(s.step),
+        "loss": s.loss if last and s.step else None,
+        "tokens_per_s": s.tokens_per_s,
+        "bits_per_element": fw,
+        "backward_bits_per_element": s.backward_bits_per_element,
+        "loss_first": s.loss_first if last and s.step else None,
+        "wire_bytes": sum(n.stats.wire_bytes for n in r.nodes.values()),
+        "uncompressed_bytes": sum(n.stats.uncompressed_bytes for n in r.nodes.values()),
+        "finished": bool(last and s.finished),
+        "replays": sum(n.stats.replays for n in r.nodes.values()),
+        "aqsgd_cache_bytes": sum(n.stats.aqsgd_cache_bytes for n in r.nodes.values() if n.status is NodeStatus.ACTIVE),
+        "steps_total": r.run.train.steps,
+    }
+
+
+def links(r: SwarmRegistry, placement: Placement) -> list[dict]:
+    """Probed links (Mbit/s, RTT), with the rate real traffic achieved where there was some.
+    Traffic time includes waiting on a busy receiver, so it is a lower bound: it raises the
+    estimate when it exceeds the probe, never lowers it."""
+    observed = {}
+    for n in r.nodes.values():
+        for dst, (nbytes, seconds) in n.links.items():
+            if seconds > 0 and nbytes > 0:
+                observed[(n.node_id, dst)] = nbytes * 8 / seconds / 1e6
+    out = []
+    for pair in sorted(set(placement.probes) | set(observed)):
+        probed, rtt = placement.probes.get(pair, (None, None))
+        seen = observed.get(pair)
+        mbps = max(x for x in (probed, seen) if x is not None)
+        out.append({"src": pair[0], "dst": pair[1], "mbps": mbps, "rtt_ms": rtt, "probed_mbps": probed, "observed_mbps": seen})
+    return out
+
+
+def swarm_state(r: SwarmRegistry, placement: Placement) -> dict:
+    """The /api/v1/state document (after a failure sweep)."""
+    r.sweep()
+    return {
+        "nodes": [
+            {"id": n.node_id, "stage": n.stage, "address": n.address, "status": n.status.value, "device": n.device}
+            for n in sorted(r.nodes.values(), key=lambda n: (n.stage if n.stage >= 0 else 1 << 30, n.node_id))
+        ],
+        "links": links(r, placement),
+        "training": training(r),
+        "loss_history": [[step, loss] for step, (loss, _) in sorted(r.ledger.items())][-2000:],
+        "events": r.events[-20:],
+        "stages": r.run.stages,
+        "epoch": r.epoch,
+    }
+
+
+def ledger_json(r: SwarmRegistry) -> dict:
+    """The sample ids of every committed step (GET /api/v1/ledger)."""
+    return {"steps": [{"step": step, "loss": loss, "sample_ids": ids} for step, (loss, ids) in sorted(r.ledger.items())]}

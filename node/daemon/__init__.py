@@ -1,0 +1,2 @@
+"""`tahnode join`: the stage daemon and its parts (membership client, heartbeats, checkpoint sync,
+assignment follower, device and progress)."""

@@ -1,0 +1,45 @@
+"""Checkpoints between a node and the coordinator's store: every saved stage file is uploaded (so a
+standby elsewhere can take the stage over), and a stage taken over is first fetched from the store."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from ..pipeline.checkpoint import CheckpointStore
+from ..proto import tahnode_pb2 as pb
+from .membership import CoordinatorClient
+
+log = logging.getLogger("tahnode.daemon")
+
+__all__ = ["CheckpointSync"]
+
+
+class CheckpointSync:
+    """Uploads of node `node_id`'s saved files, and the download of the file it must resume from."""
+
+    def __init__(self, coord: CoordinatorClient, node_id: str, store: CheckpointStore):
+        self.coord, self.node_id, self.store = coord, node_id, store
+        self.loop = asyncio.get_running_loop()
+        self.uploads: list[asyncio.Task] = []
+
+    def saved(self, path: str, step: int, stage: int, num_stages: int) -> None:
+        """A stage file was written (called from the compute thread): upload it in the background."""
+        def start() -> None:
+            self.uploads.append(self.loop.create_task(self.coord.upload(self.node_id, path, stage, num_stages, step)))
+
+        self.loop.call_soon_threadsafe(start)
+
+    def needs_fetch(self, a: pb.Assignment) -> bool:
+        """The assignment resumes from a step newer than any checkpoint of the stage here."""
+        latest = self.store.latest(a.stage, a.num_stages)
+        return bool(a.resume_step) and (latest is None or latest.step < a.resume_step)
+
+    async def fetch(self, a: pb.Assignment) -> None:
+        """Download the store's checkpoint the assignment resumes from."""
+        await self.coord.download(self.node_id, a.stage, a.resume_step, self.store.path(a.stage, a.num_stages, a.resume_step))
+
+    async def wait(self, timeout: float) -> None:
+        """Let the uploads still running finish (or give up after `timeout` seconds)."""
+        if self.uploads:
+            await asyncio.wait(self.uploads, timeout=timeout)

@@ -1,0 +1,88 @@
+"""Heartbeats every second from the join on: the stage's stats and link counters once it has a
+worker, the latest assignment for whoever waits on it, and a rejoin if the coordinator forgot us."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from ..config import AUTO_STAGE
+from ..net.errors import CoordinatorError, UnknownNode
+from ..net.transport import BACKWARD, FORWARD, Transport
+from ..pipeline.worker import StageWorker
+from ..proto import tahnode_pb2 as pb
+from .membership import CoordinatorClient
+
+log = logging.getLogger("tahnode.daemon")
+
+__all__ = ["Heartbeats"]
+
+
+class Heartbeats:
+    """Reports to the coordinator every `period` seconds; `next_assignment()` waits for a reply."""
+
+    def __init__(self, coord: CoordinatorClient, join: pb.JoinRequest, transport: Transport, period: float = 1.0):
+        self.coord, self.join, self.t, self.period = coord, join, transport, period
+        self.layer_ms = 0.0
+        self.worker: StageWorker | None = None
+        self.assignment: pb.Assignment | None = None
+        self.changed = asyncio.Event()
+        self.task: asyncio.Task | None = None
+
+    def attach(self, worker: StageWorker) -> None:
+        """From now on, report this worker's stats (and rejoin holding its stage)."""
+        self.worker = worker
+
+    def measured(self, layer_ms: float) -> None:
+        """This node's compute speed: one layer's forward+backward on one micro-batch."""
+        self.layer_ms = layer_ms
+
+    async def report(self) -> pb.HeartbeatReply:
+        req = pb.HeartbeatRequest(node_id=self.join.node_id, layer_ms=self.layer_ms)
+        sent = 0
+        if self.worker is not None:
+            req.stats.CopyFrom(self.worker.report())
+            sent = len(req.stats.losses)
+            counters = (self.t.counters(FORWARD), self.t.counters(BACKWARD))
+            req.stats.wire_bytes = sum(c.bytes for c in counters)  # whole envelopes: labels and ids too
+            for c in counters:
+                if c.peer:
+                    req.links.add(dst=c.peer, bytes=c.bytes, seconds=c.seconds)
+        hb = await self.coord.heartbeat(req)
+        if self.worker is not None:
+            self.worker.reported(sent)
+        self.assignment = hb.assignment
+        self.changed.set()
+        return hb
+
+    async def _loop(self) -> None:
+        while True:
+            try:
+                await self.report()
+            except UnknownNode as exc:  # declared failed while we were busy: join again
+                log.warning("heartbeat: %s", exc)
+                self.join.stage = self.worker.stage if self.worker is not None else AUTO_STAGE
+                try:
+                    await self.coord.join(self.join, wait_s=0)
+                    log.info("rejoined the coordinator")
+                except CoordinatorError as again:
+                    log.warning("rejoin: %s", again)
+            except CoordinatorError as exc:
+                log.warning("heartbeat: %s", exc)
+            await asyncio.sleep(self.period)
+
+    def start(self) -> None:
+        self.task = asyncio.create_task(self._loop())
+
+    async def next_assignment(self) -> pb.Assignment:
+        self.changed.clear()
+        await self.changed.wait()
+        return self.assignment
+
+    async def stop(self) -> None:
+        if self.task:
+            self.task.cancel()
+        try:  # a last report, so the coordinator sees the final step and the finished flag
+            await self.report()
+        except CoordinatorError:
+            pass

@@ -1,0 +1,82 @@
+"""The daemon's client of the coordinator: join (retrying while it cannot be reached), heartbeat,
+leave, and checkpoint upload/download. Failures come back as typed errors (tahnode.net.errors)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from pathlib import Path
+
+import grpc
+
+from ..net.auth import SwarmKey
+from ..net.errors import CoordinatorError, NotAuthenticated, Unreachable, from_rpc_error
+from ..pipeline.checkpoint import ChunkWriter, read_chunks
+from ..proto import tahnode_pb2 as pb
+from ..proto import tahnode_pb2_grpc as pb_grpc
+
+log = logging.getLogger("tahnode.daemon")
+
+__all__ = ["CoordinatorClient"]
+
+
+class CoordinatorClient:
+    """Signed calls to the coordinator at `address`."""
+
+    def __init__(self, address: str, key: SwarmKey):
+        self.address, self.key = address, key
+        self.channel = grpc.aio.insecure_channel(address)
+        self.stub = pb_grpc.CoordinatorStub(self.channel)
+
+    async def _call(self, method, request, what: str, timeout: float = 10.0):
+        try:
+            return await method(self.key.sign(request), timeout=timeout)
+        except grpc.aio.AioRpcError as exc:
+            raise from_rpc_error(exc, self.address, what) from None
+
+    async def join(self, req: pb.JoinRequest, wait_s: float = 60.0) -> pb.JoinReply:
+        """Join; while the coordinator cannot be reached, try again every second for `wait_s`."""
+        deadline = asyncio.get_running_loop().time() + wait_s
+        while True:
+            try:
+                return await self._call(self.stub.Join, req, "join")
+            except Unreachable:
+                if asyncio.get_running_loop().time() > deadline:
+                    raise
+                await asyncio.sleep(1.0)
+
+    async def heartbeat(self, req: pb.HeartbeatRequest) -> pb.HeartbeatReply:
+        return await self._call(self.stub.Heartbeat, req, "heartbeat", timeout=5.0)
+
+    async def leave(self, node_id: str) -> None:
+        try:
+            await self._call(self.stub.Leave, pb.LeaveRequest(node_id=node_id), "leave", timeout=3.0)
+        except CoordinatorError as exc:
+            log.info("leave: %s", exc)
+
+    async def upload(self, node_id: str, path: str, stage: int, num_stages: int, step: int) -> None:
+        """Send a saved stage checkpoint to the coordinator's store (for standbys)."""
+        def chunks():
+            for data, last in read_chunks(path):
+                yield self.key.sign(pb.CheckpointChunk(node_id=node_id, stage=stage, num_stages=num_stages, step=step, data=data, last=last))
+
+        try:
+            await self.stub.UploadCheckpoint(chunks(), timeout=600)
+        except grpc.aio.AioRpcError as exc:
+            log.warning("checkpoint upload of step %d failed: %s", step, exc.details())
+
+    async def download(self, node_id: str, stage: int, step: int, final: Path) -> None:
+        """Fetch the store's checkpoint of (stage, step) into the file `final`."""
+        request = self.key.sign(pb.DownloadRequest(node_id=node_id, stage=stage, step=step))
+        try:
+            with ChunkWriter(final, ".download") as writer:
+                async for chunk in self.stub.DownloadCheckpoint(request, timeout=600):
+                    if not self.key.verify(chunk):
+                        raise NotAuthenticated("a checkpoint chunk from the coordinator failed authentication")
+                    writer.write(chunk.data)
+                writer.commit()
+        except grpc.aio.AioRpcError as exc:
+            raise from_rpc_error(exc, self.address, f"download of the checkpoint of stage {stage} at step {step}") from None
+
+    async def close(self) -> None:
+        await self.channel.close()

@@ -1,0 +1,188 @@
+"""`tahnode join`: one volunteer's daemon. It joins the coordinator, waits for a stage, holds it
+(serving the data plane, training until the run ends) and saves its stage when asked to stop.
+
+`StageNode.create()` joins, `run()` trains, `shutdown()` leaves; its parts (membership client,
+heartbeats, checkpoint sync, assignment follower) are objects of their own."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import socket
+import sys
+from pathlib import Path
+
+from ..config import NodeConfig, RunConfig, TransportKind
+from ..net.auth import SwarmKey
+from ..net.grpc_transport import GrpcTransport
+from ..net.probe import measure_link
+from ..net.transport import Transport
+from ..pipeline.checkpoint import CheckpointStore
+from ..pipeline.state import PipelineError
+from ..pipeline.worker import StageWorker
+from ..proto import tahnode_pb2 as pb
+from ..train.data import open_dataset
+from .checkpoint_sync import CheckpointSync
+from .device import device_label, device_memory, measure_layer_ms, resolve_device
+from .follower import AssignmentFollower
+from .heartbeats import Heartbeats
+from .membership import CoordinatorClient
+from .progress import Progress
+
+log = logging.getLogger("tahnode.daemon")
+
+__all__ = ["StageNode", "run_node"]
+
+
+def make_transport(cfg: NodeConfig, node_id: str, key: SwarmKey) -> Transport:
+    """The data plane the node's config asks for."""
+    if cfg.transport is TransportKind.GRPC:
+        return GrpcTransport(node_id, key, cfg.listen, cfg.advertise, window=cfg.window,
+                             measurer=lambda target, nbytes: measure_link(key, target, nbytes))
+    raise ValueError(f"transport {cfg.transport} is not available")
+
+
+class StageNode:
+    """A joined node: create with `await StageNode.create(cfg, stop)`, then `run()`, then `shutdown()`.
+    Setting `stop` (SIGTERM, Ctrl-C) makes `run()` save the stage and return."""
+
+    def __init__(self, cfg: NodeConfig, stop: asyncio.Event, node_id: str, device: str, transport: Transport,
+                 coord: CoordinatorClient):
+        self.cfg, self.stop, self.node_id, self.device = cfg, stop, node_id, device
+        self.t, self.coord = transport, coord
+        self.beats: Heartbeats | None = None
+        self.sync: CheckpointSync | None = None
+        self.worker: StageWorker | None = None
+        self.assignment = pb.Assignment()
+        self.run_cfg: RunConfig | None = None
+
+    @classmethod
+    async def create(cls, cfg: NodeConfig, stop: asyncio.Event) -> "StageNode":
+        """Serve the data plane, join the coordinator, start heartbeats and measure this device."""
+        key = SwarmKey(cfg.token)
+        if key.is_default:
+            log.warning("no --token given: using the public default swarm token")
+        device = resolve_device(cfg.device)
+        node_id = cfg.node_id or f"{socket.gethostname()}-{os.getpid()}"
+        transport = make_transport(cfg, node_id, key)
+        address = await transport.start()
+        node = cls(cfg, stop, node_id, device, transport, CoordinatorClient(cfg.coordinator, key))
+        try:
+            join = pb.JoinRequest(node_id=node_id, address=address, stage=cfg.stage, device=device_label(device),
+                                  memory_bytes=device_memory(device))
+            node.assignment = (await node.coord.join(join)).assignment
+            node.run_cfg = RunConfig.from_json(node.assignment.run_config)
+            node.beats = Heartbeats(node.coord, join, transport)
+            node.beats.start()
+            node.beats.measured(await asyncio.to_thread(measure_layer_ms, node.run_cfg, device))
+        except BaseException:
+            await node._close()
+            raise
+        return node
+
+    async def _until_stop(self, awaitable):
+        """The awaitable's result, or None if `stop` is set first (the awaitable is cancelled)."""
+        waiter = asyncio.ensure_future(awaitable)
+        stopper = asyncio.ensure_future(self.stop.wait())
+        done, _ = await asyncio.wait({waiter, stopper}, return_when=asyncio.FIRST_COMPLETED)
+        for task in (waiter, stopper):
+            if task not in done:
+                task.cancel()
+        return waiter.result() if waiter in done else None
+
+    async def _wait_for_stage(self) -> bool:
+        """Joining, then perhaps standby, until the coordinator gives us a stage (False: stopped)."""
+        a = self.assignment
+        if a.stage < 0:
+            print(f"{self.node_id}: joined {self.cfg.coordinator}, serving on {self.t.address}; waiting for a stage "
+                  f"(one layer takes {self.beats.layer_ms:.1f} ms per micro-batch here)", flush=True)
+        while a.stage < 0:
+            a = await self._until_stop(self.beats.next_assignment())
+            if a is None:
+                print(f"{self.node_id}: stopping (held no stage)", flush=True)
+                return False
+        self.assignment = a
+        return True
+
+    async def _build_worker(self) -> StageWorker:
+        a, run, cfg = self.assignment, self.run_cfg, self.cfg
+        self.t.set_stage(a.stage)
+        print(f"{self.node_id}: holds stage {a.stage} of {a.num_stages} (coordinator {cfg.coordinator}), serving on "
+              f"{self.t.address} ({device_label(self.device)})", flush=True)
+        store = CheckpointStore(cfg.checkpoint_dir or Path("tahnode-state") / self.node_id)
+        self.sync = CheckpointSync(self.coord, self.node_id, store)
+        if self.sync.needs_fetch(a):
+            print(f"{self.node_id}: fetching the checkpoint of stage {a.stage} at step {a.resume_step} from the coordinator", flush=True)
+            await self.sync.fetch(a)
+        dataset = await asyncio.to_thread(open_dataset, run, cfg.data_dir) if a.stage == 0 else None
+        model = None
+        if cfg.init_from:
+            from ..train.hf import load_stage_from_hf
+            from ..train.model import build_stage
+
+            model = load_stage_from_hf(build_stage(run.model, a.stage, run.stages, seed=run.train.seed), cfg.init_from)
+        worker = StageWorker(run, a.stage, self.t, self.device, store, dataset, on_step=Progress(run.train.steps, cfg.progress),
+                             model=model, on_saved=lambda path, step: self.sync.saved(path, step, a.stage, a.num_stages))
+        resumed = worker.resume()
+        if resumed:
+            print(f"{self.node_id}: resumed stage {a.stage} from its checkpoint at step {resumed}", flush=True)
+        return worker
+
+    async def run(self) -> int:
+        """Hold a stage and train until the run ends (0) or `stop` is set (0, stage saved); 1 if the
+        pipeline cannot go on."""
+        if not await self._wait_for_stage():
+            return 0
+        try:
+            self.worker = worker = await self._build_worker()
+            follower = AssignmentFollower(self.t, worker.stage, self.beats)
+            follower.start(self.assignment)
+            self.beats.attach(worker)
+            run_task = asyncio.ensure_future(worker.run(self.run_cfg.train.steps))
+            try:
+                await self._until_stop(asyncio.shield(run_task))
+            finally:
+                follower.stop()
+            if not run_task.done():
+                print(f"{self.node_id}: stopping: saving stage {worker.stage} at step {worker.committed}", flush=True)
+                await worker.stop()
+                run_task.cancel()
+                return 0
+            run_task.result()  # raises PipelineError
+            await self.t.flush(10.0)
+            await worker.compute(worker.save)
+            print(f"{self.node_id}: run finished at step {worker.committed}", flush=True)
+            return 0
+        except PipelineError as exc:
+            print(f"{self.node_id}: error: {exc}", file=sys.stderr, flush=True)
+            return 1
+
+    async def shutdown(self) -> None:
+        """Finish uploads, report a last time, leave the swarm, close every connection."""
+        if self.sync is not None:
+            await self.sync.wait(timeout=30)
+        if self.beats is not None:
+            await self.beats.stop()
+        await self.coord.leave(self.node_id)
+        await self._close()
+
+    async def _close(self) -> None:
+        await self.coord.close()
+        await self.t.close()
+        if self.worker is not None:
+            self.worker.close()
+
+
+async def run_node(cfg: NodeConfig) -> int:
+    """The whole life of a daemon: join, hold a stage, leave; SIGTERM and Ctrl-C stop it cleanly."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    node = await StageNode.create(cfg, stop)
+    try:
+        return await node.run()
+    finally:
+        await node.shutdown()

@@ -1,0 +1,61 @@
+"""Typed errors of the control plane (node <-> coordinator): each refusal has its own class and
+gRPC status code, so a client tells them apart by type, never by the message's text."""
+
+from __future__ import annotations
+
+import grpc
+
+__all__ = ["CoordinatorError", "Unreachable", "Refused", "NotAuthenticated", "InvalidRequest", "StageTaken",
+           "UnknownNode", "from_rpc_error"]
+
+
+class CoordinatorError(RuntimeError):
+    """The coordinator refused a request, or cannot be reached."""
+
+    code = grpc.StatusCode.UNKNOWN
+
+
+class Unreachable(CoordinatorError):
+    """No answer from the coordinator (down, unreachable, or too slow)."""
+
+    code = grpc.StatusCode.UNAVAILABLE
+
+
+class Refused(CoordinatorError):
+    """The coordinator answered and said no."""
+
+
+class NotAuthenticated(Refused):
+    """The request's MAC does not match: wrong swarm token."""
+
+    code = grpc.StatusCode.UNAUTHENTICATED
+
+
+class InvalidRequest(Refused):
+    """The request is malformed or asks for something that does not exist."""
+
+    code = grpc.StatusCode.INVALID_ARGUMENT
+
+
+class StageTaken(Refused):
+    """The pinned stage is held by another live node."""
+
+    code = grpc.StatusCode.FAILED_PRECONDITION
+
+
+class UnknownNode(Refused):
+    """The coordinator does not know this node (never joined, left, or declared failed)."""
+
+    code = grpc.StatusCode.NOT_FOUND
+
+
+_BY_CODE = {cls.code: cls for cls in (NotAuthenticated, InvalidRequest, StageTaken, UnknownNode)}
+_UNREACHABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+
+
+def from_rpc_error(exc: grpc.aio.AioRpcError, address: str, what: str) -> CoordinatorError:
+    """The typed error for a failed call `what` (e.g. "join") to the coordinator at `address`."""
+    if exc.code() in _UNREACHABLE:
+        return Unreachable(f"coordinator {address} cannot be reached: {exc.details()}")
+    cls = _BY_CODE.get(exc.code(), Refused)
+    return cls(f"coordinator {address} refused the {what}: {exc.details()}")

@@ -1,0 +1,169 @@
+"""gRPC data plane (grpc.aio): a StageService server that authenticates and reassembles incoming
+frames into the inbox, and one client stream per outgoing direction with a bounded window."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import grpc
+
+from ..proto import tahnode_pb2 as pb
+from ..proto import tahnode_pb2_grpc as pb_grpc
+from .auth import SwarmKey
+from .framing import FrameError, FrameNotAuthenticated, Reassembler, frames_of, parse_envelope
+from .links import LinkedTransport, OutLink
+from .transport import FORWARD, BACKWARD, Direction, Inbound, Measurer
+
+__all__ = ["GrpcTransport", "CHANNEL_OPTIONS", "SERVER_OPTIONS"]
+
+log = logging.getLogger("tahnode.transport")
+
+MAX_MESSAGE_BYTES = 4 << 20      # explicit gRPC limit; frames stay far below it
+KEEPALIVE = [
+    ("grpc.keepalive_time_ms", 2000),
+    ("grpc.keepalive_timeout_ms", 3000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 0),
+]
+CHANNEL_OPTIONS = KEEPALIVE + [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.initial_reconnect_backoff_ms", 200),
+    ("grpc.max_reconnect_backoff_ms", 2000),
+]
+SERVER_OPTIONS = KEEPALIVE + [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.http2.min_ping_interval_without_data_ms", 1000),
+    ("grpc.so_reuseport", 0),
+]
+
+
+class StageServicer(pb_grpc.StageServiceServicer):
+    def __init__(self, transport: "GrpcTransport"):
+        self.t = transport
+
+    async def _stream(self, direction: Direction, request_iterator, context) -> pb.StreamAck:
+        stream = self.t.next_stream(direction)
+        asm = Reassembler(self.t.key)
+        frames = nbytes = 0
+        announced = False
+        async for frame in request_iterator:
+            try:
+                data = asm.add(frame)
+                env = parse_envelope(data) if data is not None else None
+            except FrameError as exc:
+                log.warning("refused %s stream from %s: %s", direction, context.peer(), exc)
+                code = grpc.StatusCode.UNAUTHENTICATED if isinstance(exc, FrameNotAuthenticated) else grpc.StatusCode.INVALID_ARGUMENT
+                await context.abort(code, str(exc))
+            frames += 1
+            nbytes += len(frame.data)
+            if env is None:
+                continue
+            if not announced:
+                await self.t.inbox.put(Inbound(direction, frame.sender, stream, None))
+                announced = True
+            await self.t.inbox.put(Inbound(direction, frame.sender, stream, env, len(data)))  # full inbox: backpressure
+        return pb.StreamAck(frames=frames, bytes=nbytes)
+
+    async def Forward(self, request_iterator, context):
+        return await self._stream(FORWARD, request_iterator, context)
+
+    async def Backward(self, request_iterator, context):
+        return await self._stream(BACKWARD, request_iterator, context)
+
+    async def Ping(self, request, context):
+        return pb.PingReply(nonce=request.nonce, node_id=self.t.node_id, stage=max(self.t.stage, 0))
+
+    async def Probe(self, request_iterator, context):
+        first = last = None
+        total = 0
+        async for chunk in request_iterator:
+            if not self.t.key.verify_frame(pb.Frame(sender="probe", data=chunk.data, mac=chunk.mac)):
+                await context.abort(grpc.StatusCode.UNAUTHENTICATED, "probe failed authentication (wrong swarm token?)")
+            now = time.perf_counter()
+            first = first if first is not None else now
+            last = now
+            total += len(chunk.data)
+        return pb.ProbeReply(bytes=total, seconds=(last - first) if first is not None else 0.0)
+
+    async def Measure(self, request, context):
+        if not self.t.key.verify(request):
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "measure request failed authentication")
+        if self.t.measurer is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "this node does not measure links")
+        mbps, rtt = await self.t.measurer(request.target_address, request.payload_bytes)
+        return pb.MeasureReply(mbps=mbps, rtt_ms=rtt)
+
+
+class GrpcLink(OutLink):
+    """One direction's client stream (StageService.Forward or .Backward), written frame by frame."""
+
+    seq = 0
+
+    async def carry(self) -> None:
+        async with grpc.aio.insecure_channel(self.address, options=CHANNEL_OPTIONS) as channel:
+            try:
+                await asyncio.wait_for(channel.channel_ready(), timeout=5.0)
+                stub = pb_grpc.StageServiceStub(channel)
+                call = (stub.Forward if self.direction == FORWARD else stub.Backward)(wait_for_ready=True)
+                log.info("%s link to %s (%s) open", self.direction, self.peer_id, self.address)
+                await self._write(call)
+            except grpc.aio.AioRpcError as exc:
+                raise ConnectionError(exc.details()) from None
+
+    async def _write(self, call) -> None:
+        done = asyncio.ensure_future(call)  # completes (with an error) when the peer goes away
+        try:
+            while True:
+                getter = asyncio.ensure_future(self.next_envelope())
+                finished, _ = await asyncio.wait({getter, done}, return_when=asyncio.FIRST_COMPLETED)
+                if done in finished:
+                    getter.cancel()
+                    await done  # raises the RPC error
+                    raise ConnectionError("stream closed by peer")
+                data = getter.result()
+                self.seq += 1
+                start = time.perf_counter()
+                for frame in frames_of(self.transport.key, self.transport.node_id, self.seq, data):
+                    await call.write(frame)
+                self.delivered(len(data), time.perf_counter() - start)
+        finally:
+            if not done.done():
+                done.cancel()
+
+
+class GrpcTransport(LinkedTransport):
+    """Transport over gRPC; see tahnode.net.transport.Transport for the contract. `measurer`
+    answers the coordinator's requests to measure a link from this node (None: refused)."""
+
+    Link = GrpcLink
+
+    def __init__(self, node_id: str, key: SwarmKey, listen: str, advertise: str = "", window: int = 4, inbox_size: int = 8,
+                 measurer: Measurer | None = None):
+        super().__init__(node_id, window, inbox_size)
+        self.key = key
+        self.listen, self.advertise = listen, advertise
+        self.measurer = measurer
+        self.server: grpc.aio.Server | None = None
+
+    async def start(self) -> str:
+        self.server = grpc.aio.server(options=SERVER_OPTIONS)
+        pb_grpc.add_StageServiceServicer_to_server(StageServicer(self), self.server)
+        port = self.server.add_insecure_port(self.listen)
+        if port == 0:
+            raise OSError(f"cannot listen on {self.listen}")
+        await self.server.start()
+        host = self.listen.rsplit(":", 1)[0]
+        if host in ("0.0.0.0", "[::]", ""):
+            host = "127.0.0.1"
+        self.address = self.advertise or f"{host}:{port}"
+        self.open_links()
+        return self.address
+
+    async def close(self) -> None:
+        self.close_links()
+        if self.server:
+            await self.server.stop(grace=0.5)

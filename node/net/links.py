@@ -1,0 +1,159 @@
+"""What every transport shares: one outgoing link per direction (a bounded queue of serialized
+envelopes with a generation that moves on when the link fails) and the bookkeeping around it.
+A transport subclasses both and says how a link carries its queue to the peer."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Callable
+
+from ..proto import tahnode_pb2 as pb
+from .transport import BACKWARD, FORWARD, Direction, LinkCounters
+
+log = logging.getLogger("tahnode.transport")
+
+__all__ = ["OutLink", "LinkedTransport"]
+
+
+class OutLink:
+    """The outgoing stream of one direction. `carry()` (a subclass's) takes envelopes off the queue
+    and delivers them until it fails; on failure the queue is dropped, the generation bumps, every
+    listener hears of it, and `carry()` runs again (a new stream)."""
+
+    def __init__(self, transport: "LinkedTransport", direction: Direction, window: int):
+        self.transport, self.direction = transport, direction
+        self.queue: asyncio.Queue = asyncio.Queue(maxsize=window)
+        self.generation = 0
+        self.peer_id = self.address = ""
+        self.counters = LinkCounters()
+        self.task: asyncio.Task | None = None
+        self.idle = asyncio.Event()
+        self.idle.set()
+
+    async def carry(self) -> None:
+        """Deliver queued envelopes to self.address until the stream fails (raise ConnectionError
+        or asyncio.TimeoutError) or is cancelled."""
+        raise NotImplementedError
+
+    def set_peer(self, node_id: str, address: str) -> None:
+        if (node_id, address) == (self.peer_id, self.address):
+            return
+        old = self.peer_id
+        self.peer_id, self.address = node_id, address
+        self.counters.peer = node_id
+        self.restart(f"peer changed from {old or 'none'} to {node_id or 'none'}" if self.task else None)
+
+    def restart(self, reason: str | None) -> None:
+        """Drop the current stream (a failure, if `reason`) and open a new one to the peer."""
+        if self.task:
+            self.task.cancel()
+            self.task = None
+        if reason:
+            self.fail(reason)
+        if self.address:
+            self.task = asyncio.get_running_loop().create_task(self._run(), name=f"link-{self.direction}")
+
+    def fail(self, reason: str) -> None:
+        self.generation += 1
+        self.counters.failures += 1
+        while not self.queue.empty():
+            self.queue.get_nowait()
+        self.idle.set()
+        for cb in self.transport.down_callbacks:
+            cb(self.direction, reason)
+
+    async def next_envelope(self) -> bytes:
+        """The next queued envelope of the current generation (stale ones are skipped)."""
+        while True:
+            generation, data = await self.queue.get()
+            if generation == self.generation:
+                return data
+            self.mark_idle()
+
+    def delivered(self, nbytes: int, seconds: float) -> None:
+        self.counters.bytes += nbytes
+        self.counters.seconds += seconds
+        self.counters.envelopes += 1
+        self.mark_idle()
+
+    def mark_idle(self) -> None:
+        if self.queue.empty():
+            self.idle.set()
+
+    async def _run(self) -> None:
+        backoff = 0.2
+        while True:
+            try:
+                await self.carry()
+                backoff = 0.2
+            except (ConnectionError, asyncio.TimeoutError) as exc:
+                reason = str(exc) or type(exc).__name__
+                log.warning("%s link to %s (%s) failed: %s", self.direction, self.peer_id, self.address, reason)
+                self.fail(f"{self.direction} link to {self.peer_id} failed: {reason}")
+            await asyncio.sleep(backoff)
+            backoff = min(2.0, backoff * 2)
+
+
+class LinkedTransport:
+    """The parts of a Transport (tahnode.net.transport) that do not depend on the medium."""
+
+    Link: type[OutLink] = OutLink
+
+    def __init__(self, node_id: str, window: int = 4, inbox_size: int = 8):
+        self.node_id = node_id
+        self.inbox: asyncio.Queue = asyncio.Queue(maxsize=inbox_size)
+        self.window = window
+        self.links: dict[Direction, OutLink] = {}
+        self.streams = {FORWARD: 0, BACKWARD: 0}
+        self.down_callbacks: list[Callable[[Direction, str], None]] = []
+        self.stage = -1
+        self.address = ""
+
+    def open_links(self) -> None:
+        self.links = {d: self.Link(self, d, self.window) for d in (FORWARD, BACKWARD)}
+
+    def set_stage(self, stage: int) -> None:
+        self.stage = stage
+
+    def next_stream(self, direction: Direction) -> int:
+        """Number a new incoming stream of `direction` (its codec state starts afresh)."""
+        self.streams[direction] += 1
+        return self.streams[direction]
+
+    def set_peer(self, direction: Direction, node_id: str, address: str) -> None:
+        self.links[direction].set_peer(node_id, address)
+
+    def peer(self, direction: Direction) -> str:
+        return self.links[direction].peer_id
+
+    def generation(self, direction: Direction) -> int:
+        return self.links[direction].generation
+
+    async def send(self, direction: Direction, envelope: pb.Envelope, generation: int) -> bool:
+        link = self.links[direction]
+        if generation != link.generation or not link.address:
+            return False
+        data = envelope.SerializeToString()
+        link.idle.clear()
+        await link.queue.put((generation, data))
+        return generation == link.generation
+
+    def on_link_down(self, callback: Callable[[Direction, str], None]) -> None:
+        self.down_callbacks.append(callback)
+
+    def counters(self, direction: Direction) -> LinkCounters:
+        return self.links[direction].counters
+
+    async def flush(self, timeout: float) -> None:
+        waits = [link.idle.wait() for link in self.links.values() if link.task]
+        if waits:
+            try:
+                await asyncio.wait_for(asyncio.gather(*waits), timeout)
+            except asyncio.TimeoutError:
+                log.warning("gave up waiting for queued envelopes after %.0f s", timeout)
+
+    def close_links(self) -> None:
+        for link in self.links.values():
+            if link.task:
+                link.task.cancel()

@@ -1,0 +1,59 @@
+"""Link measurement over the data plane: throughput and RTT from this node to another (`measure`),
+and the coordinator's request that a node measure its link to a peer (`request_measure`)."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import grpc
+
+from ..proto import tahnode_pb2 as pb
+from ..proto import tahnode_pb2_grpc as pb_grpc
+from .auth import SwarmKey
+from .grpc_transport import CHANNEL_OPTIONS
+
+__all__ = ["probe", "measure_link", "request_measure"]
+
+
+async def probe(key: SwarmKey, address: str, payload_bytes: int, chunk: int = 256 << 10) -> tuple[float, float]:
+    """Measure the link to `address`: (throughput Mbit/s over payload_bytes, median RTT ms)."""
+    async with grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS) as channel:
+        stub = pb_grpc.StageServiceStub(channel)
+        rtts = []
+        for _ in range(5):
+            start = time.perf_counter()
+            await stub.Ping(pb.PingRequest(nonce=os.urandom(8)), timeout=10)
+            rtts.append((time.perf_counter() - start) * 1e3)
+        data = os.urandom(chunk)
+        mac = key.frame_mac("probe", 0, 0, 0, data)
+
+        async def chunks():
+            sent = 0
+            while sent < payload_bytes:
+                yield pb.ProbeChunk(data=data, mac=mac)
+                sent += len(data)
+
+        start = time.perf_counter()
+        reply = await stub.Probe(chunks(), timeout=120)
+        elapsed = time.perf_counter() - start
+        return reply.bytes * 8 / max(elapsed, 1e-9) / 1e6, sorted(rtts)[len(rtts) // 2]
+
+
+async def measure_link(key: SwarmKey, target: str, nbytes: int) -> tuple[float, float]:
+    """Throughput (Mbit/s) and RTT (ms) from here to `target`: a short probe sizes the real one
+    to last about a second (1-64 MiB), so token-bucket bursts do not inflate the figure."""
+    if nbytes:
+        return await probe(key, target, nbytes)
+    rough, _ = await probe(key, target, 512 << 10)
+    size = int(min(64 << 20, max(1 << 20, rough * 1e6 / 8 * 1.0)))
+    return await probe(key, target, size)
+
+
+async def request_measure(key: SwarmKey, node_address: str, target_id: str, target_address: str) -> tuple[float, float]:
+    """Ask the node at `node_address` to measure its link to the target, over its own data plane."""
+    async with grpc.aio.insecure_channel(node_address) as channel:
+        stub = pb_grpc.StageServiceStub(channel)
+        req = key.sign(pb.MeasureRequest(target_id=target_id, target_address=target_address))
+        reply = await stub.Measure(req, timeout=60)
+        return reply.mbps, reply.rtt_ms

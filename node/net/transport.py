@@ -1,0 +1,100 @@
+"""The data-plane interface between stages: send an Envelope towards the next or previous stage,
+receive Envelopes from them. The pipeline sees only this; gRPC (and libp2p) implement it."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from enum import Enum
+from typing import Awaitable, Callable, Protocol
+
+from ..proto import tahnode_pb2 as pb
+
+__all__ = ["Direction", "FORWARD", "BACKWARD", "EnvelopeKind", "Inbound", "LinkCounters", "Measurer", "Transport"]
+
+
+class Direction(Enum):
+    """Which way an envelope travels along the chain of stages."""
+
+    FORWARD = "forward"    # activations, step ends, syncs: towards the next stage
+    BACKWARD = "backward"  # gradients, sync acks: towards the previous stage
+
+    def __str__(self) -> str:
+        return self.value
+
+
+FORWARD, BACKWARD = Direction.FORWARD, Direction.BACKWARD
+
+
+class EnvelopeKind(Enum):
+    """What an Envelope carries (the name of its `body` field)."""
+
+    MICRO_BATCH = "micro_batch"
+    STEP_END = "step_end"
+    SYNC = "sync"
+    SYNC_ACK = "sync_ack"
+    SHUTDOWN = "shutdown"
+
+    @classmethod
+    def of(cls, envelope: pb.Envelope) -> "EnvelopeKind | None":
+        body = envelope.WhichOneof("body")
+        return cls(body) if body else None
+
+
+@dataclass
+class Inbound:
+    """One received envelope. `stream` numbers the incoming streams of this direction: a new
+    number means the sender (re)connected and its per-stream codec state starts afresh."""
+
+    direction: Direction
+    sender: str
+    stream: int
+    envelope: pb.Envelope | None  # None: only marks the start of a new stream
+    nbytes: int = 0
+
+
+@dataclass
+class LinkCounters:
+    """What one outgoing link has carried (for stats and the coordinator's bandwidth matrix)."""
+
+    peer: str = ""
+    bytes: int = 0
+    seconds: float = 0.0
+    envelopes: int = 0
+    failures: int = 0
+
+
+# measure(target address, payload bytes or 0 for "size it yourself") -> (Mbit/s, RTT ms)
+Measurer = Callable[[str, int], Awaitable[tuple[float, float]]]
+
+
+class Transport(Protocol):
+    inbox: asyncio.Queue
+    address: str
+
+    async def start(self) -> str:
+        """Start serving; return the address peers reach this node at."""
+
+    def set_stage(self, stage: int) -> None:
+        """The stage this node holds (peers that ping it are told)."""
+
+    def set_peer(self, direction: Direction, node_id: str, address: str) -> None:
+        """Point the outgoing link of `direction` at a peer ("" to close it)."""
+
+    def generation(self, direction: Direction) -> int:
+        """Counter of the outgoing link's streams; it changes when the link failed. Encode with
+        codec state of the current generation, and hand that number to `send`."""
+
+    async def send(self, direction: Direction, envelope: pb.Envelope, generation: int) -> bool:
+        """Queue an envelope (awaits while the in-flight window is full). False if the link's
+        generation moved on (the envelope is dropped: its step will be replayed)."""
+
+    def on_link_down(self, callback: Callable[[Direction, str], None]) -> None:
+        """Call callback(direction, reason) when an outgoing link fails."""
+
+    def counters(self, direction: Direction) -> LinkCounters: ...
+
+    async def flush(self, timeout: float) -> None:
+        """Wait until queued envelopes have been written (or the timeout passed)."""
+
+    async def close(self) -> None: ...

@@ -1,0 +1,205 @@
+"""Stage checkpoints: one safetensors file per saved step holding the stage's weights, its AdamW
+state and its codec state, with the step and run identity in the metadata; resume reads the latest.
+
+This module owns the file names, and the chunking that carries a file to and from the coordinator."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+log = logging.getLogger("tahnode.checkpoint")
+
+NAME = re.compile(r"stage(\d+)-of(\d+)-step(\d+)\.safetensors$")
+CHUNK_BYTES = 1 << 20  # a checkpoint travels in chunks of this size
+
+
+def checkpoint_name(stage: int, num_stages: int, step: int) -> str:
+    """The file name of stage `stage` of `num_stages` at step `step` (matches NAME)."""
+    return f"stage{stage}-of{num_stages}-step{step}.safetensors"
+
+
+def read_chunks(path: str | Path, size: int = CHUNK_BYTES) -> Iterator[tuple[bytes, bool]]:
+    """(data, last) pieces of a file; the last piece is shorter than `size` (possibly empty)."""
+    with open(path, "rb") as fh:
+        while True:
+            data = fh.read(size)
+            last = len(data) < size
+            yield data, last
+            if last:
+                return
+
+
+class ChunkWriter:
+    """Receives a file in pieces into a temporary name beside `final`, and renames it only when
+    whole (`commit`); closing it uncommitted (an error, a broken stream) removes the piece."""
+
+    def __init__(self, final: Path, suffix: str = ".part"):
+        self.final = final
+        final.parent.mkdir(parents=True, exist_ok=True)
+        self.tmp = final.with_suffix(suffix)
+        self.fh = open(self.tmp, "wb")
+        self.bytes = 0
+
+    def write(self, data: bytes) -> None:
+        self.fh.write(data)
+        self.bytes += len(data)
+
+    def commit(self) -> Path:
+        self.fh.close()
+        self.tmp.replace(self.final)
+        return self.final
+
+    def close(self) -> None:
+        if not self.fh.closed:
+            self.fh.close()
+            self.tmp.unlink(missing_ok=True)
+
+    def __enter__(self) -> "ChunkWriter":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+@dataclass
+class Checkpoint:
+    path: Path
+    stage: int
+    num_stages: int
+    step: int
+
+
+class CheckpointStore:
+    """A directory of stage checkpoints; keeps the newest `keep` files of each stage."""
+
+    def __init__(self, directory: str | Path, keep: int = 2):
+        self.dir = Path(directory)
+        self.keep = keep
+
+    def list(self, stage: int, num_stages: int) -> list[Checkpoint]:
+        if not self.dir.is_dir():
+            return []
+        found = []
+        for p in self.dir.iterdir():
+            m = NAME.match(p.name)
+            if m and int(m[1]) == stage and int(m[2]) == num_stages:
+                found.append(Checkpoint(p, stage, num_stages, int(m[3])))
+        return sorted(found, key=lambda c: c.step)
+
+    def path(self, stage: int, num_stages: int, step: int) -> Path:
+        return self.dir / checkpoint_name(stage, num_stages, step)
+
+    def prune(self, stage: int, num_stages: int) -> None:
+        """Keep only the newest `keep` files of the stage."""
+        for old in self.list(stage, num_stages)[: -self.keep]:
+            old.path.unlink(missing_ok=True)
+
+    def find(self, stage: int, num_stages: int, step: int) -> Checkpoint | None:
+        return next((c for c in self.list(stage, num_stages) if c.step == step), None)
+
+    def latest(self, stage: int, num_stages: int) -> Checkpoint | None:
+        found = self.list(stage, num_stages)
+        return found[-1] if found else None
+
+    def save(self, stage: int, num_stages: int, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+             run_json: str, extra: dict[str, torch.Tensor] | None = None) -> Path:
+        """Write atomically (temp file + rename) and prune old files."""
+        self.dir.mkdir(parents=True, exist_ok=True)
+        tensors = {f"model/{k}": v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
+        names = {id(p): n for n, p in model.named_parameters()}
+        opt_steps = {}
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                state = optimizer.state.get(p, {})
+                name = names[id(p)]
+                for key in ("exp_avg", "exp_avg_sq"):
+                    if key in state:
+                        tensors[f"optim/{name}/{key}"] = state[key].detach().contiguous().cpu()
+                if "step" in state:
+                    opt_steps[name] = float(state["step"])
+        for k, v in (extra or {}).items():
+            tensors[f"extra/{k}"] = v.detach().contiguous().cpu()
+        meta = {"step": str(step), "stage": str(stage), "num_stages": str(num_stages), "run": run_json, "optim_steps": json.dumps(opt_steps)}
+        path = self.path(stage, num_stages, step)
+        tmp = path.with_suffix(".tmp")
+        save_file(tensors, str(tmp), metadata=meta)
+        os.replace(tmp, path)
+        self.prune(stage, num_stages)
+        return path
+
+
+def load(ckpt: Checkpoint, model: torch.nn.Module, optimizer: torch.optim.Optimizer, run_json: str) -> dict[str, torch.Tensor]:
+    """Restore weights and optimizer state in place; returns the extra tensors. Refuses a
+    checkpoint of another run configuration (model, stages, codecs) with a clear error."""
+    try:
+        with safe_open(str(ckpt.path), framework="pt") as f:
+            meta = f.metadata() or {}
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
+    except Exception as exc:
+        raise ValueError(f"checkpoint {ckpt.path} is unreadable: {exc}") from None
+    saved = json.loads(meta.get("run", "{}"))
+    ours = json.loads(run_json)
+    for key in ("model", "stages"):
+        if saved.get(key) != ours.get(key):
+            raise ValueError(f"checkpoint {ckpt.path} belongs to another run ({key} differs); move it away or use another --checkpoint-dir")
+    state = {k[len("model/"):]: v for k, v in tensors.items() if k.startswith("model/")}
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    if missing or unexpected:
+        raise ValueError(f"checkpoint {ckpt.path} does not fit stage {ckpt.stage}: missing {missing[:3]}, unexpected {unexpected[:3]}")
+    params = dict(model.named_parameters())
+    steps = json.loads(meta.get("optim_steps", "{}"))
+    device = next(model.parameters()).device
+    for name, p in params.items():
+        if f"optim/{name}/exp_avg" in tensors:
+            optimizer.state[p] = {
+                "step": torch.tensor(steps.get(name, 0.0)),
+                "exp_avg": tensors[f"optim/{name}/exp_avg"].to(device),
+                "exp_avg_sq": tensors[f"optim/{name}/exp_avg_sq"].to(device),
+            }
+    return {k[len("extra/"):]: v for k, v in tensors.items() if k.startswith("extra/")}
+
+
+class StageSaver:
+    """Saves and restores one stage's whole state (weights, optimizer, codec state) in a store, and
+    tells `on_saved(path, step)` of each file it wrote (the daemon uploads it)."""
+
+    def __init__(self, store: CheckpointStore | None, stage: int, run, on_saved=None):
+        self.store, self.stage, self.num_stages = store, stage, run.stages
+        self.run_json = run.to_json()
+        self.on_saved = on_saved
+        self.saved_step = -1
+
+    def save(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer, codecs) -> None:
+        """Save the state of committed step `step` (once; nothing at step 0 or without a store)."""
+        if self.store is None or step == 0 or step == self.saved_step:
+            return
+        self.saved_step = step
+        path = self.store.save(self.stage, self.num_stages, step, model, optimizer, self.run_json, codecs.tensors() or None)
+        log.info("stage %d saved step %d to %s", self.stage, step, path)
+        if self.on_saved:
+            self.on_saved(str(path), step)
+
+    def load_latest(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, codecs) -> int:
+        """Restore the newest checkpoint of the stage; its step, or 0 if there is none."""
+        ckpt = self.store.latest(self.stage, self.num_stages) if self.store else None
+        return self._restore(ckpt, model, optimizer, codecs) if ckpt else 0
+
+    def load(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer, codecs) -> bool:
+        """Restore the checkpoint of `step`; False if the store has none."""
+        ckpt = self.store.find(self.stage, self.num_stages, step) if self.store else None
+        return bool(ckpt and self._restore(ckpt, model, optimizer, codecs) is not None)
+
+    def _restore(self, ckpt: Checkpoint, model, optimizer, codecs) -> int:
+        codecs.load(load(ckpt, model, optimizer, self.run_json), ckpt.step)
+        log.info("stage %d loaded %s (step %d)", self.stage, ckpt.path, ckpt.step)
+        return ckpt.step

@@ -1,0 +1,132 @@
+"""Stage 0 drives the steps: it sends each step's micro-batches through the in-flight window,
+waits for their gradients, commits the step, and after a failure restarts it with a Sync that
+every stage must answer (all stages return to the same committed step first)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+from typing import TYPE_CHECKING
+
+from ..net.transport import FORWARD
+from ..proto import tahnode_pb2 as pb
+from ..train.data import SampleSchedule, TokenDataset
+from ..train.optim import grad_sumsq
+from .schedule import Window, in_flight_limit
+from .state import PipelineError
+
+if TYPE_CHECKING:
+    from .worker import StageWorker
+
+log = logging.getLogger("tahnode.pipeline")
+
+__all__ = ["StepDriver"]
+
+
+class StepDriver:
+    """The step loop of stage 0 (`drive`), fed by the worker's inbox through `backward_done`,
+    `sync_answered` and `abort_step`."""
+
+    def __init__(self, worker: "StageWorker", dataset: TokenDataset | None):
+        self.w = worker
+        t = worker.train
+        self.dataset = dataset
+        self.samples = SampleSchedule(len(dataset), t.batch_size, t.micro_batches, seed=t.seed) if dataset else None
+        self.window = Window(in_flight_limit(t, worker.num_stages))
+        self.all_backward = asyncio.Event()
+        self.abort = asyncio.Event()
+        self.sync_reply: asyncio.Future | None = None
+
+    # -- what the worker tells -------------------------------------------------------------------
+    def backward_done(self, step_complete: bool) -> None:
+        """The backward pass of one micro-batch finished here (the last of the step: `step_complete`)."""
+        if step_complete:
+            self.all_backward.set()
+        self.window.release()
+
+    def abort_step(self) -> None:
+        """A link failed: the step in flight is given up and replayed."""
+        self.abort.set()
+
+    def sync_answered(self, ack: pb.SyncAck) -> None:
+        st = self.w.state
+        if ack.abort:
+            self.abort.set()
+        elif self.sync_reply is not None and not self.sync_reply.done() and (ack.step, ack.attempt) == (st.step, st.attempt):
+            self.sync_reply.set_result(ack)
+
+    # -- the loop ----------------------------------------------------------------------------------
+    def _forward(self, index: int):
+        ids = self.samples.ids(self.w.state.step, index)
+        tokens, labels = self.dataset.batch(ids)
+        return self.w.forward_first(index, ids, tokens, labels)
+
+    async def _sync(self, attempt: int) -> None:
+        """Restart step `committed` as `attempt` once every stage answers; repeat until they do.
+        Stages that answer with different committed steps are all rolled back to the smallest."""
+        w, st = self.w, self.w.state
+        rollback = False
+        while True:
+            self.abort.clear()
+            await w.compute(w.restart_step, st.committed, attempt)
+            self.window = Window(in_flight_limit(w.train, w.num_stages))
+            if w.num_stages == 1:
+                return
+            self.sync_reply = asyncio.get_running_loop().create_future()
+            sync = pb.Sync(step=st.step, attempt=attempt, last_commit=st.last_commit, rollback=rollback)
+            await w.send(FORWARD, sync=sync)
+            try:
+                ack = await asyncio.wait_for(asyncio.shield(self.sync_reply), timeout=5.0)
+            except asyncio.TimeoutError:
+                log.info("waiting for every stage to answer (step %d, attempt %d)", st.step, attempt)
+                attempt += 1
+                continue
+            low = min(ack.min_committed, st.committed)
+            if ack.max_committed == low and st.committed == low:
+                return
+            # a stage came back from an older checkpoint (e.g. a standby took it over): every stage
+            # returns to that step and the steps after it are trained again
+            log.warning("stages are at steps %d..%d: rolling every stage back to step %d", low, max(ack.max_committed, st.committed), low)
+            if st.committed != low:
+                await w.compute(w.rollback, low)
+            rollback = True
+            attempt += 1
+
+    async def _run_step(self) -> bool:
+        """Send every micro-batch of the step, wait for its gradients. False if aborted."""
+        self.all_backward.clear()
+        for index in range(self.w.train.micro_batches):
+            if not await self.window.admit(self.abort):
+                return False
+            mb, gen = await self.w.compute(self._forward, index)
+            await self.w.send(FORWARD, gen, micro_batch=mb)
+        waiter = asyncio.ensure_future(self.all_backward.wait())
+        aborted = asyncio.ensure_future(self.abort.wait())
+        done, _ = await asyncio.wait({waiter, aborted}, return_when=asyncio.FIRST_COMPLETED)
+        waiter.cancel()
+        aborted.cancel()
+        return waiter in done and not self.abort.is_set()
+
+    async def drive(self, steps: int) -> None:
+        """Train until `steps` steps are committed (or the worker stops), then shut the run down."""
+        w, st = self.w, self.w.state
+        # a fresh attempt number per incarnation of stage 0: leftovers of a previous one never match
+        attempt = random.randrange(1, 1 << 30)
+        await self._sync(attempt)
+        while st.committed < steps and not w.stopping:
+            if w.num_stages == 1:
+                raise PipelineError("a single-stage swarm: use tahnode.train.local instead")
+            if not await self._run_step():
+                if w.stopping:
+                    break
+                w.stats.replays += 1
+                attempt = st.attempt + 1
+                log.warning("stage 0 replays step %d (attempt %d)", st.committed, attempt)
+                await self._sync(attempt)
+                continue
+            total = st.partial_sumsq + await w.compute(grad_sumsq, w.opt.params)
+            await w.commit(pb.StepEnd(step=st.step, attempt=st.attempt, grad_sumsq=total))
+        if not w.stopping:
+            await w.send(FORWARD, shutdown=pb.Shutdown(step=st.committed))
+            w.finish()

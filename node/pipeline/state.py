@@ -1,0 +1,105 @@
+"""The state of one stage at work, as dataclasses: where it stands in the run (committed steps,
+the step being computed and what of it is done) and the counters it reports."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from ..net.transport import BACKWARD, FORWARD
+from ..proto import tahnode_pb2 as pb
+
+__all__ = ["PipelineError", "Pending", "StepState", "StopRequest", "Stats"]
+
+
+class PipelineError(RuntimeError):
+    """The pipeline cannot go on (e.g. stages resumed from different steps)."""
+
+
+@dataclass
+class Pending:
+    """A micro-batch whose forward ran here and whose gradient has not come back yet."""
+
+    inp: torch.Tensor | None  # what this stage received (None on stage 0: token ids need no gradient)
+    out: torch.Tensor         # what its backward pass starts from
+    sample_ids: list[int]
+
+
+@dataclass
+class StepState:
+    """The optimizer steps applied so far, and the step (`step`, `attempt`) being computed.
+
+    Only a Sync changes the attempt; micro-batches of any other (step, attempt) are left over from
+    an aborted attempt (or an earlier incarnation of stage 0) and are dropped."""
+
+    committed: int = 0                 # number of optimizer steps applied
+    last_commit: pb.StepEnd = field(default_factory=pb.StepEnd)
+    step: int = 0
+    attempt: int = 0
+    pending: dict[int, Pending] = field(default_factory=dict)
+    done_backward: int = 0             # micro-batches of this step whose backward ran here
+    partial_sumsq: float = 0.0         # gradient sum of squares of the later stages
+    losses: list[float] = field(default_factory=list)   # last stage: loss of each micro-batch
+    samples: list[int] = field(default_factory=list)    # last stage: their sample ids
+
+    def current(self, step: int, attempt: int) -> bool:
+        """Is work of (step, attempt) part of the step now being computed?"""
+        return step == self.step and attempt == self.attempt
+
+    def restart(self, step: int, attempt: int) -> None:
+        """Start computing (step, attempt) afresh."""
+        self.step, self.attempt = step, attempt
+        self.pending.clear()
+        self.done_backward = 0
+        self.partial_sumsq = 0.0
+        self.losses = []
+        self.samples = []
+
+    def awaits_step_end(self, micro_batches: int) -> bool:
+        """Every backward of the step ran here; only its StepEnd is missing."""
+        return self.done_backward == micro_batches and self.committed == self.step
+
+
+@dataclass
+class StopRequest:
+    """The stage was asked to stop; `drain_step` is the step whose StepEnd it still waits for (every
+    gradient of that step went out, so stage 0 commits it), None if it stops at once."""
+
+    drain_step: int | None = None
+
+
+@dataclass
+class Stats:
+    """Counters every stage keeps; the last stage also has the losses."""
+
+    encoded_bytes: dict = field(default_factory=lambda: {FORWARD: 0, BACKWARD: 0})  # EncodedTensor messages
+    elements: dict = field(default_factory=lambda: {FORWARD: 0, BACKWARD: 0})
+    uncompressed_bytes: int = 0
+    losses: list = field(default_factory=list)      # (step, mean loss, sample ids), committed steps
+    outbox: list = field(default_factory=list)      # the same, not yet reported to the coordinator
+    step_times: list = field(default_factory=list)  # wall time of each committed step
+    step_started: float = field(default_factory=time.perf_counter)
+    tokens_per_step: int = 0
+    finished: bool = False
+    replays: int = 0
+
+    def bits_per_element(self, direction) -> float:
+        n = self.elements[direction]
+        return 8.0 * self.encoded_bytes[direction] / n if n else 0.0
+
+    def tokens_per_s(self, last: int = 10) -> float:
+        times = self.step_times[-last:]
+        return self.tokens_per_step * len(times) / sum(times) if times and sum(times) > 0 else 0.0
+
+    def step_done(self) -> None:
+        now = time.perf_counter()
+        self.step_times.append(now - self.step_started)
+        self.step_started = now
+
+    def counted(self, direction, encoded: int, tensor: torch.Tensor) -> None:
+        """One tensor sent `direction`: its wire size and what it would have been uncompressed."""
+        self.encoded_bytes[direction] += encoded
+        self.elements[direction] += tensor.numel()
+        self.uncompressed_bytes += tensor.numel() * tensor.element_size()

@@ -1,0 +1,89 @@
+"""The codecs of one stage's two directions with their per-stream state: encode what the stage
+sends, decode what it receives. A new stream (the link reconnected) starts its state afresh."""
+
+from __future__ import annotations
+
+import torch
+
+from .. import codecs
+from ..codecs import CodecContext, CodecState
+from ..config import RunConfig
+from ..net.transport import BACKWARD, FORWARD, Direction, Transport
+from ..proto import tahnode_pb2 as pb
+from .state import Stats
+
+__all__ = ["CodecStreams"]
+
+
+class CodecStreams:
+    """Codec, sender state and stream contexts of both directions of stage `stage`."""
+
+    def __init__(self, run: RunConfig, stage: int, transport: Transport, device: torch.device, stats: Stats):
+        c = run.codec
+        self.codecs = {FORWARD: codecs.get_codec(c.forward, **c.forward_params),
+                       BACKWARD: codecs.get_codec(c.backward, **c.backward_params)}
+        sends = {FORWARD: stage < run.stages - 1, BACKWARD: stage > 0}
+        self.states: dict[Direction, CodecState] = {
+            d: self.codecs[d].sender_state(run.model.dim, device) if sends[d] else CodecState() for d in (FORWARD, BACKWARD)}
+        self.t, self.device, self.stats = transport, device, stats
+        self.sending: dict[Direction, tuple[int, CodecContext]] = {}
+        self.receiving: dict[Direction, tuple[int, CodecContext]] = {}
+
+    def _context(self, table: dict, direction: Direction, number: int, fresh) -> CodecContext:
+        if direction not in table or table[direction][0] != number:
+            table[direction] = (number, fresh())
+        return table[direction][1]
+
+    def encode(self, direction: Direction, tensor: torch.Tensor, sample_ids) -> tuple[pb.EncodedTensor, int]:
+        """The encoded tensor and the link generation whose stream state encoded it."""
+        gen = self.t.generation(direction)
+        ctx = self._context(self.sending, direction, gen, self.states[direction].new_context)
+        ctx.sample_ids = sample_ids
+        msg = self.codecs[direction].encode(tensor.detach(), ctx)
+        self.stats.counted(direction, msg.ByteSize(), tensor)
+        return msg, gen
+
+    def decode(self, direction: Direction, stream: int, mb: pb.MicroBatch, dtype: torch.dtype) -> torch.Tensor:
+        ctx = self._context(self.receiving, direction, stream, CodecContext)
+        ctx.sample_ids = list(mb.sample_ids)
+        return codecs.decode(mb.tensor, ctx, self.device).to(dtype)
+
+    def discard(self, direction: Direction, stream: int, mb: pb.MicroBatch) -> None:
+        """A received message the pipeline drops: a codec with per-stream state still decodes it,
+        so that its state stays in step with the sender's."""
+        codec = codecs.CODECS.get(mb.tensor.codec)
+        if codec is not None and codec.keeps_stream_state:
+            self.decode(direction, stream, mb, torch.float32)
+
+    def sent(self, out: torch.Tensor) -> torch.Tensor:
+        """The tensor the backward pass flows through in place of the forward output `out`."""
+        return self.states[FORWARD].straight_through(out)
+
+    def cache_bytes(self) -> int:
+        """Memory held by the forward streams' codec state (AQ-SGD's caches)."""
+        return sum(entry[1].cache_bytes for entry in (self.sending.get(FORWARD), self.receiving.get(FORWARD)) if entry)
+
+    def drop_streams(self) -> None:
+        """Forget every stream's state (after a rollback both ends start afresh)."""
+        self.sending.clear()
+        self.receiving.clear()
+
+    # the sender states' hooks, for both directions
+    def zero_grad(self) -> None:
+        for state in self.states.values():
+            state.zero_grad()
+
+    def apply_step(self, step: int) -> None:
+        for state in self.states.values():
+            state.apply_step(step)
+
+    def restart(self) -> None:
+        for state in self.states.values():
+            state.restart()
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {k: v for state in self.states.values() for k, v in state.tensors().items()}
+
+    def load(self, tensors: dict[str, torch.Tensor], step: int) -> None:
+        for state in self.states.values():
+            state.load(tensors, step)

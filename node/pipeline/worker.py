@@ -1,0 +1,371 @@
+"""One pipeline stage at work: forward and backward of its micro-batches, the step commit with the
+global gradient norm, and its part of the replay protocol (Sync) after a link failed.
+
+Messages on each stream arrive in order, so one task handles the inbox sequentially; the torch work
+runs on one compute thread, and sends overlap with compute in the transport's link tasks. Stage 0
+also drives the steps (tahnode.pipeline.driver)."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+from typing import Callable
+
+import numpy as np
+import torch
+
+from ..config import RunConfig
+from ..net.transport import BACKWARD, FORWARD, Direction, EnvelopeKind, Inbound, Transport
+from ..proto import tahnode_pb2 as pb
+from ..train.data import TokenDataset
+from ..train.model import COMPUTE_DTYPES, StageModel, build_stage, init_weights
+from ..train.optim import StageOptimizer, grad_sumsq
+from .checkpoint import CheckpointStore, StageSaver
+from .driver import StepDriver
+from .state import Pending, PipelineError, Stats, StepState, StopRequest
+from .streams import CodecStreams
+
+log = logging.getLogger("tahnode.pipeline")
+
+__all__ = ["StageWorker", "PipelineError", "STALE"]
+
+STALE = object()  # what compute returns for a micro-batch of an attempt that was dropped meanwhile
+
+
+class StageWorker:
+    """Holds stage `stage` of `run`; drive with `run()` (stage 0 also drives the steps)."""
+
+    def __init__(self, run: RunConfig, stage: int, transport: Transport, device: str = "cpu", store: CheckpointStore | None = None,
+                 dataset: TokenDataset | None = None, on_step: Callable[["StageWorker"], None] | None = None,
+                 model: StageModel | None = None, on_saved: Callable[[str, int], None] | None = None):
+        self.run_cfg, self.stage = run, stage
+        self.t = transport
+        self.model = (model or build_stage(run.model, stage, run.stages, seed=self.train.seed, dtype=self.dtype)).to(device)
+        self.opt = StageOptimizer(self.model.parameters(), self.train)
+        self.stats = Stats(tokens_per_step=self.train.micro_batches * self.train.batch_size * self.train.seq_len)
+        self.codecs = CodecStreams(run, stage, transport, self.device, self.stats)
+        self.saver = StageSaver(store, stage, run, on_saved)
+        self.on_step = on_step
+        self.pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"stage{stage}-compute")
+        self.state = StepState()
+        self.driver = StepDriver(self, dataset) if self.first else None
+        self.stop_request: StopRequest | None = None
+        self.shutdown = asyncio.Event()
+        self.handling = asyncio.Lock()  # held while one envelope is being handled
+        self.t.on_link_down(self._link_down)
+
+    # -- what the stage is ----------------------------------------------------------------------
+    @property
+    def train(self):
+        return self.run_cfg.train
+
+    @property
+    def num_stages(self) -> int:
+        return self.run_cfg.stages
+
+    @property
+    def first(self) -> bool:
+        return self.stage == 0
+
+    @property
+    def last(self) -> bool:
+        return self.stage == self.run_cfg.stages - 1
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return COMPUTE_DTYPES[self.train.dtype]
+
+    @property
+    def stopping(self) -> bool:
+        return self.stop_request is not None
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    @property
+    def committed(self) -> int:
+        return self.state.committed
+
+    # -- helpers ----------------------------------------------------------------------------
+    async def compute(self, fn, *args):
+        """Run `fn` on the compute thread (every change to the step state happens there)."""
+        return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
+
+    async def send(self, direction: Direction, gen: int | None = None, **body) -> None:
+        """Send an envelope with `body`; with the link's current generation unless `gen` is given."""
+        await self.t.send(direction, pb.Envelope(**body), self.t.generation(direction) if gen is None else gen)
+
+    def _link_down(self, direction: Direction, reason: str) -> None:
+        if self.stopping or self.shutdown.is_set():
+            return
+        log.warning("stage %d: %s; the step will be replayed", self.stage, reason)
+        if self.first:
+            self.driver.abort_step()
+        elif direction == FORWARD:  # tell stage 0 through the intact backward chain
+            ack = pb.SyncAck(step=self.state.step, attempt=self.state.attempt, abort=True, reason=reason)
+            asyncio.get_running_loop().create_task(self.send(BACKWARD, sync_ack=ack))
+
+    def restart_step(self, step: int, attempt: int) -> None:
+        """Drop the partial work of the current step and compute (step, attempt) from its start."""
+        self.state.restart(step, attempt)
+        self.model.zero_grad(set_to_none=True)
+        self.codecs.zero_grad()
+
+    def report(self) -> pb.TrainingStats:
+        """This stage's stats for a heartbeat, with the committed steps not yet reported (the caller
+        takes them off with `reported()` once the heartbeat went through)."""
+        s = self.stats
+        stats = pb.TrainingStats(
+            step=self.committed, tokens_per_s=s.tokens_per_s(), forward_bits_per_element=s.bits_per_element(FORWARD),
+            backward_bits_per_element=s.bits_per_element(BACKWARD), uncompressed_bytes=s.uncompressed_bytes,
+            finished=s.finished, replays=s.replays, aqsgd_cache_bytes=self.codecs.cache_bytes())
+        if s.losses:
+            stats.loss = s.losses[-1][1]
+            stats.loss_first = s.losses[0][1]
+        for step, loss, ids in s.outbox:
+            stats.losses.add(step=step, loss=loss, sample_ids=ids)
+        return stats
+
+    def reported(self, count: int) -> None:
+        """The first `count` committed steps of the outbox reached the coordinator."""
+        del self.stats.outbox[:count]
+
+    # -- checkpoints --------------------------------------------------------------------------
+    def resume(self) -> int:
+        """Load the newest checkpoint of this stage, if any; returns the committed step."""
+        loaded = self.saver.load_latest(self.model, self.opt.opt, self.codecs)
+        if loaded:
+            self._resumed_at(loaded)
+        return loaded
+
+    def rollback(self, step: int) -> None:
+        """Return to the committed state of `step` (a checkpoint of it, or the initial weights)."""
+        if step == 0:
+            init_weights(self.model, self.train.seed)
+            self.opt = StageOptimizer(self.model.parameters(), self.train)
+            self.codecs.restart()
+            self._resumed_at(0)
+        else:
+            if not self.saver.load(step, self.model, self.opt.opt, self.codecs):
+                raise PipelineError(f"stage {self.stage} cannot roll back to step {step}: no checkpoint of that step")
+            self._resumed_at(step)
+        self.stats.losses = [entry for entry in self.stats.losses if entry[0] < step]
+        self.codecs.drop_streams()
+        log.warning("stage %d rolled back to step %d", self.stage, step)
+
+    def _resumed_at(self, step: int) -> None:
+        self.state.committed = step
+        self.restart_step(step, self.state.attempt)
+
+    def save(self) -> None:
+        self.saver.save(self.committed, self.model, self.opt.opt, self.codecs)
+
+    # -- compute (runs on the compute thread) -------------------------------------------------
+    def forward_first(self, index: int, ids: list[int], tokens: torch.Tensor, labels: torch.Tensor) -> tuple[pb.MicroBatch, int]:
+        """Stage 0: embed and run micro-batch `index` of the current step; its message and generation."""
+        st = self.state
+        out = self.model(tokens.to(self.device))
+        st.pending[index] = Pending(None, self.codecs.sent(out), ids)
+        enc, gen = self.codecs.encode(FORWARD, out, ids)
+        mb = pb.MicroBatch(step=st.step, index=index, sample_ids=ids, labels=labels.to(torch.int32).numpy().tobytes(),
+                           tensor=enc, attempt=st.attempt)
+        return mb, gen
+
+    def _stale(self, item: Inbound, mb: pb.MicroBatch):
+        """Drop a micro-batch of another attempt; its stream's codec state still takes it in (the
+        sender's state advanced when it encoded it)."""
+        log.debug("stage %d dropped stale micro-batch %d/%d of step %d", self.stage, mb.index, mb.attempt, mb.step)
+        self.codecs.discard(item.direction, item.stream, mb)
+        return STALE
+
+    def _forward(self, item: Inbound, mb: pb.MicroBatch):
+        st = self.state
+        if not st.current(mb.step, mb.attempt):
+            return self._stale(item, mb)
+        x = self.codecs.decode(item.direction, item.stream, mb, self.dtype).requires_grad_(True)
+        out = self.model(x)
+        ids = list(mb.sample_ids)
+        if self.last:
+            labels = torch.from_numpy(np.frombuffer(mb.labels, dtype=np.int32).copy()).long().reshape(x.shape[:2]).to(self.device)
+            loss = self.model.loss(out, labels)
+            (loss / self.train.micro_batches).backward()
+            st.losses.append(float(loss.detach()))
+            st.samples.extend(ids)
+            st.done_backward += 1
+            extras = {"grad_sumsq": grad_sumsq(self.opt.params)} if st.done_backward == self.train.micro_batches else {}
+            enc, gen = self.codecs.encode(BACKWARD, x.grad, ids)
+            return BACKWARD, pb.MicroBatch(step=mb.step, index=mb.index, sample_ids=ids, tensor=enc, attempt=mb.attempt, extras=extras), gen
+        st.pending[mb.index] = Pending(x, self.codecs.sent(out), ids)
+        enc, gen = self.codecs.encode(FORWARD, out, ids)
+        return FORWARD, pb.MicroBatch(step=mb.step, index=mb.index, sample_ids=ids, labels=mb.labels, tensor=enc, attempt=mb.attempt), gen
+
+    def _backward(self, item: Inbound, mb: pb.MicroBatch):
+        st = self.state
+        if not st.current(mb.step, mb.attempt) or mb.index not in st.pending:
+            return self._stale(item, mb)
+        grad = self.codecs.decode(item.direction, item.stream, mb, self.dtype)
+        p = st.pending.pop(mb.index)
+        p.out.backward(grad)
+        st.done_backward += 1
+        if "grad_sumsq" in mb.extras:
+            st.partial_sumsq = mb.extras["grad_sumsq"]
+        if self.first:
+            return None
+        extras = {}
+        if st.done_backward == self.train.micro_batches:
+            extras["grad_sumsq"] = st.partial_sumsq + grad_sumsq(self.opt.params)
+        enc, gen = self.codecs.encode(BACKWARD, p.inp.grad, p.sample_ids)
+        return pb.MicroBatch(step=mb.step, index=mb.index, sample_ids=p.sample_ids, tensor=enc, attempt=mb.attempt, extras=extras), gen
+
+    def _apply(self, step: int, total_sumsq: float) -> None:
+        """Clip and step (runs on the compute thread, like every change to the step state)."""
+        self.codecs.apply_step(step)
+        self.opt.apply(step, total_sumsq)
+        self.state.committed = step + 1
+        if self.last:
+            st = self.state
+            entry = (step, sum(st.losses) / max(1, len(st.losses)), list(st.samples))
+            self.stats.losses.append(entry)
+            self.stats.outbox.append(entry)
+        self.restart_step(step + 1, 0)
+
+    # -- commit --------------------------------------------------------------------------------
+    async def commit(self, end: pb.StepEnd) -> None:
+        """Apply step `end.step` (clip with the global norm and step), pass the StepEnd on."""
+        await self.compute(self._apply, end.step, end.grad_sumsq)
+        self.state.last_commit = end
+        self.stats.step_done()
+        if not self.last:
+            await self.send(FORWARD, step_end=end)
+        if self.committed % self.train.checkpoint_every == 0:
+            await self.compute(self.save)
+        if self.on_step:
+            self.on_step(self)
+
+    # -- the inbox -----------------------------------------------------------------------------
+    async def serve(self) -> None:
+        """Handle envelopes until a Shutdown went through (or stop() was called)."""
+        while not self.shutdown.is_set():
+            getter = asyncio.ensure_future(self.t.inbox.get())
+            stopper = asyncio.ensure_future(self.shutdown.wait())
+            done, _ = await asyncio.wait({getter, stopper}, return_when=asyncio.FIRST_COMPLETED)
+            if getter not in done:
+                getter.cancel()
+                break
+            stopper.cancel()
+            item: Inbound = getter.result()
+            if item.envelope is None:
+                continue  # a new stream: its codec state starts afresh (CodecStreams)
+            async with self.handling:
+                if self.shutdown.is_set():
+                    break
+                await self.handle(item)
+                if self._drained():
+                    self.shutdown.set()
+
+    async def handle(self, item: Inbound) -> None:
+        env = item.envelope
+        kind = EnvelopeKind.of(env)
+        if kind is EnvelopeKind.MICRO_BATCH:
+            await self._on_micro_batch(item, env.micro_batch)
+        elif kind is EnvelopeKind.STEP_END:
+            await self._on_step_end(env.step_end)
+        elif kind is EnvelopeKind.SYNC:
+            await self._on_sync(env.sync)
+        elif kind is EnvelopeKind.SYNC_ACK:
+            await self._on_sync_ack(env.sync_ack)
+        elif kind is EnvelopeKind.SHUTDOWN:
+            if not self.last:
+                await self.send(FORWARD, shutdown=env.shutdown)
+            self.finish()
+
+    def finish(self) -> None:
+        """The run is over for this stage."""
+        self.stats.finished = True
+        self.shutdown.set()
+
+    async def _on_micro_batch(self, item: Inbound, mb: pb.MicroBatch) -> None:
+        if item.direction == FORWARD:
+            result = await self.compute(self._forward, item, mb)
+            if result is not STALE:
+                direction, out, gen = result
+                await self.send(direction, gen, micro_batch=out)
+            return
+        result = await self.compute(self._backward, item, mb)
+        if result is STALE:
+            return
+        if result is not None:
+            await self.send(BACKWARD, result[1], micro_batch=result[0])
+        if self.first:
+            self.driver.backward_done(self.state.done_backward == self.train.micro_batches)
+
+    async def _on_step_end(self, end: pb.StepEnd) -> None:
+        st = self.state
+        if end.step == st.committed and st.awaits_step_end(self.train.micro_batches):
+            await self.commit(end)
+        elif end.step < st.committed:
+            log.debug("stage %d dropped step end %d: already applied (from a sync)", self.stage, end.step)
+        else:
+            raise PipelineError(f"stage {self.stage}: step end {end.step} arrived with gradients of {st.done_backward} micro-batches of step {st.step}")
+
+    async def _on_sync(self, sync: pb.Sync) -> None:
+        st = self.state
+        if sync.rollback and st.committed != sync.step:
+            await self.compute(self.rollback, sync.step)
+        lc = sync.last_commit
+        if lc.step + 1 == sync.step and st.committed == lc.step and st.awaits_step_end(self.train.micro_batches):
+            log.info("stage %d applies step %d from the sync", self.stage, lc.step)
+            await self.commit(lc)
+        await self.compute(self.restart_step, sync.step, sync.attempt)
+        if self.last:
+            ack = pb.SyncAck(step=sync.step, attempt=sync.attempt, min_committed=st.committed, max_committed=st.committed)
+            await self.send(BACKWARD, sync_ack=ack)
+        else:
+            await self.send(FORWARD, sync=sync)
+
+    async def _on_sync_ack(self, ack: pb.SyncAck) -> None:
+        if not ack.abort:
+            ack.min_committed = min(ack.min_committed, self.committed)
+            ack.max_committed = max(ack.max_committed, self.committed)
+        if self.first:
+            self.driver.sync_answered(ack)
+        else:
+            await self.send(BACKWARD, sync_ack=ack)
+
+    # -- running -------------------------------------------------------------------------------
+    async def run(self, steps: int) -> None:
+        if self.first:
+            await asyncio.gather(self.serve(), self.driver.drive(steps))
+        else:
+            await self.serve()
+
+    async def stop(self, drain_s: float = 5.0) -> None:
+        """Graceful stop (SIGTERM): if the stage sent every gradient of the step and only its StepEnd
+        is missing, wait (up to `drain_s`) for that StepEnd; then save the committed state.
+
+        Decided between envelopes, never while one is handled: a gradient still being sent lets
+        stage 0 commit the step, so its StepEnd is then waited for too; and nothing of a later
+        step is handled once the awaited step is committed."""
+        async with self.handling:
+            awaits = not self.first and self.state.awaits_step_end(self.train.micro_batches)
+            self.stop_request = StopRequest(self.state.step if awaits else None)
+            if not awaits:
+                self.shutdown.set()
+        try:
+            await asyncio.wait_for(self.shutdown.wait(), drain_s)
+        except asyncio.TimeoutError:
+            log.warning("stage %d: the StepEnd of step %d did not come within %.0f s", self.stage, self.stop_request.drain_step, drain_s)
+            self.shutdown.set()
+        await self.t.flush(2.0)
+        await self.compute(self.save)
+
+    def _drained(self) -> bool:
+        """Stopping, and the step awaited by stop() is committed (or none was awaited)."""
+        r = self.stop_request
+        return r is not None and (r.drain_step is None or self.state.committed > r.drain_step)
+
+    def close(self) -> None:
+        """Release the compute thread (the worker is not used afterwards)."""
+        self.pool.shutdown(wait=False)

@@ -1,0 +1,200 @@
+"""`tahnode bench kernels`: time the Triton codec kernels on a GPU next to x.clone() of the same
+tensor (the memory-bandwidth yardstick) and the pure-torch reference on the same GPU; append the
+results, dated and naming the GPU, to docs/benchmarks.md.
+
+Timing: CUDA events around each call after warm-up (the first calls compile the kernels), the
+median of --iters runs (at most 5 for the much slower references). Effective GB/s = bytes of the
+input tensor / time, for every op, so the columns compare directly with clone (which moves twice
+those bytes: read and write)."""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import statistics
+import sys
+from typing import Callable
+
+import torch
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+ALL_SHAPES = [(4, 2048, 4096), (1, 1024, 1600), (8, 4096, 8192)]
+HEADER = """
+### Kernel timings
+
+Written by `tahnode bench kernels` (node/tools/bench_kernels.py): median of CUDA-event timings after
+warm-up. GB/s = bytes of the input tensor / time; `× clone` = time / time of `x.clone()` of the same
+tensor; `ref / kernel` = the pure-torch reference on the same GPU / the kernel. `bytes ≠ ref`: payload
+bytes that differ from the reference's (the Hadamard rounding of docs/wire-format.md).
+Input: Gaussian activations with 1% outlier channels (×20).
+
+| date | GPU | torch / triton | shape | dtype | op | µs | GB/s | × clone | ref µs | ref / kernel | bytes ≠ ref |
+|---|---|---|---|---|---|---|---|---|---|---|---|
+"""
+
+
+def _parse_shape(text: str) -> list[tuple[int, ...]]:
+    if text == "all":
+        return list(ALL_SHAPES)
+    try:
+        shape = tuple(int(v) for v in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--shape must be B,S,C or 'all', got {text!r}") from None
+    if not shape or any(d < 1 for d in shape):
+        raise argparse.ArgumentTypeError(f"--shape must be positive integers, got {text!r}")
+    return [shape]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="tahnode bench kernels", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shape", type=_parse_shape, default=[(4, 2048, 4096)],
+                    help="B,S,C of the activations, or 'all' for " + " ".join(",".join(map(str, s)) for s in ALL_SHAPES)
+                    + " (default 4,2048,4096)")
+    ap.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="input dtype (default bf16)")
+    ap.add_argument("--iters", type=int, default=50, help="timed runs per op after warm-up; the median is reported (default 50)")
+    ap.add_argument("--out", default="docs/benchmarks.md", help="markdown file the rows are appended to (default docs/benchmarks.md)")
+    ap.add_argument("--profile", action="store_true",
+                    help="also print the GPU time of each kernel of one encode and one decode (torch.profiler), per shape")
+    return ap
+
+
+def profile_codecs(shape, dtype) -> str:
+    """Per-kernel GPU times of one tahquant and one naive encode + decode (after warm-up): where the
+    time goes, for tuning. Returns the profiler's table."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from tahnode.kernels import naive_ref, naive_triton, tahquant_ref, tahquant_triton
+
+    x = activations(shape, dtype)
+    tq, nv = tahquant_ref.TahQuantParams(), naive_ref.NaiveParams()
+
+    def once():
+        payload = tahquant_triton.encode(x, tq)
+        tahquant_triton.decode(payload, shape, tq, dtype)
+        codes, e = naive_triton.encode(x, nv)
+        naive_triton.decode(codes, shape, nv, e, dtype)
+
+    for _ in range(3):
+        once()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        once()
+        torch.cuda.synchronize()
+    averages = prof.key_averages()
+    for key in ("self_device_time_total", "self_cuda_time_total"):  # the name changed across torch versions
+        try:
+            return averages.table(sort_by=key, row_limit=25)
+        except (AttributeError, KeyError, ValueError):
+            continue
+    return averages.table(row_limit=25)
+
+
+def time_cuda(fn: Callable[[], object], iters: int, warmup: int = 3) -> float:
+    """Median seconds of fn() over `iters` runs, each bracketed by CUDA events."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(times)
+
+
+def activations(shape, dtype, device="cuda", seed=0) -> torch.Tensor:
+    gen = torch.Generator(device=device).manual_seed(seed)
+    x = torch.randn(shape, generator=gen, device=device)
+    c = shape[-1]
+    idx = torch.randperm(c, generator=gen, device=device)[: max(1, c // 100)]
+    x[..., idx] *= 20.0
+    return x.to(dtype)
+
+
+def bench_shape(shape, dtype, iters: int) -> list[dict]:
+    from tahnode.kernels import naive_ref, naive_triton, tahquant_ref, tahquant_triton
+
+    x = activations(shape, dtype)
+    nbytes = x.numel() * x.element_size()
+    t_clone = time_cuda(lambda: x.clone(), iters)
+    tq = tahquant_ref.TahQuantParams()
+    nv = naive_ref.NaiveParams()
+    ref_iters = max(1, min(iters, 5))
+    rows = [dict(op="x.clone()", t=t_clone, ref=None, diff="")]
+
+    pay_k = tahquant_triton.encode(x, tq)
+    pay_r = tahquant_ref.encode(x, tq)
+    diff = str(int((pay_k != pay_r).sum())) if pay_k.numel() == pay_r.numel() else f"size {pay_k.numel()} vs {pay_r.numel()}"
+    rows.append(dict(op="tahquant encode", t=time_cuda(lambda: tahquant_triton.encode(x, tq), iters),
+                     ref=time_cuda(lambda: tahquant_ref.encode(x, tq), ref_iters), diff=diff))
+    rows.append(dict(op="tahquant decode", t=time_cuda(lambda: tahquant_triton.decode(pay_r, shape, tq, dtype), iters),
+                     ref=time_cuda(lambda: tahquant_ref.decode(pay_r, shape, tq, dtype), ref_iters), diff=""))
+    del pay_k
+
+    (nk, ek), (nr, er) = naive_triton.encode(x, nv), naive_ref.encode(x, nv)
+    diff = str(int((nk != nr).sum())) if nk.numel() == nr.numel() and ek == er else "exponent/size differ"
+    rows.append(dict(op="naive encode", t=time_cuda(lambda: naive_triton.encode(x, nv), iters),
+                     ref=time_cuda(lambda: naive_ref.encode(x, nv), ref_iters), diff=diff))
+    rows.append(dict(op="naive decode", t=time_cuda(lambda: naive_triton.decode(nr, shape, nv, er, dtype), iters),
+                     ref=time_cuda(lambda: naive_ref.decode(nr, shape, nv, er, dtype), ref_iters), diff=""))
+    for r in rows:
+        r.update(shape=shape, nbytes=nbytes, clone=t_clone)
+    return rows
+
+
+def format_row(r: dict, gpu: str, versions: str, dtype_name: str, date: str) -> str:
+    gbs = r["nbytes"] / r["t"] / 1e9
+    ref_us = f"{r['ref'] * 1e6:.0f}" if r["ref"] is not None else ""
+    speedup = f"{r['ref'] / r['t']:.1f}" if r["ref"] is not None else ""
+    shape = "×".join(map(str, r["shape"]))
+    return (f"| {date} | {gpu} | {versions} | {shape} | {dtype_name} | {r['op']} | {r['t'] * 1e6:.1f} | {gbs:.0f} | "
+            f"{r['t'] / r['clone']:.2f} | {ref_us} | {speedup} | {r['diff']} |")
+
+
+def append_rows(path: str, lines: list[str]) -> None:
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    table = HEADER.strip().splitlines()[-2]  # the table's column line
+    has_table = os.path.exists(path) and table in open(path, encoding="utf-8").read()
+    with open(path, "a", encoding="utf-8") as f:
+        if not has_table:  # the table's header once, below whatever the file already holds
+            f.write(HEADER)
+        f.write("\n".join(lines) + "\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if not torch.cuda.is_available():
+        print("no CUDA GPU: tahnode bench kernels needs one", file=sys.stderr)
+        return 2
+    if args.iters < 1:
+        print("tahnode bench kernels: --iters must be at least 1", file=sys.stderr)
+        return 2
+    import triton
+
+    gpu = torch.cuda.get_device_name()
+    versions = f"{torch.__version__.split('+')[0]} / {triton.__version__}"
+    date = datetime.date.today().isoformat()
+    lines = []
+    for shape in args.shape:
+        rows = bench_shape(shape, DTYPES[args.dtype], args.iters)
+        print(f"{gpu}  shape {list(shape)} {args.dtype}  ({rows[0]['nbytes'] / 1e6:.1f} MB)")
+        for r in rows:
+            ref = f"  reference {r['ref'] * 1e6:9.1f} us (ref/kernel {r['ref'] / r['t']:.1f})" if r["ref"] is not None else ""
+            note = f"  bytes != ref: {r['diff']}" if r["diff"] else ""
+            print(f"  {r['op']:<16} {r['t'] * 1e6:9.1f} us  {r['nbytes'] / r['t'] / 1e9:7.1f} GB/s  "
+                  f"{r['t'] / r['clone']:5.2f}x clone{ref}{note}")
+            lines.append(format_row(r, gpu, versions, args.dtype, date))
+        if args.profile:
+            print(profile_codecs(shape, DTYPES[args.dtype]))
+        torch.cuda.empty_cache()
+    append_rows(args.out, lines)
+    print(f"appended {len(lines)} rows to {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,164 @@
+"""`tahnode demo` / `make demo`: a coordinator and one stage daemon per stage as real processes on
+127.0.0.1, training on built-in defaults with progress shown, ending with a summary."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+from ..config import RunConfig
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def port_free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+            return True
+        except OSError:
+            return False
+
+
+def fetch_state(http_port: int) -> dict | None:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/api/v1/state", timeout=2) as r:
+            return json.load(r)
+    except (OSError, ValueError):
+        return None
+
+
+def summary_of(state: dict, elapsed: float) -> dict:
+    t = state["training"]
+    return {
+        "steps": t["step"],
+        "loss_first": t["loss_first"],
+        "loss_last": t["loss"],
+        "tokens_per_s": t["tokens_per_s"],
+        "forward_bits_per_element": t["bits_per_element"],
+        "backward_bits_per_element": t["backward_bits_per_element"],
+        "wire_bytes": t["wire_bytes"],
+        "uncompressed_bytes": t["uncompressed_bytes"],
+        "replays": t.get("replays", 0),
+        "seconds": round(elapsed, 1),
+    }
+
+
+class Swarm:
+    """The child processes of the demo; stops them all on exit, whatever happens."""
+
+    def __init__(self, workdir: Path):
+        self.workdir = workdir
+        self.procs: list[tuple[str, subprocess.Popen]] = []
+
+    def start(self, name: str, args: list[str]) -> subprocess.Popen:
+        log = open(self.workdir / f"{name}.log", "w")
+        proc = subprocess.Popen([sys.executable, "-m", "tahnode.cli", *args], stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        self.procs.append((name, proc))
+        return proc
+
+    def failed(self) -> list[str]:
+        return [name for name, p in self.procs if p.poll() not in (None, 0)]
+
+    def stop(self, timeout: float = 15.0) -> None:
+        """SIGTERM the stage daemons (they save and leave), then the coordinator; kill stragglers."""
+        nodes = [p for name, p in self.procs if name != "coordinator"]
+        coordinator = [p for name, p in self.procs if name == "coordinator"]
+        for group in (nodes, coordinator):
+            for p in group:
+                if p.poll() is None:
+                    p.send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + timeout
+            for p in group:
+                try:
+                    p.wait(max(0.1, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    p.kill()
+                    p.wait()
+
+    def tail(self, name: str, lines: int = 15) -> str:
+        text = (self.workdir / f"{name}.log").read_text(errors="replace").splitlines()
+        return "\n".join(text[-lines:])
+
+
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
+
+
+def main(args, run: RunConfig) -> int:
+    console = Console(stderr=True, highlight=False)
+    workdir = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="tahnode-demo-"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    (workdir / "run.toml").write_text(run.to_toml())
+    http_port = args.http_port if args.http_port and port_free(args.http_port) else free_port()
+    grpc_port = free_port()
+    token = f"demo-{os.getpid()}"
+    swarm = Swarm(workdir)
+    started = time.monotonic()
+    # the daemons run in sessions of their own: `kill`, a closed terminal or `timeout` must stop them too
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, _interrupt)
+    try:
+        swarm.start("coordinator", ["coordinator", "--listen", f"127.0.0.1:{grpc_port}", "--http", f"127.0.0.1:{http_port}",
+                                    "--model", args.model, "--config", str(workdir / "run.toml"), "--token", token,
+                                    "--store", str(workdir / "store")])
+        for stage in range(run.stages):
+            swarm.start(f"stage{stage}", ["join", "--coordinator", f"127.0.0.1:{grpc_port}", "--stage", str(stage),
+                                          "--listen", "127.0.0.1:0", "--node-id", f"demo-stage{stage}", "--token", token,
+                                          "--checkpoint-dir", str(workdir / "checkpoints"), "--device", "cpu"])
+        console.print(f"tahnode demo: coordinator + {run.stages} stage daemons on 127.0.0.1, {run.model.n_layers}-layer model, "
+                      f"codecs {run.codec.forward}/{run.codec.backward}, {run.train.steps} steps")
+        console.print(f"status page: http://127.0.0.1:{http_port}/   logs and checkpoints: {workdir}")
+        state = None
+        with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total} steps"),
+                      TextColumn("{task.fields[info]}"), TimeElapsedColumn(), console=console) as bar:
+            task = bar.add_task("training", total=run.train.steps, info="starting (stage 0 prepares the corpus)")
+            while True:
+                time.sleep(0.5)
+                failed = swarm.failed()
+                if failed:
+                    bar.stop()
+                    for name in failed:
+                        console.print(f"[red]{name} exited with an error[/red]; last lines of {workdir / (name + '.log')}:\n{swarm.tail(name)}")
+                    return 1
+                state = fetch_state(http_port) or state
+                if not state:
+                    continue
+                t = state["training"]
+                info = f"loss {t['loss']:.3f}  {t['tokens_per_s']:.0f} tok/s  {t['bits_per_element']:.2f} bits/el" if t["loss"] is not None else "warming up"
+                bar.update(task, completed=t["step"], info=info)
+                if t["finished"] and t["step"] >= run.train.steps:
+                    break
+        summary = summary_of(state, time.monotonic() - started)
+    except KeyboardInterrupt:
+        console.print("interrupted: stopping the swarm (each stage saves its checkpoint)")
+        swarm.stop()
+        return 130
+    finally:
+        swarm.stop()
+    ratio = summary["uncompressed_bytes"] / max(1, summary["wire_bytes"])
+    console.print(
+        f"done: {summary['steps']} steps in {summary['seconds']} s; loss {summary['loss_first']:.3f} -> {summary['loss_last']:.3f}; "
+        f"{summary['tokens_per_s']:.0f} tokens/s; activations {summary['forward_bits_per_element']:.2f} bits/element, "
+        f"gradients {summary['backward_bits_per_element']:.2f}; {summary['wire_bytes'] / 2**20:.1f} MB on the wire vs "
+        f"{summary['uncompressed_bytes'] / 2**20:.1f} MB uncompressed ({ratio:.1f}x less)"
+    )
+    if args.json:
+        print(json.dumps(summary))
+    return 0

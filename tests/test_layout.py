@@ -1,0 +1,143 @@
+"""The architecture cannot rot silently: no module imports from a layer above its own (design.md
+section 2), every subpackage ships in the wheel, modules and classes stay small, and every module
+says what it is in a docstring of at least two lines."""
+
+from __future__ import annotations
+
+import ast
+import sys
+from pathlib import Path
+
+import pytest
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+ROOT = Path(__file__).resolve().parents[1]
+FOLDERS = {"tahnode": ROOT / "node", "tahnode.kernels": ROOT / "kernels", "tahnode.proto": ROOT / "proto",
+           "tahnode.configs": ROOT / "configs"}
+GENERATED = {"tahnode.proto.tahnode_pb2", "tahnode.proto.tahnode_pb2_grpc"}
+
+# Lowest first. A module may import from its own part or a lower layer; parts on the same layer
+# (the daemon and the coordinator) never import each other.
+LAYERS = [
+    {"proto", "kernels", "configs", "tahnode"},  # "tahnode": the package's own __init__
+    {"codecs"},
+    {"config"},
+    {"train"},
+    {"net"},
+    {"pipeline"},
+    {"daemon", "coordinator"},
+    {"tools"},
+    {"cli"},
+]
+RANK = {part: rank for rank, parts in enumerate(LAYERS) for part in parts}
+MAX_MODULE_LINES = 400
+MAX_CLASS_ATTRIBUTES = 15
+
+
+def modules() -> dict[str, Path]:
+    """Module name -> file, for every module of the package."""
+    found = {}
+    for package, folder in FOLDERS.items():
+        for path in sorted(folder.rglob("*.py")):
+            rel = path.relative_to(folder).with_suffix("")
+            parts = [p for p in rel.parts if p != "__init__"]
+            name = ".".join([package, *parts])
+            if package == "tahnode" and parts and f"tahnode.{parts[0]}" in FOLDERS:
+                continue
+            found[name] = path
+    return found
+
+
+def part_of(module: str) -> str | None:
+    """The part of the system a tahnode module belongs to (its first name under tahnode)."""
+    names = module.split(".")
+    if names[0] != "tahnode":
+        return None
+    return names[1] if len(names) > 1 else "tahnode"
+
+
+def imports_of(name: str, source: str, is_package: bool) -> list[str]:
+    """Every tahnode module `name` imports, at the top or inside functions, relative or absolute."""
+    package = name if is_package else name.rpartition(".")[0]
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found += [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[: len(base) - node.level + 1]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            found.append(target)
+            found += [f"{target}.{alias.name}" for alias in node.names]  # `from . import codecs`
+    return [t for t in found if t.startswith("tahnode.")]
+
+
+def violations(name: str, source: str, is_package: bool = False) -> list[str]:
+    own = part_of(name)
+    if own not in RANK:
+        return [f"{name} belongs to no layer"]
+    bad = []
+    for target in imports_of(name, source, is_package):
+        other = part_of(target)
+        if other not in RANK:
+            bad.append(f"{name} imports {target}, which belongs to no layer")
+        elif other != own and RANK[other] >= RANK[own]:
+            bad.append(f"{name} ({own}) imports {target} ({other}): a layer above or beside it")
+    return bad
+
+
+def test_no_module_imports_from_a_layer_above_its_own():
+    found = modules()
+    assert "tahnode.pipeline.worker" in found and "tahnode.cli" in found and "tahnode.kernels.tahquant_ref" in found
+    bad = [v for name, path in found.items() for v in violations(name, path.read_text(), path.name == "__init__.py")]
+    assert bad == []
+
+
+def test_the_layering_check_catches_upward_and_sideways_imports():
+    assert violations("tahnode.pipeline.worker", "from ..coordinator.registry import SwarmRegistry\n")
+    assert violations("tahnode.codecs.base", "def f():\n    from tahnode.train.model import StageModel\n")
+    assert violations("tahnode.daemon.node", "from ..coordinator import state\n")
+    assert violations("tahnode.net", "from ..pipeline import worker\n", is_package=True)
+    assert violations("tahnode.kernels.naive_ref", "from .. import codecs\n")
+    assert not violations("tahnode.pipeline.worker", "from ..net.transport import FORWARD\nfrom .state import Stats\n")
+    assert not violations("tahnode.cli", "from .tools import demo\nfrom .coordinator.server import serve\n")
+
+
+def test_every_subpackage_ships_in_the_wheel():
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    listed = set(project["packages"])
+    folders = {name for name, path in modules().items() if path.name == "__init__.py"}
+    assert listed == folders
+    for package, folder in FOLDERS.items():
+        assert (ROOT / project["package-dir"][package]).resolve() == folder
+
+
+@pytest.mark.parametrize("name", sorted(n for n in modules() if n not in GENERATED))
+def test_module_has_a_docstring_and_stays_small(name):
+    path = modules()[name]
+    source = path.read_text()
+    doc = ast.get_docstring(ast.parse(source))
+    assert doc and len(doc.strip().splitlines()) >= 2, f"{path}: say what the module is in two lines or more"
+    if part_of(name) not in ("kernels", "proto"):
+        assert len(source.splitlines()) <= MAX_MODULE_LINES, f"{path} has more than {MAX_MODULE_LINES} lines: split it by job"
+
+
+def test_no_class_holds_more_than_fifteen_attributes():
+    big = []
+    for name, path in modules().items():
+        if name in GENERATED or part_of(name) == "kernels":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef):
+                attrs = {t.attr for n in ast.walk(node) for t in getattr(n, "targets", [getattr(n, "target", None)])
+                         if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id == "self"}
+                if len(attrs) > MAX_CLASS_ATTRIBUTES:
+                    big.append(f"{name}.{node.name}: {len(attrs)} attributes ({', '.join(sorted(attrs))})")
+    assert big == []

@@ -1,0 +1,213 @@
+"""The pipeline's schedule and protocols on the in-process transport (every stage in one event
+loop): exact equality with single-process training, replay after a lost link, codec state per
+stream and across checkpoints, and a stop that never leaves stages a step apart. Milliseconds to
+seconds each; the same behaviour over real gRPC between processes is in test_pipeline.py."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from tahnode.config import RunConfig
+from tahnode.net.inproc import InProcessNetwork
+from tahnode.net.transport import BACKWARD, FORWARD
+from tahnode.pipeline.checkpoint import CheckpointStore
+from tahnode.pipeline.worker import StageWorker
+from tahnode.train.corpus import prepare
+from tahnode.train.data import TokenDataset
+from tahnode.train.local import train_local
+
+SMALL = {"train.micro_batches": 2, "train.batch_size": 2, "train.seq_len": 32}
+NONE = {"codec.forward": "none", "codec.backward": "none", "codec.backward_params": {}}
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory) -> TokenDataset:
+    root = tmp_path_factory.mktemp("corpus")
+    gen = torch.Generator().manual_seed(0)
+    words = ["def", "return", "self", "import", "class", "for", "in", "if", "else", "print", "(", ")", ":", "\n"]
+    for i in range(4):
+        idx = torch.randint(len(words), (4000,), generator=gen)
+        (root / f"doc{i}.py").write_text(" ".join(words[j] for j in idx))
+    prepare([root], root / "tokens.bin", progress=False)
+    return TokenDataset(root / "tokens.bin", SMALL["train.seq_len"])
+
+
+def build_run(steps: int, **overrides) -> RunConfig:
+    return RunConfig.build("llama-tiny", **{"train.steps": steps, **SMALL, **overrides})
+
+
+class Swarm:
+    """The stages of `run` as StageWorkers on one in-process network, chained n0 -> n1 -> ..."""
+
+    def __init__(self, run: RunConfig, dataset: TokenDataset, store_dir: Path | None = None, **worker_args):
+        self.run, self.net = run, InProcessNetwork()
+        self.transports = [self.net.transport(f"n{k}") for k in range(run.stages)]
+        self.dataset, self.store_dir, self.worker_args = dataset, store_dir, worker_args
+        self.workers: list[StageWorker] = []
+
+    async def start(self) -> None:
+        for t in self.transports:
+            await t.start()
+        for k, t in enumerate(self.transports):
+            store = CheckpointStore(self.store_dir / f"n{k}") if self.store_dir else None
+            self.workers.append(StageWorker(self.run, k, t, "cpu", store, self.dataset if k == 0 else None, **self.worker_args))
+            if k + 1 < self.run.stages:
+                t.set_peer(FORWARD, f"n{k + 1}", f"n{k + 1}")
+            if k > 0:
+                t.set_peer(BACKWARD, f"n{k - 1}", f"n{k - 1}")
+
+    async def close(self) -> None:
+        for w, t in zip(self.workers, self.transports):
+            await t.close()
+            w.close()
+
+    def losses(self) -> list[float]:
+        return [loss for _, loss, _ in self.workers[-1].stats.losses]
+
+    def steps(self) -> list[int]:
+        return [step for step, _, _ in self.workers[-1].stats.losses]
+
+
+async def train(swarm: Swarm, steps: int) -> Swarm:
+    await swarm.start()
+    try:
+        await asyncio.wait_for(asyncio.gather(*(w.run(steps) for w in swarm.workers)), 120)
+    finally:
+        await swarm.close()
+    return swarm
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+def test_none_fp32_equals_single_process_training(dataset, schedule):
+    run = build_run(6, **NONE, **{"train.schedule": schedule, "train.seed": 3})
+    swarm = asyncio.run(train(Swarm(run, dataset), 6))
+    reference = train_local(run, dataset)
+    assert swarm.steps() == list(range(6))
+    assert swarm.losses() == pytest.approx(reference, abs=1e-5)
+    assert reference[-1] < reference[0]
+    assert all(w.committed == 6 and w.stats.finished for w in swarm.workers)
+
+
+def test_a_lost_link_replays_the_step_and_training_stays_exact(dataset):
+    """Stage 1's forward link breaks right after it committed step 2 (its StepEnd to stage 2 is
+    lost with the queue): stage 0 replays the step; the losses still equal one process's."""
+    run = build_run(6, **NONE)
+    cuts = []
+
+    def cut_after_step_2(worker: StageWorker) -> None:
+        if worker.stage == 1 and worker.committed == 3 and not cuts:
+            cuts.append(worker.committed)
+            swarm.net.cut("n1", FORWARD)
+
+    swarm = Swarm(run, dataset, on_step=cut_after_step_2)
+    asyncio.run(train(swarm, 6))
+    assert cuts == [3]
+    assert swarm.workers[0].stats.replays >= 1
+    assert swarm.transports[1].counters(FORWARD).failures == 1
+    assert swarm.steps() == list(range(6))
+    assert swarm.losses() == pytest.approx(train_local(run, dataset), abs=1e-5)
+
+
+def test_aqsgd_cache_starts_afresh_on_a_new_stream_at_both_ends(dataset):
+    """AQ-SGD keeps a per-sample cache on both ends of a link; after the link breaks, the sender's
+    new generation and the receiver's new stream both start empty, so decoding stays in step."""
+    run = build_run(8, **{"codec.forward": "aqsgd"})
+    seen = {}
+
+    def cut_once(worker: StageWorker) -> None:
+        if worker.stage == 0 and worker.committed == 3 and not seen:
+            seen["before"] = worker.codecs.cache_bytes()
+            swarm.net.cut("n0", FORWARD)
+            seen["after"] = worker.codecs.sending.get(FORWARD)
+
+    swarm = Swarm(run, dataset, on_step=cut_once)
+    asyncio.run(train(swarm, 8))
+    assert seen["before"] > 0
+    stage1 = swarm.workers[1].codecs
+    assert stage1.receiving[FORWARD][0] == 2  # the second stream from stage 0
+    assert swarm.workers[0].codecs.sending[FORWARD][0] == 1  # the link's second generation
+    assert swarm.steps() == list(range(8))
+    losses = swarm.losses()
+    assert all(loss == loss for loss in losses) and losses[-1] < losses[0]
+
+
+def test_a_dropped_stale_micro_batch_still_feeds_the_stream_state(dataset):
+    """A micro-batch of an aborted attempt is dropped, but the sender's AQ-SGD cache took it in when
+    it encoded it: the receiver decodes it into its cache too, so the next message (a delta
+    against that cache) still decodes."""
+    from tahnode.codecs import CodecContext, get_codec
+    from tahnode.net.transport import Inbound
+    from tahnode.proto import tahnode_pb2 as pb
+
+    run = build_run(4, **{"codec.forward": "aqsgd"})
+    codec, sender = get_codec("aqsgd"), CodecContext(sample_ids=[5, 6])
+    x = torch.randn(2, 32, 128, generator=torch.Generator().manual_seed(1))
+
+    async def scenario():
+        worker = StageWorker(run, 1, InProcessNetwork().transport("n1"), "cpu")
+        worker.restart_step(0, 7)
+        stale = pb.MicroBatch(step=0, index=0, attempt=6, sample_ids=[5, 6], tensor=codec.encode(x, sender))
+        await worker.handle(Inbound(FORWARD, "n0", 1, pb.Envelope(micro_batch=stale)))
+        assert not worker.state.pending  # dropped: not part of the current attempt
+        fresh = pb.MicroBatch(step=0, index=0, attempt=7, sample_ids=[5, 6], tensor=codec.encode(x * 1.01, sender))
+        assert fresh.tensor.ByteSize() < stale.tensor.ByteSize() / 4  # a delta against the cache
+        out = await worker.compute(worker.codecs.decode, FORWARD, 1, fresh, torch.float32)
+        worker.close()
+        return out
+
+    out = asyncio.run(scenario())
+    assert (out - x * 1.01).abs().max() < 0.05 * x.abs().max()
+
+
+def test_amaq_gates_learn_and_come_back_from_a_checkpoint(dataset, tmp_path):
+    """AMAQ's learned widths live in the sending stage's codec state: they move during training,
+    are saved with the stage, and a worker resumed from that checkpoint has the same gates."""
+    run = build_run(4, **{"codec.forward": "amaq", "train.checkpoint_every": 2})
+    swarm = asyncio.run(train(Swarm(run, dataset, store_dir=tmp_path), 4))
+    gates = swarm.workers[1].codecs.states[FORWARD].gates
+    assert gates.step == 4 and gates.gate.abs().max() > 0
+    assert not swarm.workers[2].codecs.tensors()  # the last stage sends no activations
+    resumed = StageWorker(run, 1, InProcessNetwork().transport("x"), "cpu", CheckpointStore(tmp_path / "n1"))
+    assert resumed.resume() == 4
+    again = resumed.codecs.states[FORWARD].gates
+    assert torch.equal(again.gate, gates.gate) and again.step == 4
+    resumed.close()
+
+
+def test_stop_during_the_last_gradient_waits_for_its_step_end(dataset, tmp_path):
+    """A stop that arrives while a stage computes the step's last backward: that gradient still
+    goes out and stage 0 commits the step, so the stopping stage waits for the StepEnd and saves
+    the same step stage 0 committed (stages a step apart could not be rolled back together)."""
+    run = build_run(50, **NONE)
+
+    async def scenario():
+        swarm = Swarm(run, dataset, store_dir=tmp_path)
+        await swarm.start()
+        stage1 = swarm.workers[1]
+        inside, loop = asyncio.Event(), asyncio.get_running_loop()
+        backward = stage1._backward
+
+        def slow_last_backward(item, mb):  # on the compute thread
+            if mb.step == 4 and stage1.state.done_backward == run.train.micro_batches - 1:
+                loop.call_soon_threadsafe(inside.set)
+                time.sleep(0.3)
+            return backward(item, mb)
+
+        stage1._backward = slow_last_backward
+        tasks = [asyncio.ensure_future(w.run(50)) for w in swarm.workers]
+        await asyncio.wait_for(inside.wait(), 60)
+        await stage1.stop()
+        saved = CheckpointStore(tmp_path / "n1").latest(1, 3)
+        committed0 = swarm.workers[0].committed
+        for task in tasks:
+            task.cancel()
+        await swarm.close()
+        return saved.step, committed0
+
+    saved, committed0 = asyncio.run(scenario())
+    assert saved == committed0 == 5
