@@ -9,6 +9,7 @@ import os
 import sys
 
 from .codecs import CODECS, CodecError
+from .config.flags import add_run_flags, run_config_from
 
 
 def _add_codec_commands(sub) -> None:
@@ -32,44 +33,6 @@ def _add_codec_commands(sub) -> None:
     ev.add_argument("--json", action="store_true", help="print one JSON object instead of text (sqnr_db is null for an exact reconstruction)")
 
 
-def _add_run_flags(p) -> None:
-    """Flags that override the run configuration (built-in defaults < --config TOML < flags)."""
-    from .config import preset_names
-
-    p.add_argument("--model", default="llama-tiny",
-                   help=f"model preset ({', '.join(preset_names())}; shipped with tahnode) or a TOML path (default: llama-tiny)")
-    p.add_argument("--stages", type=int, help="number of pipeline stages (default 3)")
-    p.add_argument("--config", help="run TOML with [run], [train] and [codec] tables")
-    p.add_argument("--steps", type=int, help="optimizer steps to train")
-    p.add_argument("--codec", dest="forward_codec", choices=sorted(CODECS), help="forward (activation) codec (default tahquant)")
-    p.add_argument("--backward-codec", choices=sorted(CODECS), help="backward (gradient) codec (default naive, 6 bits)")
-    p.add_argument("--data", help="prepared token file (tahnode data prepare); default: the built-in stdlib corpus")
-    p.add_argument("--micro-batches", type=int, help="micro-batches per step (default 4)")
-    p.add_argument("--batch-size", type=int, help="samples per micro-batch (default 4)")
-    p.add_argument("--seq-len", type=int, help="tokens per sample (default 64)")
-    p.add_argument("--lr", type=float, help="peak learning rate (default 3e-3)")
-    p.add_argument("--schedule", choices=["1f1b", "gpipe"], help="pipeline schedule (default 1f1b)")
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], help="compute dtype (default float32)")
-    p.add_argument("--seed", type=int, help="model init and data order seed (default 0)")
-    p.add_argument("--checkpoint-every", type=int, help="save each stage every N steps (default 20)")
-
-
-def run_config_from(args):
-    from .config import RunConfig
-
-    overrides = {
-        "stages": args.stages, "data": args.data, "train.steps": args.steps, "codec.forward": args.forward_codec,
-        "codec.backward": args.backward_codec, "train.micro_batches": args.micro_batches, "train.batch_size": args.batch_size,
-        "train.seq_len": args.seq_len, "train.lr": args.lr, "train.schedule": args.schedule, "train.dtype": args.dtype,
-        "train.seed": args.seed, "train.checkpoint_every": args.checkpoint_every,
-    }
-    if args.forward_codec and args.forward_codec != "tahquant":
-        overrides["codec.forward_params"] = {}
-    if args.backward_codec and args.backward_codec != "naive":
-        overrides["codec.backward_params"] = {}
-    return RunConfig.build(args.model, args.config, **overrides)
-
-
 def _add_swarm_commands(sub) -> None:
     from .config import DEFAULT_TOKEN, TransportKind
 
@@ -82,7 +45,7 @@ def _add_swarm_commands(sub) -> None:
     co.add_argument("--heartbeat-timeout", type=float, default=10.0, help="seconds without heartbeats before a node is declared failed")
     co.add_argument("--store", default="tahnode-store", help="directory of the stage checkpoints nodes upload (for standbys)")
     co.add_argument("--settle", type=float, default=3.0, help="seconds without new joins before --stage auto nodes are placed")
-    _add_run_flags(co)
+    add_run_flags(co)
 
     jo = sub.add_parser("join", help="join a swarm and hold one pipeline stage",
                         description="Run a stage daemon: join the coordinator, hold the assigned stage on this "
@@ -97,16 +60,25 @@ def _add_swarm_commands(sub) -> None:
     jo.add_argument("--checkpoint-dir", default="", help="where this node saves its stage (default: tahnode-state/NODE_ID)")
     jo.add_argument("--data-dir", default="", help="where stage 0 prepares the built-in corpus (default ~/.cache/tahnode)")
     jo.add_argument("--init-from", default="", help="local Hugging Face Llama/Qwen2 checkpoint directory to load this stage's weights from")
-    jo.add_argument("--window", type=int, default=4, help="micro-batch messages in flight per outgoing link (default 4)")
     jo.add_argument("--transport", default=TransportKind.GRPC.value, choices=[k.value for k in TransportKind],
                     help="data-plane transport to the neighbour stages (default grpc: every node reachable at --advertise)")
+    jo.add_argument("--threads", type=int, default=0, help="CPU threads for torch (default: every core; give each of "
+                    "several stages on one machine its share, as `tahnode demo` and `tahnode swarm up` do)")
     jo.add_argument("--quiet", action="store_true", help="no per-step progress lines")
+    em = jo.add_argument_group("emulated network (for test swarms; `tahnode swarm up` sets these)")
+    em.add_argument("--emulate-rtt", default="", metavar="DURATION",
+                    help="add this round-trip time (e.g. 50ms) to every message this node exchanges, data and control: "
+                    "each message waits half of it before it leaves (in user space; TCP's own acknowledgements are not delayed)")
+    em.add_argument("--emulate-rate", default="", metavar="RATE",
+                    help="pace every outgoing link at this rate (e.g. 20mbit), in user space: for machines where tc cannot shape")
+    em.add_argument("--emulate-link", action="append", default=[], metavar="PEER=RATE",
+                    help="another rate for the link to one peer node id (e.g. n3=10mbit), repeatable")
     jo.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
 
     de = sub.add_parser("demo", help="the whole swarm on this machine: coordinator + stage daemons on 127.0.0.1",
                         description="Start a coordinator and one stage daemon per stage as real processes on 127.0.0.1 "
                         "(tiny LLaMA, built-in stdlib corpus, TAH-Quant), train, and print a summary.")
-    _add_run_flags(de)
+    add_run_flags(de)
     de.add_argument("--http-port", type=int, default=8080, help="status page port (default 8080; 0 = any free port)")
     de.add_argument("--workdir", default="", help="logs and checkpoints go here (default: a new temporary directory)")
     de.add_argument("--json", action="store_true", help="print the summary as one JSON object on the last line")
@@ -125,6 +97,9 @@ def _add_swarm_commands(sub) -> None:
     bsub = be.add_subparsers(dest="bench_cmd", required=True)
     bk = bsub.add_parser("kernels", help="Triton codec kernels vs x.clone() and the reference (needs a GPU)", add_help=False)
     bk.add_argument("rest", nargs=argparse.REMAINDER)
+    bs = bsub.add_parser("swarm", help="training on a local swarm with shaped links, against the physical limit (root for tc)",
+                         add_help=False)
+    bs.add_argument("rest", nargs=argparse.REMAINDER)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -136,6 +111,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     _add_codec_commands(sub)
     _add_swarm_commands(sub)
+    from .tools import swarm
+
+    swarm.add_parser(sub)
     return parser
 
 
@@ -145,6 +123,10 @@ def main(argv: list[str] | None = None) -> int:
         from .tools import bench_kernels
 
         return bench_kernels.main(argv[2:])
+    if argv[:2] == ["bench", "swarm"]:
+        from .tools import bench_swarm
+
+        return bench_swarm.main(argv[2:])
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
@@ -162,6 +144,10 @@ def main(argv: list[str] | None = None) -> int:
             return demo.main(args, run_config_from(args))
         if args.command == "data":
             return _data_prepare(args)
+        if args.command == "swarm":
+            from .tools import swarm
+
+            return swarm.main(args)
     except (CodecError, ValueError, OSError) as exc:
         print(f"tahnode: error: {exc}", file=sys.stderr)
         return 2
@@ -201,7 +187,7 @@ def _coordinator(args) -> int:
 
 
 def _join(args) -> int:
-    from .config import AUTO_STAGE, NodeConfig, TransportKind
+    from .config import AUTO_STAGE, LinkEmulation, NodeConfig, TransportKind
     from .daemon.device import DeviceUnavailable
     from .daemon.node import run_node
     from .net.errors import CoordinatorError
@@ -212,7 +198,8 @@ def _join(args) -> int:
     cfg = NodeConfig(coordinator=args.coordinator, stage=AUTO_STAGE if args.stage == "auto" else int(args.stage), listen=args.listen,
                      advertise=args.advertise, device=args.device, token=args.token, node_id=args.node_id,
                      checkpoint_dir=args.checkpoint_dir, data_dir=args.data_dir, init_from=args.init_from,
-                     window=args.window, progress=not args.quiet, transport=TransportKind(args.transport))
+                     progress=not args.quiet, threads=args.threads, transport=TransportKind(args.transport),
+                     emulation=LinkEmulation.parse(args.emulate_rtt, args.emulate_rate, args.emulate_link))
     _event_loop_policy()
     try:
         return asyncio.run(run_node(cfg))

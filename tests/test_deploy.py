@@ -1,16 +1,10 @@
-"""deploy/: the compose file's services and their commands, the Dockerfile's torch pin, and the
-namespace swarm script (syntax always; as root: up, reachability, shaped throughput, down)."""
+"""deploy/: the compose file's services and their commands and the Dockerfile's torch pin.
+(The namespace swarm with shaped links is `tahnode swarm`: tests/test_swarm.py.)"""
 
 from __future__ import annotations
 
-import json
-import os
 import re
 import shlex
-import shutil
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -19,7 +13,6 @@ yaml = pytest.importorskip("yaml", reason="PyYAML is needed to read deploy/docke
 
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"
-SCRIPT = DEPLOY / "netns-swarm.sh"
 
 NODES = ["node1", "node2", "node3", "node4"]
 
@@ -111,109 +104,3 @@ def test_dockerfile():
         assert f"TORCH={pin}" in ci.read_text()
     for src in re.findall(r"^COPY (\S+)", text, re.M):
         assert (ROOT / src).exists(), f"COPY {src}: not in the repository"
-
-
-def test_netns_script_syntax_and_addresses():
-    assert os.access(SCRIPT, os.X_OK)
-    subprocess.run(["bash", "-n", str(SCRIPT)], check=True)
-    out = subprocess.run([str(SCRIPT), "addr", "n3"], capture_output=True, text=True, check=True).stdout
-    assert out.strip() == "10.77.0.13"
-    bad = subprocess.run([str(SCRIPT), "addr", "n9"], capture_output=True, text=True)
-    assert bad.returncode != 0 and "unknown namespace 'n9'" in bad.stderr
-    assert "netem" not in re.sub(r"#.*", "", SCRIPT.read_text())
-
-
-# -- the namespace swarm (root only) ---------------------------------------------------------------
-
-PEER = r"""
-import json, socket, sys, time
-mode, host, port = sys.argv[1], sys.argv[2], int(sys.argv[3])
-if mode == "recv":
-    srv = socket.socket()
-    srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    srv.bind((host, port)); srv.listen(1)
-    print("ready", flush=True)
-    conn, _ = srv.accept()
-    if conn.recv(4) == b"ping":  # reachability probe: echo and wait for the transfer
-        conn.sendall(b"pong"); conn.close(); conn, _ = srv.accept()
-        conn.recv(4)
-    n, first, last = 0, None, None
-    while True:
-        b = conn.recv(1 << 20)
-        if not b:
-            break
-        last = time.perf_counter()
-        if first is None:
-            first = last
-        else:
-            n += len(b)
-    print(json.dumps({"bytes": n, "seconds": last - first}), flush=True)
-else:
-    c = socket.create_connection((host, port), timeout=5)
-    c.sendall(b"ping"); assert c.recv(4) == b"pong"; c.close()
-    t = time.perf_counter()
-    c = socket.create_connection((host, port), timeout=5)
-    c.sendall(b"data")
-    rtt_ms = (time.perf_counter() - t) * 1e3
-    buf, end = b"\0" * 65536, time.perf_counter() + float(sys.argv[4])
-    while time.perf_counter() < end:
-        c.sendall(buf)
-    c.close()
-    print(json.dumps({"connect_ms": rtt_ms}), flush=True)
-"""
-
-
-def script(*args: str, env: dict, timeout: float = 30) -> subprocess.CompletedProcess:
-    return subprocess.run([str(SCRIPT), *args], env=env, capture_output=True, text=True, timeout=timeout)
-
-
-def measure(env: dict, peer: Path, src: str, dst: str, seconds: float = 1.5) -> float:
-    """Goodput in Mbit/s of a TCP stream src -> dst, measured at the receiver."""
-    addr = script("addr", dst, env=env).stdout.strip()
-    recv = subprocess.Popen([str(SCRIPT), "run", dst, sys.executable, str(peer), "recv", addr, "5201"],
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        assert recv.stdout.readline().strip() == "ready", recv.stderr.read()
-        send = script("run", src, sys.executable, str(peer), "send", addr, "5201", str(seconds), env=env)
-        assert send.returncode == 0, send.stderr
-        out, err = recv.communicate(timeout=10)
-        assert recv.returncode == 0, err
-    finally:
-        if recv.poll() is None:
-            recv.kill()
-            recv.wait()
-    got = json.loads(out.strip().splitlines()[-1])
-    return got["bytes"] * 8 / got["seconds"] / 1e6
-
-
-@pytest.mark.netns
-@pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() != 0, reason="network namespaces and tc need root")
-@pytest.mark.skipif(shutil.which("tc") is None or shutil.which("ip") is None, reason="iproute2 (ip, tc) is not installed")
-def test_netns_swarm_shapes_links(tmp_path):
-    prefix = f"tt{os.getpid() % 10000}-"
-    env = dict(os.environ, TN_PREFIX=prefix, TN_SLOW_LINKS="n2-n3:20", TN_RATES="n2=200")
-    peer = tmp_path / "peer.py"
-    peer.write_text(PEER)
-    start = time.monotonic()
-    try:
-        up = script("up", env=env)
-        assert up.returncode == 0, up.stdout + up.stderr
-        listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
-        for name in ("hub", "coord", "n1", "n2", "n3", "n4"):
-            assert prefix + name in listed
-        # Only the namespaces hold 10.77.0.0/24 addresses; the root namespace has none.
-        assert "10.77.0." not in subprocess.run(["ip", "-o", "addr"], capture_output=True, text=True).stdout
-        if shutil.which("ping"):
-            ping = script("run", "n1", "ping", "-c", "1", "-W", "2", "10.77.0.12", env=env)
-            assert ping.returncode == 0, ping.stdout + ping.stderr
-        # The slow link and, from the same node, a fast one: shaping is per destination.
-        slow = measure(env, peer, "n2", "n3")
-        fast = measure(env, peer, "n2", "n4")
-        assert 0.8 * 20 <= slow <= 1.2 * 20, f"n2->n3 shaped to 20 Mbit/s, measured {slow:.1f}"
-        assert 0.8 * 200 <= fast <= 1.2 * 200, f"n2->n4 shaped to 200 Mbit/s, measured {fast:.1f}"
-    finally:
-        down = script("down", env=env)
-        listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
-    assert down.returncode == 0, down.stderr
-    assert prefix not in listed, f"namespaces left behind: {listed}"
-    assert time.monotonic() - start < 20

@@ -67,10 +67,10 @@ class Swarm:
             w.close()
 
     def losses(self) -> list[float]:
-        return [loss for _, loss, _ in self.workers[-1].stats.losses]
+        return [r.loss for r in self.workers[-1].stats.losses]
 
     def steps(self) -> list[int]:
-        return [step for step, _, _ in self.workers[-1].stats.losses]
+        return [r.step for r in self.workers[-1].stats.losses]
 
 
 async def train(swarm: Swarm, steps: int) -> Swarm:

@@ -1,9 +1,11 @@
 """Configuration as dataclasses, in one place: the model's shape and its presets, the run every
 stage agrees on, and each process's own settings (defaults < TOML < flags)."""
 
+from .emulation import LinkEmulation, parse_duration, parse_rate
 from .model import PRESETS, ModelConfig, preset_names
 from .node import AUTO_STAGE, DEFAULT_TOKEN, CoordinatorConfig, NodeConfig, TransportKind
 from .run import CodecConfig, RunConfig, TrainConfig
 
 __all__ = ["ModelConfig", "PRESETS", "preset_names", "TrainConfig", "CodecConfig", "RunConfig", "NodeConfig",
-           "CoordinatorConfig", "TransportKind", "DEFAULT_TOKEN", "AUTO_STAGE"]
+           "CoordinatorConfig", "TransportKind", "DEFAULT_TOKEN", "AUTO_STAGE", "LinkEmulation", "parse_rate",
+           "parse_duration"]

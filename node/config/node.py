@@ -3,8 +3,10 @@ coordinator's (`CoordinatorConfig`); the run itself is `RunConfig`, handed out b
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
+
+from .emulation import LinkEmulation
 
 __all__ = ["DEFAULT_TOKEN", "TransportKind", "NodeConfig", "CoordinatorConfig", "AUTO_STAGE"]
 
@@ -35,9 +37,10 @@ class NodeConfig:
     checkpoint_dir: str = ""
     data_dir: str = ""              # where the built-in corpus is prepared (default: ~/.cache/tahnode)
     init_from: str = ""             # a local Hugging Face checkpoint directory
-    window: int = 4                 # envelopes in flight per outgoing link
     progress: bool = True
+    threads: int = 0                # torch's CPU threads (0: torch's default, every core); several stages on one machine share them
     transport: TransportKind = TransportKind.GRPC
+    emulation: LinkEmulation = field(default_factory=LinkEmulation)  # test swarms: RTT and rate in user space
 
 
 @dataclass

@@ -30,7 +30,10 @@ class TrainConfig:
     beta1: float = 0.9
     beta2: float = 0.95
     grad_clip: float = 1.0          # clip by the global norm (summed across stages); 0 = off
-    schedule: str = "1f1b"          # "1f1b" (at most K micro-batches in flight) or "gpipe" (all M)
+    schedule: str = "1f1b"          # "1f1b" (a window of micro-batches in flight that grows as needed) or "gpipe" (all)
+    pipeline_micro_batches: int = 0  # micro-batches the pipeline cuts a step into; 0 = auto (tahnode.pipeline.schedule)
+    min_micro_batch_tokens: int = 512  # auto never cuts micro-batches smaller than this
+    memory_budget_mb: float = 4096.0  # saved activations of the micro-batches stage 0 keeps in flight, at most
     seed: int = 0                   # model init and data order
     checkpoint_every: int = 20      # save each stage every N steps (and on SIGTERM)
     dtype: str = "float32"          # compute dtype: float32 or bfloat16
@@ -39,6 +42,12 @@ class TrainConfig:
         for name in ("steps", "micro_batches", "batch_size", "seq_len", "checkpoint_every"):
             if getattr(self, name) < 1:
                 raise ValueError(f"train.{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("pipeline_micro_batches", "min_micro_batch_tokens", "memory_budget_mb"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"train.{name} must be >= 0, got {getattr(self, name)}")
+        samples = self.micro_batches * self.batch_size
+        if self.pipeline_micro_batches and samples % self.pipeline_micro_batches:
+            raise ValueError(f"train.pipeline_micro_batches {self.pipeline_micro_batches} does not divide the step's {samples} samples")
         if self.schedule not in ("1f1b", "gpipe"):
             raise ValueError(f"train.schedule must be '1f1b' or 'gpipe', got {self.schedule!r}")
         if self.dtype not in ("float32", "bfloat16"):

@@ -35,7 +35,7 @@ class SwarmRegistry:
         self.nodes: dict[str, NodeRecord] = {}
         self.epoch = 1
         self.last_join = 0.0
-        self.ledger: dict[int, tuple[float, list[int]]] = {}  # committed step -> (loss, sample ids)
+        self.ledger: dict[int, pb.LossPoint] = {}  # committed step -> its loss, samples and wall time
         self.events: list[str] = []
 
     # -- helpers ----------------------------------------------------------------------------
@@ -134,7 +134,8 @@ class SwarmRegistry:
             if point.step in self.ledger or any(s > point.step for s in self.ledger):
                 # a rollback: the steps from here on are trained again and replace the old ones
                 self.ledger = {s: v for s, v in self.ledger.items() if s < point.step}
-            self.ledger[point.step] = (point.loss, list(point.sample_ids))
+            self.ledger[point.step] = pb.LossPoint()
+            self.ledger[point.step].CopyFrom(point)
         self.sweep()
         return pb.HeartbeatReply(assignment=self.assignment(node), known=True)
 

@@ -37,6 +37,7 @@ def training(r: SwarmRegistry) -> dict:
         "finished": bool(last and s.finished),
         "replays": sum(n.stats.replays for n in r.nodes.values()),
         "aqsgd_cache_bytes": sum(n.stats.aqsgd_cache_bytes for n in r.nodes.values() if n.status is NodeStatus.ACTIVE),
+        "peak_rss_bytes": max((n.stats.peak_rss_bytes for n in r.nodes.values() if n.stage >= 0), default=0),
         "steps_total": r.run.train.steps,
     }
 
@@ -45,17 +46,19 @@ def links(r: SwarmRegistry, placement: Placement) -> list[dict]:
     """Probed links (Mbit/s, RTT), with the rate real traffic achieved where there was some.
     Traffic time includes waiting on a busy receiver, so it is a lower bound: it raises the
     estimate when it exceeds the probe, never lowers it."""
-    observed = {}
+    observed, sent = {}, {}
     for n in r.nodes.values():
         for dst, (nbytes, seconds) in n.links.items():
             if seconds > 0 and nbytes > 0:
                 observed[(n.node_id, dst)] = nbytes * 8 / seconds / 1e6
+                sent[(n.node_id, dst)] = nbytes
     out = []
     for pair in sorted(set(placement.probes) | set(observed)):
         probed, rtt = placement.probes.get(pair, (None, None))
         seen = observed.get(pair)
         mbps = max(x for x in (probed, seen) if x is not None)
-        out.append({"src": pair[0], "dst": pair[1], "mbps": mbps, "rtt_ms": rtt, "probed_mbps": probed, "observed_mbps": seen})
+        out.append({"src": pair[0], "dst": pair[1], "mbps": mbps, "rtt_ms": rtt, "probed_mbps": probed, "observed_mbps": seen,
+                    "bytes": sent.get(pair, 0)})
     return out
 
 
@@ -69,7 +72,7 @@ def swarm_state(r: SwarmRegistry, placement: Placement) -> dict:
         ],
         "links": links(r, placement),
         "training": training(r),
-        "loss_history": [[step, loss] for step, (loss, _) in sorted(r.ledger.items())][-2000:],
+        "loss_history": [[step, point.loss] for step, point in sorted(r.ledger.items())][-2000:],
         "events": r.events[-20:],
         "stages": r.run.stages,
         "epoch": r.epoch,
@@ -77,5 +80,6 @@ def swarm_state(r: SwarmRegistry, placement: Placement) -> dict:
 
 
 def ledger_json(r: SwarmRegistry) -> dict:
-    """The sample ids of every committed step (GET /api/v1/ledger)."""
-    return {"steps": [{"step": step, "loss": loss, "sample_ids": ids} for step, (loss, ids) in sorted(r.ledger.items())]}
+    """Every committed step: its loss, sample ids and wall time on the last stage (GET /api/v1/ledger)."""
+    return {"steps": [{"step": step, "loss": p.loss, "sample_ids": list(p.sample_ids), "seconds": p.seconds}
+                      for step, p in sorted(r.ledger.items())]}

@@ -15,7 +15,16 @@ from .membership import CoordinatorClient
 
 log = logging.getLogger("tahnode.daemon")
 
-__all__ = ["Heartbeats"]
+__all__ = ["Heartbeats", "peak_rss_bytes"]
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident memory (Linux reports kilobytes, macOS bytes)."""
+    import resource
+    import sys
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024
 
 
 class Heartbeats:
@@ -42,6 +51,7 @@ class Heartbeats:
         sent = 0
         if self.worker is not None:
             req.stats.CopyFrom(self.worker.report())
+            req.stats.peak_rss_bytes = peak_rss_bytes()
             sent = len(req.stats.losses)
             counters = (self.t.counters(FORWARD), self.t.counters(BACKWARD))
             req.stats.wire_bytes = sum(c.bytes for c in counters)  # whole envelopes: labels and ids too

@@ -10,6 +10,8 @@ from pathlib import Path
 import grpc
 
 from ..net.auth import SwarmKey
+from ..config.emulation import LinkEmulation
+from ..net.emulation import interceptors_for
 from ..net.errors import CoordinatorError, NotAuthenticated, Unreachable, from_rpc_error
 from ..pipeline.checkpoint import ChunkWriter, read_chunks
 from ..proto import tahnode_pb2 as pb
@@ -23,9 +25,9 @@ __all__ = ["CoordinatorClient"]
 class CoordinatorClient:
     """Signed calls to the coordinator at `address`."""
 
-    def __init__(self, address: str, key: SwarmKey):
+    def __init__(self, address: str, key: SwarmKey, emulation: LinkEmulation = LinkEmulation()):
         self.address, self.key = address, key
-        self.channel = grpc.aio.insecure_channel(address)
+        self.channel = grpc.aio.insecure_channel(address, interceptors=interceptors_for(emulation))
         self.stub = pb_grpc.CoordinatorStub(self.channel)
 
     async def _call(self, method, request, what: str, timeout: float = 10.0):

@@ -14,6 +14,8 @@ import socket
 import sys
 from pathlib import Path
 
+import torch
+
 from ..config import NodeConfig, RunConfig, TransportKind
 from ..net.auth import SwarmKey
 from ..net.grpc_transport import GrpcTransport
@@ -39,8 +41,9 @@ __all__ = ["StageNode", "run_node"]
 def make_transport(cfg: NodeConfig, node_id: str, key: SwarmKey) -> Transport:
     """The data plane the node's config asks for."""
     if cfg.transport is TransportKind.GRPC:
-        return GrpcTransport(node_id, key, cfg.listen, cfg.advertise, window=cfg.window,
-                             measurer=lambda target, nbytes: measure_link(key, target, nbytes))
+        emulation = cfg.emulation
+        return GrpcTransport(node_id, key, cfg.listen, cfg.advertise, emulation=emulation,
+                             measurer=lambda peer, target, nbytes: measure_link(key, target, nbytes, emulation, peer))
     raise ValueError(f"transport {cfg.transport} is not available")
 
 
@@ -65,10 +68,12 @@ class StageNode:
         if key.is_default:
             log.warning("no --token given: using the public default swarm token")
         device = resolve_device(cfg.device)
+        if cfg.threads:
+            torch.set_num_threads(cfg.threads)
         node_id = cfg.node_id or f"{socket.gethostname()}-{os.getpid()}"
         transport = make_transport(cfg, node_id, key)
         address = await transport.start()
-        node = cls(cfg, stop, node_id, device, transport, CoordinatorClient(cfg.coordinator, key))
+        node = cls(cfg, stop, node_id, device, transport, CoordinatorClient(cfg.coordinator, key, cfg.emulation))
         try:
             join = pb.JoinRequest(node_id=node_id, address=address, stage=cfg.stage, device=device_label(device),
                                   memory_bytes=device_memory(device))

@@ -24,8 +24,8 @@ class Progress:
         if not (self.enabled and worker.last and worker.stats.losses):
             return
         s = worker.stats
-        step, loss, _ = s.losses[-1]
+        last = s.losses[-1]
         self.console.print(
-            f"step {step + 1:>5}/{self.total}  loss {loss:.4f}  {s.tokens_per_s():8.0f} tok/s  "
+            f"step {last.step + 1:>5}/{self.total}  loss {last.loss:.4f}  {s.tokens_per_s():8.0f} tok/s  "
             f"gradients {s.bits_per_element(BACKWARD):.2f} bits/element  encoded {sum(s.encoded_bytes.values()) / 2**20:.1f} MB"
         )

@@ -20,10 +20,16 @@ class SwarmKey:
             raise ValueError("the swarm token must not be empty")
         self.key = hashlib.sha256(b"tahnode-v1\0" + token.encode()).digest()
         self.is_default = token == DEFAULT_TOKEN
+        self._keyed = hmac.new(self.key, digestmod=hashlib.sha256)  # copied per MAC: the key is set up once
+
+    def _mac(self, *parts: bytes) -> bytes:
+        h = self._keyed.copy()
+        for part in parts:
+            h.update(part)
+        return h.digest()
 
     def frame_mac(self, sender: str, seq: int, index: int, count: int, data: bytes) -> bytes:
-        head = sender.encode() + b"\0" + struct.pack("<QII", seq, index, count)
-        return hmac.new(self.key, head + data, hashlib.sha256).digest()
+        return self._mac(sender.encode(), b"\0", struct.pack("<QII", seq, index, count), data)
 
     def message_mac(self, msg) -> bytes:
         """MAC of a protobuf request over its deterministic bytes with the `mac` field empty."""
@@ -31,7 +37,7 @@ class SwarmKey:
         msg.mac = b""
         data = msg.SerializeToString(deterministic=True)
         msg.mac = saved
-        return hmac.new(self.key, type(msg).__name__.encode() + b"\0" + data, hashlib.sha256).digest()
+        return self._mac(type(msg).__name__.encode(), b"\0", data)
 
     def sign(self, msg):
         msg.mac = self.message_mac(msg)

@@ -1,5 +1,5 @@
 """gRPC data plane (grpc.aio): a StageService server that authenticates and reassembles incoming
-frames into the inbox, and one client stream per outgoing direction with a bounded window."""
+frames into the inbox, and one client stream per outgoing direction fed by a queue."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import grpc
 from ..proto import tahnode_pb2 as pb
 from ..proto import tahnode_pb2_grpc as pb_grpc
 from .auth import SwarmKey
+from ..config.emulation import LinkEmulation
 from .framing import FrameError, FrameNotAuthenticated, Reassembler, frames_of, parse_envelope
 from .links import LinkedTransport, OutLink
 from .transport import FORWARD, BACKWARD, Direction, Inbound, Measurer
@@ -94,7 +95,7 @@ class StageServicer(pb_grpc.StageServiceServicer):
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, "measure request failed authentication")
         if self.t.measurer is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "this node does not measure links")
-        mbps, rtt = await self.t.measurer(request.target_address, request.payload_bytes)
+        mbps, rtt = await self.t.measurer(request.target_id, request.target_address, request.payload_bytes)
         return pb.MeasureReply(mbps=mbps, rtt_ms=rtt)
 
 
@@ -141,9 +142,9 @@ class GrpcTransport(LinkedTransport):
 
     Link = GrpcLink
 
-    def __init__(self, node_id: str, key: SwarmKey, listen: str, advertise: str = "", window: int = 4, inbox_size: int = 8,
-                 measurer: Measurer | None = None):
-        super().__init__(node_id, window, inbox_size)
+    def __init__(self, node_id: str, key: SwarmKey, listen: str, advertise: str = "", measurer: Measurer | None = None,
+                 emulation: LinkEmulation = LinkEmulation()):
+        super().__init__(node_id, emulation)
         self.key = key
         self.listen, self.advertise = listen, advertise
         self.measurer = measurer

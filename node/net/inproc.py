@@ -1,5 +1,5 @@
 """An in-process transport: the stages of a swarm in one event loop, linked by queues with the same
-contract as gRPC (bounded windows, generations, new streams after a failure). For unit tests of the
+contract as gRPC (queues, generations, new streams after a failure). For unit tests of the
 pipeline: they run in milliseconds, and a link can be cut on purpose."""
 
 from __future__ import annotations
@@ -8,6 +8,7 @@ import asyncio
 import time
 
 from ..proto import tahnode_pb2 as pb
+from ..config.emulation import LinkEmulation
 from .links import LinkedTransport, OutLink
 from .transport import Direction, Inbound
 
@@ -20,8 +21,8 @@ class InProcessNetwork:
     def __init__(self):
         self.nodes: dict[str, InProcessTransport] = {}
 
-    def transport(self, node_id: str, window: int = 4, inbox_size: int = 8) -> "InProcessTransport":
-        return InProcessTransport(self, node_id, window, inbox_size)
+    def transport(self, node_id: str, emulation: LinkEmulation = LinkEmulation()) -> "InProcessTransport":
+        return InProcessTransport(self, node_id, emulation)
 
     def cut(self, node_id: str, direction: Direction) -> None:
         """Break the outgoing link of `direction` of node `node_id` as a network failure would: its
@@ -54,8 +55,8 @@ class InProcessTransport(LinkedTransport):
 
     Link = InProcessLink
 
-    def __init__(self, network: InProcessNetwork, node_id: str, window: int = 4, inbox_size: int = 8):
-        super().__init__(node_id, window, inbox_size)
+    def __init__(self, network: InProcessNetwork, node_id: str, emulation: LinkEmulation = LinkEmulation()):
+        super().__init__(node_id, emulation)
         self.network = network
 
     async def start(self) -> str:

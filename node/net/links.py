@@ -6,10 +6,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from typing import Callable
 
 from ..proto import tahnode_pb2 as pb
-from .transport import BACKWARD, FORWARD, Direction, LinkCounters
+from ..config.emulation import LinkEmulation
+from .emulation import pacer_for
+from .transport import BACKWARD, FORWARD, QUEUE_LIMIT, Direction, LinkCounters
 
 log = logging.getLogger("tahnode.transport")
 
@@ -21,12 +24,13 @@ class OutLink:
     and delivers them until it fails; on failure the queue is dropped, the generation bumps, every
     listener hears of it, and `carry()` runs again (a new stream)."""
 
-    def __init__(self, transport: "LinkedTransport", direction: Direction, window: int):
+    def __init__(self, transport: "LinkedTransport", direction: Direction):
         self.transport, self.direction = transport, direction
-        self.queue: asyncio.Queue = asyncio.Queue(maxsize=window)
+        self.queue: asyncio.Queue = asyncio.Queue(maxsize=QUEUE_LIMIT)
         self.generation = 0
         self.peer_id = self.address = ""
         self.counters = LinkCounters()
+        self.pacer = pacer_for(transport.emulation)
         self.task: asyncio.Task | None = None
         self.idle = asyncio.Event()
         self.idle.set()
@@ -42,6 +46,7 @@ class OutLink:
         old = self.peer_id
         self.peer_id, self.address = node_id, address
         self.counters.peer = node_id
+        self.pacer = pacer_for(self.transport.emulation, node_id)
         self.restart(f"peer changed from {old or 'none'} to {node_id or 'none'}" if self.task else None)
 
     def restart(self, reason: str | None) -> None:
@@ -64,11 +69,14 @@ class OutLink:
             cb(self.direction, reason)
 
     async def next_envelope(self) -> bytes:
-        """The next queued envelope of the current generation (stale ones are skipped)."""
+        """The next queued envelope of the current generation (stale ones are skipped), once an
+        emulated link would have carried it (tahnode.net.emulation)."""
         while True:
-            generation, data = await self.queue.get()
+            generation, data, queued_at = await self.queue.get()
             if generation == self.generation:
-                return data
+                await self.pacer.wait(len(data), queued_at)
+                if generation == self.generation:
+                    return data
             self.mark_idle()
 
     def delivered(self, nbytes: int, seconds: float) -> None:
@@ -100,10 +108,10 @@ class LinkedTransport:
 
     Link: type[OutLink] = OutLink
 
-    def __init__(self, node_id: str, window: int = 4, inbox_size: int = 8):
+    def __init__(self, node_id: str, emulation: LinkEmulation = LinkEmulation()):
         self.node_id = node_id
-        self.inbox: asyncio.Queue = asyncio.Queue(maxsize=inbox_size)
-        self.window = window
+        self.emulation = emulation
+        self.inbox: asyncio.Queue = asyncio.Queue(maxsize=2 * QUEUE_LIMIT)  # both directions come in here
         self.links: dict[Direction, OutLink] = {}
         self.streams = {FORWARD: 0, BACKWARD: 0}
         self.down_callbacks: list[Callable[[Direction, str], None]] = []
@@ -111,7 +119,7 @@ class LinkedTransport:
         self.address = ""
 
     def open_links(self) -> None:
-        self.links = {d: self.Link(self, d, self.window) for d in (FORWARD, BACKWARD)}
+        self.links = {d: self.Link(self, d) for d in (FORWARD, BACKWARD)}
 
     def set_stage(self, stage: int) -> None:
         self.stage = stage
@@ -136,7 +144,7 @@ class LinkedTransport:
             return False
         data = envelope.SerializeToString()
         link.idle.clear()
-        await link.queue.put((generation, data))
+        await link.queue.put((generation, data, time.monotonic()))
         return generation == link.generation
 
     def on_link_down(self, callback: Callable[[Direction, str], None]) -> None:
@@ -144,6 +152,9 @@ class LinkedTransport:
 
     def counters(self, direction: Direction) -> LinkCounters:
         return self.links[direction].counters
+
+    async def drained(self, direction: Direction) -> None:
+        await self.links[direction].idle.wait()
 
     async def flush(self, timeout: float) -> None:
         waits = [link.idle.wait() for link in self.links.values() if link.task]

@@ -11,14 +11,17 @@ import grpc
 from ..proto import tahnode_pb2 as pb
 from ..proto import tahnode_pb2_grpc as pb_grpc
 from .auth import SwarmKey
+from ..config.emulation import LinkEmulation
+from .emulation import interceptors_for, pacer_for
 from .grpc_transport import CHANNEL_OPTIONS
 
 __all__ = ["probe", "measure_link", "request_measure"]
 
 
-async def probe(key: SwarmKey, address: str, payload_bytes: int, chunk: int = 256 << 10) -> tuple[float, float]:
+async def probe(key: SwarmKey, address: str, payload_bytes: int, chunk: int = 256 << 10,
+                emulation: LinkEmulation = LinkEmulation(), peer: str = "") -> tuple[float, float]:
     """Measure the link to `address`: (throughput Mbit/s over payload_bytes, median RTT ms)."""
-    async with grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS) as channel:
+    async with grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS, interceptors=interceptors_for(emulation)) as channel:
         stub = pb_grpc.StageServiceStub(channel)
         rtts = []
         for _ in range(5):
@@ -27,10 +30,12 @@ async def probe(key: SwarmKey, address: str, payload_bytes: int, chunk: int = 25
             rtts.append((time.perf_counter() - start) * 1e3)
         data = os.urandom(chunk)
         mac = key.frame_mac("probe", 0, 0, 0, data)
+        pacer = pacer_for(emulation, peer)
 
         async def chunks():
-            sent = 0
+            sent, queued = 0, time.monotonic()  # one stream: its delay counts once, its rate for every chunk
             while sent < payload_bytes:
+                await pacer.wait(len(data), queued)
                 yield pb.ProbeChunk(data=data, mac=mac)
                 sent += len(data)
 
@@ -40,14 +45,15 @@ async def probe(key: SwarmKey, address: str, payload_bytes: int, chunk: int = 25
         return reply.bytes * 8 / max(elapsed, 1e-9) / 1e6, sorted(rtts)[len(rtts) // 2]
 
 
-async def measure_link(key: SwarmKey, target: str, nbytes: int) -> tuple[float, float]:
-    """Throughput (Mbit/s) and RTT (ms) from here to `target`: a short probe sizes the real one
-    to last about a second (1-64 MiB), so token-bucket bursts do not inflate the figure."""
+async def measure_link(key: SwarmKey, target: str, nbytes: int, emulation: LinkEmulation = LinkEmulation(),
+                       peer: str = "") -> tuple[float, float]:
+    """Throughput (Mbit/s) and RTT (ms) from here to `target` (node `peer`): a short probe sizes the
+    real one to last about a second (1-64 MiB), so token-bucket bursts do not inflate the figure."""
     if nbytes:
-        return await probe(key, target, nbytes)
-    rough, _ = await probe(key, target, 512 << 10)
+        return await probe(key, target, nbytes, emulation=emulation, peer=peer)
+    rough, _ = await probe(key, target, 512 << 10, emulation=emulation, peer=peer)
     size = int(min(64 << 20, max(1 << 20, rough * 1e6 / 8 * 1.0)))
-    return await probe(key, target, size)
+    return await probe(key, target, size, emulation=emulation, peer=peer)
 
 
 async def request_measure(key: SwarmKey, node_address: str, target_id: str, target_address: str) -> tuple[float, float]:

@@ -10,7 +10,8 @@ from typing import Awaitable, Callable, Protocol
 
 from ..proto import tahnode_pb2 as pb
 
-__all__ = ["Direction", "FORWARD", "BACKWARD", "EnvelopeKind", "Inbound", "LinkCounters", "Measurer", "Transport"]
+__all__ = ["Direction", "FORWARD", "BACKWARD", "EnvelopeKind", "Inbound", "LinkCounters", "Measurer", "Transport", "MAX_IN_FLIGHT",
+           "QUEUE_LIMIT"]
 
 
 class Direction(Enum):
@@ -24,6 +25,12 @@ class Direction(Enum):
 
 
 FORWARD, BACKWARD = Direction.FORWARD, Direction.BACKWARD
+
+# The pipeline keeps at most this many micro-batches in flight; a transport's queues hold that many
+# envelopes per direction (and a few control ones), so no stage ever blocks on a full queue while
+# its peer waits on it.
+MAX_IN_FLIGHT = 256
+QUEUE_LIMIT = MAX_IN_FLIGHT + 32
 
 
 class EnvelopeKind(Enum):
@@ -64,8 +71,8 @@ class LinkCounters:
     failures: int = 0
 
 
-# measure(target address, payload bytes or 0 for "size it yourself") -> (Mbit/s, RTT ms)
-Measurer = Callable[[str, int], Awaitable[tuple[float, float]]]
+# measure(target node id, its address, payload bytes or 0 for "size it yourself") -> (Mbit/s, RTT ms)
+Measurer = Callable[[str, str, int], Awaitable[tuple[float, float]]]
 
 
 class Transport(Protocol):
@@ -86,13 +93,16 @@ class Transport(Protocol):
         codec state of the current generation, and hand that number to `send`."""
 
     async def send(self, direction: Direction, envelope: pb.Envelope, generation: int) -> bool:
-        """Queue an envelope (awaits while the in-flight window is full). False if the link's
+        """Queue an envelope (awaits only if QUEUE_LIMIT are queued). False if the link's
         generation moved on (the envelope is dropped: its step will be replayed)."""
 
     def on_link_down(self, callback: Callable[[Direction, str], None]) -> None:
         """Call callback(direction, reason) when an outgoing link fails."""
 
     def counters(self, direction: Direction) -> LinkCounters: ...
+
+    async def drained(self, direction: Direction) -> None:
+        """Return once the outgoing link has nothing queued or being sent."""
 
     async def flush(self, timeout: float) -> None:
         """Wait until queued envelopes have been written (or the timeout passed)."""

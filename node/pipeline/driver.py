@@ -13,7 +13,7 @@ from ..net.transport import FORWARD
 from ..proto import tahnode_pb2 as pb
 from ..train.data import SampleSchedule, TokenDataset
 from ..train.optim import grad_sumsq
-from .schedule import Window, in_flight_limit
+from .schedule import SavedBytes, Split, SplitTuner, Window
 from .state import PipelineError
 
 if TYPE_CHECKING:
@@ -31,9 +31,12 @@ class StepDriver:
     def __init__(self, worker: "StageWorker", dataset: TokenDataset | None):
         self.w = worker
         t = worker.train
+        self.split = Split.of(t, worker.num_stages)
+        self.tuner = SplitTuner(Split.counts(t), self.split.micro_batches)
         self.dataset = dataset
         self.samples = SampleSchedule(len(dataset), t.batch_size, t.micro_batches, seed=t.seed) if dataset else None
-        self.window = Window(in_flight_limit(t, worker.num_stages))
+        self.window = Window.initial(worker.num_stages, self.split, t.schedule)
+        self.sample_bytes = 0.0  # activations saved here per sample (measured on the first micro-batch)
         self.all_backward = asyncio.Event()
         self.abort = asyncio.Event()
         self.sync_reply: asyncio.Future | None = None
@@ -58,9 +61,47 @@ class StepDriver:
 
     # -- the loop ----------------------------------------------------------------------------------
     def _forward(self, index: int):
-        ids = self.samples.ids(self.w.state.step, index)
+        split = self.split
+        ids = self.samples.ids_at(self.w.state.step, index * split.batch_size, split.batch_size)
         tokens, labels = self.dataset.batch(ids)
-        return self.w.forward_first(index, ids, tokens, labels)
+        if self.sample_bytes:
+            return self.w.forward_first(index, split.micro_batches, ids, tokens, labels)
+        with SavedBytes(self.w.model) as saved:
+            result = self.w.forward_first(index, split.micro_batches, ids, tokens, labels)
+        self.sample_bytes = max(1.0, saved.bytes / split.batch_size)
+        self.window.cap(self._memory_cap(split))
+        log.info("stage 0: a micro-batch of %d samples saves %.1f MB of activations; the memory budget holds %d in flight",
+                 split.batch_size, self.sample_bytes * split.batch_size / 2**20, self._memory_cap(split))
+        return result
+
+    def _memory_cap(self, split: Split) -> int:
+        """Micro-batches of `split` whose saved activations fit in the memory budget (at least 1)."""
+        budget = self.w.train.memory_budget_mb * 2**20
+        return max(1, int(budget // (self.sample_bytes * split.batch_size))) if self.sample_bytes else split.micro_batches
+
+    def _begin_step(self) -> None:
+        """This step's cut (the tuner's), and a window for it: as many places, in samples, as the
+        last step's window had, within the step and the memory budget."""
+        old, self.split = self.split, Split.with_count(self.w.train, self.tuner.count)
+        if self.split != old:
+            fresh = Window.initial(self.w.num_stages, self.split, self.w.train.schedule)
+            self.window = Window(max(fresh.size, self.window.size * self.split.micro_batches // old.micro_batches), fresh.limit)
+            self.window.cap(self._memory_cap(self.split))
+            log.info("stage 0: steps are now %d micro-batches of %d samples (window %d)", self.split.micro_batches,
+                     self.split.batch_size, self.window.size)
+
+    async def _admit(self) -> bool:
+        """A place in the window (False: the step was aborted). Waiting for one while the forward link
+        has nothing to send means the window, not the link, holds the pipeline back: it grows."""
+        if not self.window.full:
+            return await self.window.admit(self.abort)
+        admitted = asyncio.ensure_future(self.window.admit(self.abort))
+        drained = asyncio.ensure_future(self.w.t.drained(FORWARD))
+        done, _ = await asyncio.wait({admitted, drained}, return_when=asyncio.FIRST_COMPLETED)
+        drained.cancel()
+        if admitted not in done and self.window.grow():
+            log.debug("stage 0: %d micro-batches in flight (the forward link went idle waiting for the window)", self.window.size)
+        return await admitted
 
     async def _sync(self, attempt: int) -> None:
         """Restart step `committed` as `attempt` once every stage answers; repeat until they do.
@@ -70,7 +111,7 @@ class StepDriver:
         while True:
             self.abort.clear()
             await w.compute(w.restart_step, st.committed, attempt)
-            self.window = Window(in_flight_limit(w.train, w.num_stages))
+            self.window = Window(self.window.size, self.window.limit)  # none in flight; what it learned stays
             if w.num_stages == 1:
                 return
             self.sync_reply = asyncio.get_running_loop().create_future()
@@ -96,8 +137,9 @@ class StepDriver:
     async def _run_step(self) -> bool:
         """Send every micro-batch of the step, wait for its gradients. False if aborted."""
         self.all_backward.clear()
-        for index in range(self.w.train.micro_batches):
-            if not await self.window.admit(self.abort):
+        self._begin_step()
+        for index in range(self.split.micro_batches):
+            if not await self._admit():
                 return False
             mb, gen = await self.w.compute(self._forward, index)
             await self.w.send(FORWARD, gen, micro_batch=mb)
@@ -114,6 +156,7 @@ class StepDriver:
         # a fresh attempt number per incarnation of stage 0: leftovers of a previous one never match
         attempt = random.randrange(1, 1 << 30)
         await self._sync(attempt)
+        replayed = False  # a replayed step's time says nothing about its cut
         while st.committed < steps and not w.stopping:
             if w.num_stages == 1:
                 raise PipelineError("a single-stage swarm: use tahnode.train.local instead")
@@ -121,12 +164,15 @@ class StepDriver:
                 if w.stopping:
                     break
                 w.stats.replays += 1
-                attempt = st.attempt + 1
+                attempt, replayed = st.attempt + 1, True
                 log.warning("stage 0 replays step %d (attempt %d)", st.committed, attempt)
                 await self._sync(attempt)
                 continue
             total = st.partial_sumsq + await w.compute(grad_sumsq, w.opt.params)
-            await w.commit(pb.StepEnd(step=st.step, attempt=st.attempt, grad_sumsq=total))
+            seconds = await w.commit(pb.StepEnd(step=st.step, attempt=st.attempt, grad_sumsq=total))
+            if not replayed:
+                self.tuner.record(seconds)
+            replayed = False
         if not w.stopping:
             await w.send(FORWARD, shutdown=pb.Shutdown(step=st.committed))
             w.finish()

@@ -11,7 +11,7 @@ import torch
 from ..net.transport import BACKWARD, FORWARD
 from ..proto import tahnode_pb2 as pb
 
-__all__ = ["PipelineError", "Pending", "StepState", "StopRequest", "Stats"]
+__all__ = ["PipelineError", "Pending", "StepState", "StopRequest", "StepRecord", "Stats"]
 
 
 class PipelineError(RuntimeError):
@@ -34,6 +34,8 @@ class StepState:
     Only a Sync changes the attempt; micro-batches of any other (step, attempt) are left over from
     an aborted attempt (or an earlier incarnation of stage 0) and are dropped."""
 
+    micro_batches: int = 1             # of the step being computed (stage 0 cuts each step anew)
+    samples_per_step: int = 1
     committed: int = 0                 # number of optimizer steps applied
     last_commit: pb.StepEnd = field(default_factory=pb.StepEnd)
     step: int = 0
@@ -41,8 +43,8 @@ class StepState:
     pending: dict[int, Pending] = field(default_factory=dict)
     done_backward: int = 0             # micro-batches of this step whose backward ran here
     partial_sumsq: float = 0.0         # gradient sum of squares of the later stages
-    losses: list[float] = field(default_factory=list)   # last stage: loss of each micro-batch
-    samples: list[int] = field(default_factory=list)    # last stage: their sample ids
+    loss_sum: float = 0.0              # last stage: sum over micro-batches of loss x samples
+    samples: list[int] = field(default_factory=list)    # last stage: the step's sample ids so far
 
     def current(self, step: int, attempt: int) -> bool:
         """Is work of (step, attempt) part of the step now being computed?"""
@@ -54,12 +56,17 @@ class StepState:
         self.pending.clear()
         self.done_backward = 0
         self.partial_sumsq = 0.0
-        self.losses = []
+        self.loss_sum = 0.0
         self.samples = []
 
-    def awaits_step_end(self, micro_batches: int) -> bool:
+    @property
+    def all_backward(self) -> bool:
+        """Every micro-batch of the step went backward here."""
+        return self.done_backward == self.micro_batches
+
+    def awaits_step_end(self) -> bool:
         """Every backward of the step ran here; only its StepEnd is missing."""
-        return self.done_backward == micro_batches and self.committed == self.step
+        return self.all_backward and self.committed == self.step
 
 
 @dataclass
@@ -71,14 +78,24 @@ class StopRequest:
 
 
 @dataclass
+class StepRecord:
+    """A committed step as the last stage saw it: its mean loss, its samples, its wall time."""
+
+    step: int
+    loss: float
+    sample_ids: list[int]
+    seconds: float
+
+
+@dataclass
 class Stats:
     """Counters every stage keeps; the last stage also has the losses."""
 
     encoded_bytes: dict = field(default_factory=lambda: {FORWARD: 0, BACKWARD: 0})  # EncodedTensor messages
     elements: dict = field(default_factory=lambda: {FORWARD: 0, BACKWARD: 0})
     uncompressed_bytes: int = 0
-    losses: list = field(default_factory=list)      # (step, mean loss, sample ids), committed steps
-    outbox: list = field(default_factory=list)      # the same, not yet reported to the coordinator
+    losses: list[StepRecord] = field(default_factory=list)  # last stage: the committed steps
+    outbox: list[StepRecord] = field(default_factory=list)  # the same, not yet reported to the coordinator
     step_times: list = field(default_factory=list)  # wall time of each committed step
     step_started: float = field(default_factory=time.perf_counter)
     tokens_per_step: int = 0
@@ -93,10 +110,13 @@ class Stats:
         times = self.step_times[-last:]
         return self.tokens_per_step * len(times) / sum(times) if times and sum(times) > 0 else 0.0
 
-    def step_done(self) -> None:
+    def step_done(self) -> float:
+        """A step was committed: its wall time since the previous commit."""
         now = time.perf_counter()
-        self.step_times.append(now - self.step_started)
+        seconds = now - self.step_started
+        self.step_times.append(seconds)
         self.step_started = now
+        return seconds
 
     def counted(self, direction, encoded: int, tensor: torch.Tensor) -> None:
         """One tensor sent `direction`: its wire size and what it would have been uncompressed."""

@@ -23,7 +23,8 @@ from ..train.model import COMPUTE_DTYPES, StageModel, build_stage, init_weights
 from ..train.optim import StageOptimizer, grad_sumsq
 from .checkpoint import CheckpointStore, StageSaver
 from .driver import StepDriver
-from .state import Pending, PipelineError, Stats, StepState, StopRequest
+from .schedule import InboxOrder, Split
+from .state import Pending, PipelineError, Stats, StepRecord, StepState, StopRequest
 from .streams import CodecStreams
 
 log = logging.getLogger("tahnode.pipeline")
@@ -48,7 +49,8 @@ class StageWorker:
         self.saver = StageSaver(store, stage, run, on_saved)
         self.on_step = on_step
         self.pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"stage{stage}-compute")
-        self.state = StepState()
+        split = Split.of(self.train, run.stages)
+        self.state = StepState(micro_batches=split.micro_batches, samples_per_step=split.samples)
         self.driver = StepDriver(self, dataset) if self.first else None
         self.stop_request: StopRequest | None = None
         self.shutdown = asyncio.Event()
@@ -122,10 +124,10 @@ class StageWorker:
             backward_bits_per_element=s.bits_per_element(BACKWARD), uncompressed_bytes=s.uncompressed_bytes,
             finished=s.finished, replays=s.replays, aqsgd_cache_bytes=self.codecs.cache_bytes())
         if s.losses:
-            stats.loss = s.losses[-1][1]
-            stats.loss_first = s.losses[0][1]
-        for step, loss, ids in s.outbox:
-            stats.losses.add(step=step, loss=loss, sample_ids=ids)
+            stats.loss = s.losses[-1].loss
+            stats.loss_first = s.losses[0].loss
+        for r in s.outbox:
+            stats.losses.add(step=r.step, loss=r.loss, sample_ids=r.sample_ids, seconds=r.seconds)
         return stats
 
     def reported(self, count: int) -> None:
@@ -151,7 +153,7 @@ class StageWorker:
             if not self.saver.load(step, self.model, self.opt.opt, self.codecs):
                 raise PipelineError(f"stage {self.stage} cannot roll back to step {step}: no checkpoint of that step")
             self._resumed_at(step)
-        self.stats.losses = [entry for entry in self.stats.losses if entry[0] < step]
+        self.stats.losses = [r for r in self.stats.losses if r.step < step]
         self.codecs.drop_streams()
         log.warning("stage %d rolled back to step %d", self.stage, step)
 
@@ -163,14 +165,17 @@ class StageWorker:
         self.saver.save(self.committed, self.model, self.opt.opt, self.codecs)
 
     # -- compute (runs on the compute thread) -------------------------------------------------
-    def forward_first(self, index: int, ids: list[int], tokens: torch.Tensor, labels: torch.Tensor) -> tuple[pb.MicroBatch, int]:
-        """Stage 0: embed and run micro-batch `index` of the current step; its message and generation."""
+    def forward_first(self, index: int, count: int, ids: list[int], tokens: torch.Tensor,
+                      labels: torch.Tensor) -> tuple[pb.MicroBatch, int]:
+        """Stage 0: embed and run micro-batch `index` of the `count` of the current step; its message
+        and generation."""
         st = self.state
+        st.micro_batches = count
         out = self.model(tokens.to(self.device))
         st.pending[index] = Pending(None, self.codecs.sent(out), ids)
         enc, gen = self.codecs.encode(FORWARD, out, ids)
         mb = pb.MicroBatch(step=st.step, index=index, sample_ids=ids, labels=labels.to(torch.int32).numpy().tobytes(),
-                           tensor=enc, attempt=st.attempt)
+                           tensor=enc, attempt=st.attempt, count=count)
         return mb, gen
 
     def _stale(self, item: Inbound, mb: pb.MicroBatch):
@@ -184,22 +189,26 @@ class StageWorker:
         st = self.state
         if not st.current(mb.step, mb.attempt):
             return self._stale(item, mb)
+        if mb.count:  # stage 0 cuts every step anew (tahnode.pipeline.schedule)
+            st.micro_batches = mb.count
         x = self.codecs.decode(item.direction, item.stream, mb, self.dtype).requires_grad_(True)
         out = self.model(x)
         ids = list(mb.sample_ids)
         if self.last:
             labels = torch.from_numpy(np.frombuffer(mb.labels, dtype=np.int32).copy()).long().reshape(x.shape[:2]).to(self.device)
             loss = self.model.loss(out, labels)
-            (loss / self.train.micro_batches).backward()
-            st.losses.append(float(loss.detach()))
+            (loss * (len(ids) / st.samples_per_step)).backward()  # the step's loss: the mean over all its tokens
+            st.loss_sum += float(loss.detach()) * len(ids)
             st.samples.extend(ids)
             st.done_backward += 1
-            extras = {"grad_sumsq": grad_sumsq(self.opt.params)} if st.done_backward == self.train.micro_batches else {}
+            extras = {"grad_sumsq": grad_sumsq(self.opt.params)} if st.all_backward else {}
             enc, gen = self.codecs.encode(BACKWARD, x.grad, ids)
-            return BACKWARD, pb.MicroBatch(step=mb.step, index=mb.index, sample_ids=ids, tensor=enc, attempt=mb.attempt, extras=extras), gen
+            return BACKWARD, pb.MicroBatch(step=mb.step, index=mb.index, sample_ids=ids, tensor=enc, attempt=mb.attempt, extras=extras,
+                                           count=mb.count), gen
         st.pending[mb.index] = Pending(x, self.codecs.sent(out), ids)
         enc, gen = self.codecs.encode(FORWARD, out, ids)
-        return FORWARD, pb.MicroBatch(step=mb.step, index=mb.index, sample_ids=ids, labels=mb.labels, tensor=enc, attempt=mb.attempt), gen
+        return FORWARD, pb.MicroBatch(step=mb.step, index=mb.index, sample_ids=ids, labels=mb.labels, tensor=enc, attempt=mb.attempt,
+                                      count=mb.count), gen
 
     def _backward(self, item: Inbound, mb: pb.MicroBatch):
         st = self.state
@@ -214,41 +223,49 @@ class StageWorker:
         if self.first:
             return None
         extras = {}
-        if st.done_backward == self.train.micro_batches:
+        if st.all_backward:
             extras["grad_sumsq"] = st.partial_sumsq + grad_sumsq(self.opt.params)
         enc, gen = self.codecs.encode(BACKWARD, p.inp.grad, p.sample_ids)
-        return pb.MicroBatch(step=mb.step, index=mb.index, sample_ids=p.sample_ids, tensor=enc, attempt=mb.attempt, extras=extras), gen
+        return pb.MicroBatch(step=mb.step, index=mb.index, sample_ids=p.sample_ids, tensor=enc, attempt=mb.attempt, extras=extras,
+                             count=mb.count), gen
 
-    def _apply(self, step: int, total_sumsq: float) -> None:
-        """Clip and step (runs on the compute thread, like every change to the step state)."""
+    def _apply(self, step: int, total_sumsq: float) -> tuple[float, list[int]]:
+        """Clip and step (runs on the compute thread, like every change to the step state); the
+        step's mean loss and samples (last stage)."""
+        st = self.state
+        loss, samples = st.loss_sum / max(1, len(st.samples)), list(st.samples)
         self.codecs.apply_step(step)
         self.opt.apply(step, total_sumsq)
-        self.state.committed = step + 1
-        if self.last:
-            st = self.state
-            entry = (step, sum(st.losses) / max(1, len(st.losses)), list(st.samples))
-            self.stats.losses.append(entry)
-            self.stats.outbox.append(entry)
+        st.committed = step + 1
         self.restart_step(step + 1, 0)
+        return loss, samples
 
     # -- commit --------------------------------------------------------------------------------
-    async def commit(self, end: pb.StepEnd) -> None:
-        """Apply step `end.step` (clip with the global norm and step), pass the StepEnd on."""
-        await self.compute(self._apply, end.step, end.grad_sumsq)
+    async def commit(self, end: pb.StepEnd) -> float:
+        """Apply step `end.step` (clip with the global norm and step), pass the StepEnd on; the
+        step's wall time since the previous commit."""
+        loss, samples = await self.compute(self._apply, end.step, end.grad_sumsq)
         self.state.last_commit = end
-        self.stats.step_done()
+        seconds = self.stats.step_done()
+        if self.last:
+            record = StepRecord(end.step, loss, samples, seconds)
+            self.stats.losses.append(record)
+            self.stats.outbox.append(record)
         if not self.last:
             await self.send(FORWARD, step_end=end)
         if self.committed % self.train.checkpoint_every == 0:
             await self.compute(self.save)
         if self.on_step:
             self.on_step(self)
+        return seconds
 
     # -- the inbox -----------------------------------------------------------------------------
     async def serve(self) -> None:
-        """Handle envelopes until a Shutdown went through (or stop() was called)."""
+        """Handle envelopes, gradients first (InboxOrder), until a Shutdown went through (or stop()
+        was called)."""
+        order = InboxOrder(self.t.inbox)
         while not self.shutdown.is_set():
-            getter = asyncio.ensure_future(self.t.inbox.get())
+            getter = asyncio.ensure_future(order.next())
             stopper = asyncio.ensure_future(self.shutdown.wait())
             done, _ = await asyncio.wait({getter, stopper}, return_when=asyncio.FIRST_COMPLETED)
             if getter not in done:
@@ -299,11 +316,11 @@ class StageWorker:
         if result is not None:
             await self.send(BACKWARD, result[1], micro_batch=result[0])
         if self.first:
-            self.driver.backward_done(self.state.done_backward == self.train.micro_batches)
+            self.driver.backward_done(self.state.all_backward)
 
     async def _on_step_end(self, end: pb.StepEnd) -> None:
         st = self.state
-        if end.step == st.committed and st.awaits_step_end(self.train.micro_batches):
+        if end.step == st.committed and st.awaits_step_end():
             await self.commit(end)
         elif end.step < st.committed:
             log.debug("stage %d dropped step end %d: already applied (from a sync)", self.stage, end.step)
@@ -315,7 +332,7 @@ class StageWorker:
         if sync.rollback and st.committed != sync.step:
             await self.compute(self.rollback, sync.step)
         lc = sync.last_commit
-        if lc.step + 1 == sync.step and st.committed == lc.step and st.awaits_step_end(self.train.micro_batches):
+        if lc.step + 1 == sync.step and st.committed == lc.step and st.awaits_step_end():
             log.info("stage %d applies step %d from the sync", self.stage, lc.step)
             await self.commit(lc)
         await self.compute(self.restart_step, sync.step, sync.attempt)
@@ -349,7 +366,7 @@ class StageWorker:
         stage 0 commit the step, so its StepEnd is then waited for too; and nothing of a later
         step is handled once the awaited step is committed."""
         async with self.handling:
-            awaits = not self.first and self.state.awaits_step_end(self.train.micro_batches)
+            awaits = not self.first and self.state.awaits_step_end()
             self.stop_request = StopRequest(self.state.step if awaits else None)
             if not awaits:
                 self.shutdown.set()

@@ -18,6 +18,7 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from ..config import RunConfig
+from .swarm import share_of_cores
 
 
 def free_port() -> int:
@@ -121,7 +122,8 @@ def main(args, run: RunConfig) -> int:
         for stage in range(run.stages):
             swarm.start(f"stage{stage}", ["join", "--coordinator", f"127.0.0.1:{grpc_port}", "--stage", str(stage),
                                           "--listen", "127.0.0.1:0", "--node-id", f"demo-stage{stage}", "--token", token,
-                                          "--checkpoint-dir", str(workdir / "checkpoints"), "--device", "cpu"])
+                                          "--checkpoint-dir", str(workdir / "checkpoints"), "--device", "cpu",
+                                          "--threads", str(share_of_cores(run.stages))])
         console.print(f"tahnode demo: coordinator + {run.stages} stage daemons on 127.0.0.1, {run.model.n_layers}-layer model, "
                       f"codecs {run.codec.forward}/{run.codec.backward}, {run.train.steps} steps")
         console.print(f"status page: http://127.0.0.1:{http_port}/   logs and checkpoints: {workdir}")

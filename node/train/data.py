@@ -126,13 +126,18 @@ class SampleSchedule:
 
     def ids(self, step: int, micro_batch: int) -> list[int]:
         """The batch_size sample ids of micro-batch `micro_batch` of step `step`."""
-        if step < 0:
-            raise ValueError(f"step must be >= 0, got {step}")
         if not 0 <= micro_batch < self.micro_batches:
             raise ValueError(f"micro_batch {micro_batch} is out of range "
                              f"(0..{self.micro_batches - 1})")
-        start = (step * self.micro_batches + micro_batch) * self.batch_size
-        return list(self._stream(start, self.batch_size))
+        return self.ids_at(step, micro_batch * self.batch_size, self.batch_size)
+
+    def ids_at(self, step: int, offset: int, count: int) -> list[int]:
+        """The ids of samples offset..offset+count-1 of step `step` (however the step is cut)."""
+        if step < 0:
+            raise ValueError(f"step must be >= 0, got {step}")
+        if offset < 0 or count < 1 or offset + count > self.samples_per_step:
+            raise ValueError(f"samples {offset}..{offset + count - 1} are not within a step of {self.samples_per_step}")
+        return list(self._stream(step * self.samples_per_step + offset, count))
 
     def epoch(self, step: int) -> float:
         """How many epochs have been completed at the start of `step` (fractional)."""

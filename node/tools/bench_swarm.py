@@ -1,0 +1,309 @@
+"""`tahnode bench swarm`: the same training (same seed, data and steps) on a local swarm with shaped
+links, for codec pairs x link rates x RTTs x stage counts, measured against the physical limit.
+
+Limit (design.md section 3): min(link limit, compute limit). Link limit = tokens per step x link
+rate / bytes per step on the busiest link direction (tc's counters: IP packets, headers included;
+with --shaper userspace the envelopes' bytes); compute limit = tokens/s of the same stages and codec
+pair on unshaped links. tokens/s = tokens per step / the median wall time of the measured steps on
+the last stage. The table, the machine, the model and the command go into docs/benchmarks.md, the
+plots beside it (PNG, matplotlib)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from ..config import RunConfig
+from ..config.toml import toml_table
+from . import netns
+from .bench_report import markdown_table, plot_convergence, plot_losses, plot_throughput, write_section
+from .swarm import LocalSwarm, Shaper, SwarmError, SwarmSpec
+
+__all__ = ["CodecPair", "Row", "BenchConfig", "main"]
+
+DEFAULT_PAIRS = "none/none,group/naive,aqsgd/naive,aqsgd/naive:bits=8,amaq/naive,tahquant/naive,tahquant/tahquant"
+MAIN_PAIRS = ("none/none", "tahquant/naive", "tahquant/tahquant")
+COLUMNS = ("link Mbit/s", "RTT ms", "stages", "codec fwd/bwd", "tokens/s", "limit tokens/s", "limit", "share of limit",
+           "bits/elem fwd/bwd", "busiest direction bytes/step", "final loss", "peak RSS MB")
+CONVERGENCE_COLUMNS = ("codec fwd/bwd", "steps", "final loss (mean of last 10)", "vs none", "bits/elem fwd/bwd", "tokens/s")
+
+
+@dataclass(frozen=True)
+class CodecPair:
+    """A forward and a backward codec with their parameters, written `fwd[:k=v,...]/bwd[:k=v,...]`."""
+
+    label: str
+    forward: str
+    forward_params: dict
+    backward: str
+    backward_params: dict
+
+    @classmethod
+    def parse(cls, text: str) -> "CodecPair":
+        from ..codecs import get_codec, parse_param_args
+
+        halves = text.strip().split("/")
+        if len(halves) != 2:
+            raise ValueError(f"a codec pair is FORWARD/BACKWARD (e.g. tahquant/naive), got {text!r}")
+        parsed = []
+        for half in halves:
+            name, _, params = half.partition(":")
+            values = parse_param_args(name, [p for p in params.split(",") if p])
+            get_codec(name, **values)  # unknown names and bad values fail here, not in the swarm
+            parsed.append((name, values))
+        (fw, fwp), (bw, bwp) = parsed
+        if bw == "naive" and "bits" not in bwp:
+            bwp = {"bits": 6}  # the paper's gradient codec
+        return cls(text.strip(), fw, fwp, bw, bwp)
+
+
+@dataclass
+class Row:
+    rate_mbps: float          # 0: unshaped
+    rtt_ms: float
+    stages: int
+    pair: str
+    tokens_per_s: float = 0.0
+    limit_tokens_per_s: float = 0.0
+    limit: str = ""           # "link" or "compute"
+    share: float = 0.0
+    bits_fwd: float = 0.0
+    bits_bwd: float = 0.0
+    busiest_bytes_per_step: float = 0.0
+    final_loss: float = 0.0
+    peak_rss_mb: float = 0.0
+    step_seconds: list[float] = field(default_factory=list)
+    losses: list[float] = field(default_factory=list)
+
+    def cells(self) -> list[str]:
+        link = "unshaped" if not self.rate_mbps else f"{self.rate_mbps:g}"
+        return [link, f"{self.rtt_ms:g}", str(self.stages), self.pair, f"{self.tokens_per_s:,.0f}",
+                f"{self.limit_tokens_per_s:,.0f}", self.limit, f"{100 * self.share:.0f}%",
+                f"{self.bits_fwd:.2f} / {self.bits_bwd:.2f}", f"{self.busiest_bytes_per_step:,.0f}", f"{self.final_loss:.4f}",
+                f"{self.peak_rss_mb:,.0f}"]
+
+
+@dataclass
+class BenchConfig:
+    """How every row trains and is measured (the matrix itself is `plan`'s)."""
+
+    pairs: list[CodecPair]
+    steps: int = 4             # measured steps
+    unshaped_steps: int = 8    # measured steps of the unshaped rows: they set the compute limits, and are quick
+    warmup: int = 5            # the pipeline tries its cuts in these (tahnode.pipeline.schedule.SplitTuner)
+    tokens_per_step: int = 32768
+    seq_len: int = 128
+    micro_batches: int = 0     # the user's split of a step (0: train.micro_batches' default)
+    pipeline_micro_batches: int = 0  # the pipeline's (0: auto)
+    model: str = "llama-thin"
+    shaper: Shaper = Shaper.TC
+    prefix: str = "tnb-"
+    workdir: Path = Path("bench-swarm")
+    seed: int = 0
+    lr_warmup_steps: int = 1   # short runs: the learning rate reaches its peak after one step
+
+    def run_toml(self, pair: CodecPair, steps: int) -> str:
+        samples = self.tokens_per_step // self.seq_len
+        micro = self.micro_batches or 4
+        train = {"steps": steps, "seq_len": self.seq_len, "micro_batches": micro, "batch_size": samples // micro,
+                 "pipeline_micro_batches": self.pipeline_micro_batches, "seed": self.seed, "checkpoint_every": 10**6,
+                 "warmup_steps": self.lr_warmup_steps}
+        codec = {"forward": pair.forward, "backward": pair.backward, "forward_params": pair.forward_params,
+                 "backward_params": pair.backward_params}
+        return toml_table("train", train) + toml_table("codec", codec)
+
+    def validate(self) -> "BenchConfig":
+        samples = self.tokens_per_step // self.seq_len
+        if self.tokens_per_step % self.seq_len or samples % (self.micro_batches or 4):
+            raise ValueError(f"--tokens-per-step {self.tokens_per_step} must be whole micro-batches of --seq-len {self.seq_len}")
+        for pair in self.pairs:  # the run config each row will use must be valid before anything starts
+            RunConfig.build(self.model, None, **{"train.seq_len": self.seq_len, "codec.forward": pair.forward,
+                                                 "codec.forward_params": pair.forward_params, "codec.backward": pair.backward,
+                                                 "codec.backward_params": pair.backward_params})
+        return self
+
+
+def data_links(stages: int) -> list[tuple[str, str]]:
+    """The directed links between consecutive stages' nodes (n1 holds stage 0)."""
+    out = []
+    for k in range(1, stages):
+        out += [(f"n{k}", f"n{k + 1}"), (f"n{k + 1}", f"n{k}")]
+    return out
+
+
+def measure(cfg: BenchConfig, rate: float, rtt: float, stages: int, pair: CodecPair) -> Row:
+    """One row: a swarm up, the training, its numbers, the swarm down."""
+    steps = cfg.warmup + (cfg.steps if rate else cfg.unshaped_steps)
+    row_dir = cfg.workdir / f"{stages}st-{rate:g}mbit-{rtt:g}ms-{pair.label.replace('/', '_').replace(':', '-').replace(',', '-')}"
+    row_dir.mkdir(parents=True, exist_ok=True)
+    (row_dir / "run.toml").write_text(cfg.run_toml(pair, steps))
+    spec = SwarmSpec(nodes=stages, bandwidth_bps=rate * 1e6, rtt_s=rtt / 1e3, shaper=cfg.shaper, prefix=cfg.prefix,
+                     workdir=row_dir, run_flags=["--model", cfg.model, "--config", str(row_dir / "run.toml")])
+    swarm = LocalSwarm.up(spec)
+    try:
+        timeout = 600 + 60 * steps
+        state = swarm.wait(lambda s: s["training"]["finished"] and s["training"]["step"] >= steps, timeout, f"{steps} steps")
+        ledger = swarm.state("ledger")["steps"]
+        if spec.shaper is Shaper.TC:
+            sent = {link: swarm.link_bytes(*link) for link in data_links(stages)}
+        else:
+            sent = {(link["src"], link["dst"]): link.get("bytes", 0) for link in state["links"]}
+    finally:
+        LocalSwarm.down(spec.prefix, row_dir)
+    t = state["training"]
+    measured = [p["seconds"] for p in ledger[cfg.warmup:]]
+    return Row(rate, rtt, stages, pair.label, tokens_per_s=cfg.tokens_per_step / statistics.median(measured),
+               bits_fwd=t["bits_per_element"], bits_bwd=t["backward_bits_per_element"],
+               busiest_bytes_per_step=max(sent.values(), default=0) / steps, final_loss=ledger[-1]["loss"],
+               peak_rss_mb=t.get("peak_rss_bytes", 0) / 2**20, step_seconds=[p["seconds"] for p in ledger],
+               losses=[p["loss"] for p in ledger])
+
+
+def with_limits(rows: list[Row], tokens_per_step: int) -> None:
+    """Fill each row's limit and share: the smaller of its link limit and the compute limit of the
+    unshaped RTT-0 row of the same stages and codec pair (where the matrix has it)."""
+    compute = {(r.stages, r.pair): r.tokens_per_s for r in rows if not r.rate_mbps and not r.rtt_ms}
+    for r in rows:
+        limits = {}
+        if r.rate_mbps and r.busiest_bytes_per_step:
+            limits["link"] = tokens_per_step * r.rate_mbps * 1e6 / (8 * r.busiest_bytes_per_step)
+        if (r.stages, r.pair) in compute:
+            limits["compute"] = compute[(r.stages, r.pair)]
+        if limits:
+            r.limit = min(limits, key=limits.get)
+            r.limit_tokens_per_s = limits[r.limit]
+            r.share = r.tokens_per_s / r.limit_tokens_per_s
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="tahnode bench swarm", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rates", default="10,50,200,0", help="link rates in Mbit/s, comma-separated; 0 = unshaped (default 10,50,200,0)")
+    ap.add_argument("--rtts", default="0,50", help="round-trip times in ms, comma-separated (default 0,50)")
+    ap.add_argument("--stages", default="3,4", help="stage counts, comma-separated (default 3,4)")
+    ap.add_argument("--pairs", default=DEFAULT_PAIRS, help=f"codec pairs FWD[:k=v]/BWD[:k=v], comma-separated (default {DEFAULT_PAIRS}; "
+                    "backward naive means 6 bits)")
+    ap.add_argument("--all-pairs-at-4-stages", action="store_true", help="run every pair with 4 stages too (default: only "
+                    + ", ".join(MAIN_PAIRS) + ")")
+    ap.add_argument("--steps", type=int, default=4, help="measured steps per row (default 4)")
+    ap.add_argument("--unshaped-steps", type=int, default=8, help="measured steps of the unshaped rows, which set the "
+                    "compute limits (default 8)")
+    ap.add_argument("--warmup", type=int, default=5, help="steps before the measured ones, in which the pipeline tries its "
+                    "cuts (default 5)")
+    ap.add_argument("--tokens-per-step", type=int, default=32768, help="tokens per optimizer step (default 32768)")
+    ap.add_argument("--seq-len", type=int, default=128, help="tokens per sample (default 128)")
+    ap.add_argument("--micro-batches", type=int, default=0, help="the step's samples as this many micro-batches (default 4)")
+    ap.add_argument("--pipeline-micro-batches", type=int, default=0,
+                    help="micro-batches the pipeline cuts a step into (default 0: auto, tahnode.pipeline.schedule)")
+    ap.add_argument("--model", default="llama-thin", help="model preset or TOML (default llama-thin: dim 64, so links dominate)")
+    ap.add_argument("--shaper", default=Shaper.TC.value, choices=[s.value for s in Shaper], help="tc (root; default) or userspace")
+    ap.add_argument("--name", default="swarm", help="the doc section and plot names (default swarm)")
+    ap.add_argument("--doc", default="docs/benchmarks.md", help="where the table goes (default docs/benchmarks.md)")
+    ap.add_argument("--plots", default="docs/plots", help="where the PNG plots go (default docs/plots)")
+    ap.add_argument("--workdir", default="bench-swarm", help="logs and run files of every row (default bench-swarm)")
+    ap.add_argument("--prefix", default="tnb-", help="namespace prefix of the swarms it starts (default tnb-)")
+    ap.add_argument("--convergence", type=int, nargs="?", const=300, default=0, metavar="STEPS",
+                    help="instead of the matrix: train llama-tiny for STEPS steps (default 300; 1024 tokens per step, 3 stages, "
+                    "unshaped) with none/none, tahquant/naive and tahquant/tahquant, and compare their final losses")
+    ap.add_argument("--json", action="store_true", help="print the rows as one JSON list on the last line")
+    return ap
+
+
+def plan(args, pairs: list[CodecPair]) -> list[tuple[float, float, int, CodecPair]]:
+    """The rows to run, unshaped ones first (they give the compute limits)."""
+    rates = sorted((float(x) for x in args.rates.split(",")), key=lambda r: (r != 0, r))
+    rtts = [float(x) for x in args.rtts.split(",")]
+    stages = [int(x) for x in args.stages.split(",")]
+    rows = []
+    for s in stages:
+        for rate in rates:
+            for rtt in rtts:
+                for pair in pairs:
+                    if s > 3 and not args.all_pairs_at_4_stages and pair.label not in MAIN_PAIRS:
+                        continue
+                    rows.append((rate, rtt, s, pair))
+    return rows
+
+
+def run_rows(cfg: BenchConfig, todo: list[tuple[float, float, int, CodecPair]]) -> list[Row]:
+    """Measure every row, with a progress bar; a row that fails is reported and skipped."""
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    rows: list[Row] = []
+    with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total} rows"),
+                  TimeElapsedColumn(), transient=False) as bar:
+        task = bar.add_task("bench swarm", total=len(todo))
+        for rate, rtt, stages, pair in todo:
+            link = f"{rate:g} Mbit/s" if rate else "unshaped"
+            bar.update(task, description=f"{stages} stages, {link}, RTT {rtt:g} ms, {pair.label}")
+            try:
+                rows.append(measure(cfg, rate, rtt, stages, pair))
+            except SwarmError as exc:
+                bar.console.print(f"[red]row {stages} stages, {link}, RTT {rtt:g} ms, {pair.label} failed:[/red] {exc}")
+            bar.advance(task)
+    return rows
+
+
+def final_loss(row: Row, last: int = 10) -> float:
+    tail = row.losses[-last:]
+    return sum(tail) / len(tail)
+
+
+def report_matrix(rows: list[Row], cfg: BenchConfig, args, command: str) -> str:
+    with_limits(rows, cfg.tokens_per_step)
+    plots = [plot_throughput(rows, Path(args.plots) / f"{args.name}-throughput.png"),
+             plot_losses(rows, Path(args.plots) / f"{args.name}-loss.png")]
+    text = markdown_table(COLUMNS, [r.cells() for r in rows])
+    write_section(Path(args.doc), args.name, f"Swarm on shaped links: {args.name}", [
+        text, "", f"Model: {cfg.model}, {cfg.tokens_per_step} tokens per step ({cfg.seq_len} tokens per sample); "
+        f"{cfg.warmup} warm-up steps (the pipeline tries its cuts there), then {cfg.steps} measured steps per shaped row and "
+        f"{cfg.unshaped_steps} per unshaped row (median step time); {cfg.shaper} shaper.", "", f"Command: `{command}`"], plots)
+    return text
+
+
+def report_convergence(rows: list[Row], cfg: BenchConfig, args, command: str) -> str:
+    reference = next((r for r in rows if r.pair == "none/none"), rows[0])
+    cells = [[r.pair, str(len(r.losses)), f"{final_loss(r):.4f}", f"{100 * (final_loss(r) / final_loss(reference) - 1):+.2f}%",
+              f"{r.bits_fwd:.2f} / {r.bits_bwd:.2f}", f"{r.tokens_per_s:,.0f}"] for r in rows]
+    text = markdown_table(CONVERGENCE_COLUMNS, cells)
+    plots = [plot_convergence(rows, reference.pair, Path(args.plots) / f"{args.name}-convergence.png")]
+    write_section(Path(args.doc), f"{args.name}-convergence", f"Convergence: {args.name}", [
+        text, "", f"Model: {cfg.model}, {cfg.tokens_per_step} tokens per step, {cfg.unshaped_steps} steps, the same seed and "
+        f"data for every pair, 3 stages on unshaped links.", "", f"Command: `{command}`"], plots)
+    return text
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        pairs = [CodecPair.parse(p) for p in args.pairs.split(",") if p.strip()]
+        if args.convergence:
+            pairs = [p for p in pairs if p.label in MAIN_PAIRS] if args.pairs == DEFAULT_PAIRS else pairs
+            cfg = BenchConfig(pairs=pairs, steps=0, unshaped_steps=args.convergence, warmup=0, tokens_per_step=1024,
+                              seq_len=64, model="llama-tiny", shaper=Shaper(args.shaper), prefix=args.prefix,
+                              workdir=Path(args.workdir), lr_warmup_steps=10).validate()
+            todo = [(0.0, 0.0, 3, pair) for pair in pairs]
+        else:
+            cfg = BenchConfig(pairs=pairs, steps=args.steps, unshaped_steps=args.unshaped_steps, warmup=args.warmup,
+                              tokens_per_step=args.tokens_per_step, seq_len=args.seq_len, micro_batches=args.micro_batches,
+                              pipeline_micro_batches=args.pipeline_micro_batches, model=args.model, shaper=Shaper(args.shaper),
+                              prefix=args.prefix, workdir=Path(args.workdir)).validate()
+            todo = plan(args, pairs)
+        if cfg.shaper is Shaper.TC:
+            netns.check_root()
+    except (ValueError, netns.NetnsError) as exc:
+        print(f"tahnode bench swarm: {exc}", file=sys.stderr)
+        return 2
+    rows = run_rows(cfg, todo)
+    if not rows:
+        return 1
+    command = ("tahnode bench swarm " + " ".join(sys.argv[3:] if argv is None else argv)).strip()
+    text = (report_convergence if args.convergence else report_matrix)(rows, cfg, args, command)
+    print(text)
+    print(f"written to {args.doc}; plots in {args.plots}")
+    if args.json:
+        print(json.dumps([asdict(r) for r in rows]))
+    return 0

@@ -1,0 +1,169 @@
+"""`tahnode swarm up | down` as users run it: links shaped to the asked rate and RTT (measured by the
+swarm's own probes), per destination, in namespaces with tc (root) or in user space; `down` leaves
+no namespace, link, qdisc or process behind, also after a crash; and the coordinator places four
+`--stage auto` nodes around a slow link, keeps a standby, and the standby takes a killed stage over."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from tahnode.config import RunConfig
+from tahnode.tools.swarm import LocalSwarm
+from tahnode.train.data import SampleSchedule, open_dataset
+
+pytestmark = pytest.mark.slow
+TAHNODE = [sys.executable, "-m", "tahnode.cli"]
+
+
+def root_reason() -> str | None:
+    if os.geteuid() != 0:
+        return "needs root for network namespaces and tc"
+    if not shutil.which("ip") or not shutil.which("tc"):
+        return "needs iproute2 (ip, tc)"
+    probe = subprocess.run(["ip", "netns", "add", "tahnode-probe"], capture_output=True, text=True)
+    subprocess.run(["ip", "netns", "del", "tahnode-probe"], capture_output=True)
+    return None if probe.returncode == 0 else f"cannot create network namespaces: {probe.stderr.strip()}"
+
+
+needs_root = pytest.mark.skipif(root_reason() is not None, reason=str(root_reason()))
+
+
+def swarm_cmd(*args: str, env: dict | None = None, timeout: float = 240) -> subprocess.CompletedProcess:
+    r = subprocess.run([*TAHNODE, "swarm", *args], capture_output=True, text=True, timeout=timeout, env=env)
+    assert r.returncode == 0, r.stdout + r.stderr
+    return r
+
+
+def state_of(workdir: Path, what: str = "state") -> dict:
+    doc = json.loads((workdir / "state.json").read_text())
+    with urllib.request.urlopen(f"{doc['http']}/api/v1/{what}", timeout=5) as r:
+        return json.load(r)
+
+
+def wait_state(workdir: Path, predicate, timeout: float, what: str) -> dict:
+    deadline, state = time.monotonic() + timeout, None
+    while time.monotonic() < deadline:
+        try:
+            state = state_of(workdir)
+            if predicate(state):
+                return state
+        except (OSError, ValueError):
+            pass
+        time.sleep(0.5)
+    logs = "\n".join(f"--- {p.name}\n{p.read_text()[-2000:]}" for p in sorted((workdir / "logs").glob("*.log")))
+    raise AssertionError(f"timed out waiting for {what}; last state {json.dumps(state)[:1500]}\n{logs}")
+
+
+def leftovers(prefix: str, token: str) -> list[str]:
+    found = []
+    if os.geteuid() == 0 and shutil.which("ip"):
+        found += [ns for ns in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()
+                  if ns.startswith(prefix)]
+        if subprocess.run(["ip", "link", "show", (prefix + "host")[:15]], capture_output=True).returncode == 0:
+            found.append("the root namespace's veth")
+    for pid in os.listdir("/proc"):
+        if pid.isdigit():
+            try:
+                if token.encode() in Path(f"/proc/{pid}/cmdline").read_bytes():
+                    found.append(f"process {pid}")
+            except OSError:
+                pass
+    return found
+
+
+def probed_links(state: dict) -> dict:
+    return {(l["src"], l["dst"]): (l["probed_mbps"], l["rtt_ms"]) for l in state["links"] if l["probed_mbps"] is not None}
+
+
+@pytest.mark.parametrize("shaper", [pytest.param("tc", marks=[needs_root, pytest.mark.netns]), "userspace"])
+def test_swarm_up_gives_the_asked_rate_and_rtt_and_down_leaves_nothing(tmp_path, shaper):
+    prefix, workdir = f"tu{os.getpid() % 1000}{shaper[0]}-", tmp_path / "swarm"
+    env = {**os.environ, "TAHNODE_CACHE": str(tmp_path / "cache")}
+    try:
+        out = swarm_cmd("up", "--nodes", "3", "--bandwidth", "20mbit", "--rtt", "50ms", "--auto", "--shaper", shaper,
+                        "--prefix", prefix, "--workdir", str(workdir), "--steps", "2", env=env).stdout
+        assert "status page: http://" in out and f"tahnode swarm down --prefix {prefix}" in out
+        token = json.loads((workdir / "state.json").read_text())["spec"]["token"]
+        state = wait_state(workdir, lambda s: len(probed_links(s)) == 6, 180, "the six links probed")
+        for (src, dst), (mbps, rtt) in probed_links(state).items():
+            assert abs(mbps - 20) <= 0.2 * 20, f"{src}->{dst}: {mbps:.1f} Mbit/s measured on a 20 Mbit/s link"
+            assert abs(rtt - 50) <= 0.2 * 50, f"{src}->{dst}: RTT {rtt:.1f} ms measured, 50 ms asked"
+        status = swarm_cmd("status", "--prefix", prefix, "--workdir", str(workdir)).stdout
+        assert all(f"n{k}" in status for k in (1, 2, 3))
+    finally:
+        down = subprocess.run([*TAHNODE, "swarm", "down", "--prefix", prefix, "--workdir", str(workdir)],
+                              capture_output=True, text=True, timeout=120)
+    assert down.returncode == 0, down.stderr
+    assert "stopped" in down.stdout
+    assert leftovers(prefix, token) == []
+    assert not (workdir / "state.json").exists()
+
+
+@needs_root
+@pytest.mark.netns
+def test_down_cleans_up_after_a_crash(tmp_path):
+    """Everything killed with SIGKILL and the state file gone: `down` still finds the namespaces by
+    their prefix, and their processes by namespace."""
+    prefix, workdir = f"tc{os.getpid() % 1000}-", tmp_path / "swarm"
+    swarm_cmd("up", "--nodes", "2", "--bandwidth", "50mbit", "--prefix", prefix, "--workdir", str(workdir), "--steps", "500",
+              env={**os.environ, "TAHNODE_CACHE": str(tmp_path / "cache")})
+    doc = json.loads((workdir / "state.json").read_text())
+    os.kill(doc["pids"]["coord"], signal.SIGKILL)
+    (workdir / "state.json").unlink()
+    down = swarm_cmd("down", "--prefix", prefix, "--workdir", str(workdir)).stdout
+    assert f"removed namespace {prefix}n1" in down and f"removed namespace {prefix}hub" in down
+    time.sleep(0.5)
+    assert leftovers(prefix, doc["spec"]["token"]) == []
+
+
+@needs_root
+@pytest.mark.netns
+def test_placement_avoids_the_slow_link_and_a_standby_takes_over(tmp_path):
+    """Four `--stage auto` nodes, 200 Mbit/s links except n2-n3 at 20: the chain avoids n2-n3, the
+    fourth node stands by, and when stage 1's node is killed the standby takes the stage over from
+    the store; the ledger has every step once with exactly its scheduled samples."""
+    prefix, workdir, cache = f"tp{os.getpid() % 1000}-", tmp_path / "swarm", tmp_path / "cache"
+    flags = ["--steps", "30", "--checkpoint-every", "5", "--micro-batches", "2", "--batch-size", "8", "--seq-len", "128",
+             "--codec", "none", "--backward-codec", "none", "--pipeline-micro-batches", "2"]
+    try:
+        swarm_cmd("up", "--nodes", "4", "--stages", "3", "--bandwidth", "200mbit", "--slow-link", "n2-n3:20mbit",
+                  "--heartbeat-timeout", "5", "--prefix", prefix, "--workdir", str(workdir), *flags,
+                  env={**os.environ, "TAHNODE_CACHE": str(cache)})
+        state = wait_state(workdir, lambda s: sum(n["status"] == "active" for n in s["nodes"]) == 3
+                           and len(probed_links(s)) == 12, 240, "placement after probes")
+        for (src, dst), (mbps, _) in probed_links(state).items():
+            shaped = 20 if {src, dst} == {"n2", "n3"} else 200
+            assert abs(mbps - shaped) <= 0.2 * shaped, f"{src}->{dst}: measured {mbps:.1f}, shaped {shaped}"
+        chain = [n["id"] for n in sorted((n for n in state["nodes"] if n["status"] == "active"), key=lambda n: n["stage"])]
+        assert not any({a, b} == {"n2", "n3"} for a, b in zip(chain, chain[1:])), f"chain {chain} uses the slow link"
+        spare = [n["id"] for n in state["nodes"] if n["status"] == "standby"]
+        assert len(spare) == 1 and spare[0] not in chain
+
+        wait_state(workdir, lambda s: s["training"]["step"] >= 12, 240, "step 12")
+        os.kill(json.loads((workdir / "state.json").read_text())["pids"][chain[1]], signal.SIGKILL)
+        state = wait_state(workdir, lambda s: s["training"]["finished"] and s["training"]["step"] >= 30, 300, "30 steps")
+        holders = {n["stage"]: n["id"] for n in state["nodes"] if n["status"] in ("active", "left") and n["stage"] >= 0}
+        assert holders[1] == spare[0]
+        assert any(f"assigned: {spare[0]} -> stage 1, resuming from the checkpoint of step" in e for e in state["events"])
+        ledger = state_of(workdir, "ledger")["steps"]
+    finally:
+        LocalSwarm.down(prefix, workdir)
+    assert [e["step"] for e in ledger] == list(range(30))
+    losses = [e["loss"] for e in ledger]
+    assert sum(losses[-5:]) / 5 < sum(losses[:5]) / 5 - 0.5
+    run = RunConfig.build("llama-tiny", **{"train.batch_size": 8, "train.seq_len": 128, "train.micro_batches": 2})
+    schedule = SampleSchedule(len(open_dataset(run, str(cache))), 8, 2, seed=0)
+    for e in ledger:
+        assert sorted(e["sample_ids"]) == sorted(schedule.ids(e["step"], 0) + schedule.ids(e["step"], 1))
+    trained = [i for e in ledger for i in e["sample_ids"]]
+    assert len(trained) == len(set(trained)) == 30 * 16  # within one epoch: none lost, none twice
