@@ -1,6 +1,7 @@
-"""Which implementation serves a tensor: the Triton kernels for CUDA tensors, the pure-torch
-references for everything else. Tests route CPU tensors through the kernels under Triton's CPU
-interpreter with TAHNODE_FORCE_TRITON=1 (and TRITON_INTERPRET=1)."""
+"""Which implementation serves a tensor: the Triton kernels for CUDA tensors; for CPU tensors a
+codec's fast CPU path (<codec>_cpu, the reference's bytes) where it has one, else the pure-torch
+reference. TAHNODE_REFERENCE=1 forces the references; tests route CPU tensors through the Triton
+kernels under Triton's CPU interpreter with TAHNODE_FORCE_TRITON=1 (and TRITON_INTERPRET=1)."""
 
 from __future__ import annotations
 
@@ -33,7 +34,15 @@ def use_triton(t: torch.Tensor) -> bool:
     return forced and t.device.type == "cpu" and triton_available()
 
 
+CPU_PATHS = {"tahquant"}  # codecs with a <codec>_cpu module
+
+
 def implementation(codec: str, t: torch.Tensor):
-    """The module serving `t` for `codec`: tahnode.kernels.<codec>_triton or <codec>_ref."""
-    kind = "triton" if use_triton(t) else "ref"
+    """The module serving `t` for `codec`: tahnode.kernels.<codec>_triton, <codec>_cpu or <codec>_ref."""
+    if use_triton(t):
+        kind = "triton"
+    elif codec in CPU_PATHS and t.device.type == "cpu" and os.environ.get("TAHNODE_REFERENCE") != "1":
+        kind = "cpu"
+    else:
+        kind = "ref"
     return importlib.import_module(f"tahnode.kernels.{codec}_{kind}")

@@ -21,3 +21,17 @@ def bits_lsb_first(data: bytes, n: int) -> np.ndarray:
     """n flags from a LSB-first bitmap (independent of tahnode's packer)."""
     arr = np.unpackbits(np.frombuffer(data, dtype=np.uint8), bitorder="little")
     return arr[:n].astype(bool)
+
+
+def activations(shape, dtype, seed=0, spikes=0.4, outlier_frac=0.02):
+    """Gaussian values, a few outlier channels (x20) and, in a share `spikes` of the 64-wide
+    blocks, one element x8: many tiles pass the tau = 2 outlier test."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=gen)
+    c = shape[-1]
+    x[..., torch.randperm(c, generator=gen)[: max(1, int(outlier_frac * c))]] *= 20.0
+    flat = x.reshape(-1)
+    hit = torch.nonzero(torch.rand(flat.numel() // 64 + 1, generator=gen) < spikes)[:, 0] * 64
+    hit = (hit + torch.randint(0, 64, hit.shape, generator=gen)).clamp(max=flat.numel() - 1)
+    flat[hit] *= 8.0
+    return x.to(dtype)

@@ -30,25 +30,12 @@ from tahnode.kernels import dispatch, naive_ref, naive_triton, tahquant_ref, tah
 from tahnode.kernels.bitpack import packed_nbytes, padded_count, unpack_bits, unpack_rows  # noqa: E402
 from tahnode.kernels.tahquant_ref import Layout, TahQuantParams as P  # noqa: E402
 from tahnode.kernels.wire import CodecError  # noqa: E402
+from helpers import activations  # noqa: E402
 
 DEVICE = "cpu" if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0") else "cuda"
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
 ZS_RATE = 1e-2    # flagged tiles whose fp16 zero-point or scale may differ (fp32 min/range moved by an ulp)
 CODE_RATE = 1e-4  # codes that may differ (by 1) on flagged tiles whose zero-point and scale agree
-
-
-def activations(shape, dtype, seed=0, spikes=0.4, outlier_frac=0.02):
-    """Gaussian values, a few outlier channels (x20) and, in a share `spikes` of the 64-wide
-    blocks, one element x8: many tiles pass the tau = 2 outlier test."""
-    gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(shape, generator=gen)
-    c = shape[-1]
-    x[..., torch.randperm(c, generator=gen)[: max(1, int(outlier_frac * c))]] *= 20.0
-    flat = x.reshape(-1)
-    hit = torch.nonzero(torch.rand(flat.numel() // 64 + 1, generator=gen) < spikes)[:, 0] * 64
-    hit = (hit + torch.randint(0, 64, hit.shape, generator=gen)).clamp(max=flat.numel() - 1)
-    flat[hit] *= 8.0
-    return x.to(dtype)
 
 
 def sections(payload: torch.Tensor, shape, p: P) -> dict:

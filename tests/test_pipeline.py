@@ -194,7 +194,7 @@ def test_demo_stops_every_process_on_ctrl_c_and_sigterm(tmp_path, cache, sig):
     """The daemons run in sessions of their own; Ctrl-C (SIGINT) or SIGTERM to `tahnode demo` stops
     them all, each stage saving its checkpoint, and the demo exits with 130."""
     from swarm import free_port
-    from tahnode.tools.demo import fetch_state
+    from tahnode.tools.swarm import fetch
 
     port = free_port()
     env = {**os.environ, "TAHNODE_CACHE": str(cache)}
@@ -205,7 +205,7 @@ def test_demo_stops_every_process_on_ctrl_c_and_sigterm(tmp_path, cache, sig):
     try:
         deadline = time.monotonic() + 180
         while time.monotonic() < deadline:
-            state = fetch_state(port)
+            state = fetch(f"http://127.0.0.1:{port}")
             if state and state["training"]["step"] >= 2:
                 break
             assert proc.poll() is None, proc.communicate()

@@ -93,8 +93,8 @@ class BenchConfig:
 
     pairs: list[CodecPair]
     steps: int = 4             # measured steps
-    unshaped_steps: int = 8    # measured steps of the unshaped rows: they set the compute limits, and are quick
-    warmup: int = 5            # the pipeline tries its cuts in these (tahnode.pipeline.schedule.SplitTuner)
+    unshaped_steps: int = 6    # measured steps of the unshaped rows: they set the compute limits
+    warmup: int = 4            # the pipeline tries its cuts in these (tahnode.pipeline.schedule.SplitTuner)
     tokens_per_step: int = 32768
     seq_len: int = 128
     micro_batches: int = 0     # the user's split of a step (0: train.micro_batches' default)
@@ -189,10 +189,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--all-pairs-at-4-stages", action="store_true", help="run every pair with 4 stages too (default: only "
                     + ", ".join(MAIN_PAIRS) + ")")
     ap.add_argument("--steps", type=int, default=4, help="measured steps per row (default 4)")
-    ap.add_argument("--unshaped-steps", type=int, default=8, help="measured steps of the unshaped rows, which set the "
-                    "compute limits (default 8)")
-    ap.add_argument("--warmup", type=int, default=5, help="steps before the measured ones, in which the pipeline tries its "
-                    "cuts (default 5)")
+    ap.add_argument("--unshaped-steps", type=int, default=6, help="measured steps of the unshaped rows, which set the "
+                    "compute limits (default 6)")
+    ap.add_argument("--warmup", type=int, default=4, help="steps before the measured ones, in which the pipeline tries its "
+                    "cuts (default 4)")
     ap.add_argument("--tokens-per-step", type=int, default=32768, help="tokens per optimizer step (default 32768)")
     ap.add_argument("--seq-len", type=int, default=128, help="tokens per sample (default 128)")
     ap.add_argument("--micro-batches", type=int, default=0, help="the step's samples as this many micro-batches (default 4)")

@@ -11,20 +11,13 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from ..config import RunConfig
-from .swarm import share_of_cores
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from .swarm import fetch, free_port, share_of_cores
 
 
 def port_free(port: int) -> bool:
@@ -34,14 +27,6 @@ def port_free(port: int) -> bool:
             return True
         except OSError:
             return False
-
-
-def fetch_state(http_port: int) -> dict | None:
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/api/v1/state", timeout=2) as r:
-            return json.load(r)
-    except (OSError, ValueError):
-        return None
 
 
 def summary_of(state: dict, elapsed: float) -> dict:
@@ -139,7 +124,7 @@ def main(args, run: RunConfig) -> int:
                     for name in failed:
                         console.print(f"[red]{name} exited with an error[/red]; last lines of {workdir / (name + '.log')}:\n{swarm.tail(name)}")
                     return 1
-                state = fetch_state(http_port) or state
+                state = fetch(f"http://127.0.0.1:{http_port}") or state
                 if not state:
                     continue
                 t = state["training"]

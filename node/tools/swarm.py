@@ -217,14 +217,16 @@ class LocalSwarm:
         removed = []
         state_file = workdir / "state.json"
         doc = json.loads(state_file.read_text()) if state_file.exists() else {}
-        pids = list(doc.get("pids", {}).values())
+        recorded = doc.get("pids", {})
+        coordinator = [recorded["coord"]] if "coord" in recorded else []
+        pids = [pid for name, pid in recorded.items() if name != "coord"]
         token = doc.get("spec", {}).get("token", "")
         if token:  # also the processes a crashed `up` did not record
-            pids += [pid for pid in _pids_with(token) if pid not in pids]
+            pids += [pid for pid in _pids_with(token) if pid not in pids + coordinator]
         if os.geteuid() == 0 and _has_ip():
             for ns in netns.namespaces(prefix):
-                pids += [pid for pid in netns.pids_in(ns) if pid not in pids]
-        stopped = _stop(pids)
+                pids += [pid for pid in netns.pids_in(ns) if pid not in pids + coordinator]
+        stopped = _stop(pids) + _stop(coordinator)  # the nodes first: they report and leave
         if stopped:
             removed.append(f"stopped {stopped} process(es)")
         if os.geteuid() == 0 and _has_ip():
