@@ -12,13 +12,12 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 import pytest
 
 from tahnode.config import RunConfig
-from tahnode.tools.swarm import LocalSwarm
+from tahnode.tools.swarm import LocalSwarm, fetch
 from tahnode.train.data import SampleSchedule, open_dataset
 
 pytestmark = pytest.mark.slow
@@ -38,27 +37,29 @@ def root_reason() -> str | None:
 needs_root = pytest.mark.skipif(root_reason() is not None, reason=str(root_reason()))
 
 
+# A user's proxy for downloads, unreachable from the swarm: daemons and `swarm` must dial directly.
+DEAD_PROXY = {"http_proxy": "http://192.0.2.1:3128", "https_proxy": "http://192.0.2.1:3128", "no_proxy": ""}
+
+
 def swarm_cmd(*args: str, env: dict | None = None, timeout: float = 240) -> subprocess.CompletedProcess:
+    env = {**(env or os.environ), **DEAD_PROXY}
     r = subprocess.run([*TAHNODE, "swarm", *args], capture_output=True, text=True, timeout=timeout, env=env)
     assert r.returncode == 0, r.stdout + r.stderr
     return r
 
 
-def state_of(workdir: Path, what: str = "state") -> dict:
+def state_of(workdir: Path, what: str = "state") -> dict | None:
+    """The coordinator's document, or None while its status page does not answer."""
     doc = json.loads((workdir / "state.json").read_text())
-    with urllib.request.urlopen(f"{doc['http']}/api/v1/{what}", timeout=5) as r:
-        return json.load(r)
+    return fetch(doc["http"], what)
 
 
 def wait_state(workdir: Path, predicate, timeout: float, what: str) -> dict:
     deadline, state = time.monotonic() + timeout, None
     while time.monotonic() < deadline:
-        try:
-            state = state_of(workdir)
-            if predicate(state):
-                return state
-        except (OSError, ValueError):
-            pass
+        state = state_of(workdir)
+        if state is not None and predicate(state):
+            return state
         time.sleep(0.5)
     logs = "\n".join(f"--- {p.name}\n{p.read_text()[-2000:]}" for p in sorted((workdir / "logs").glob("*.log")))
     raise AssertionError(f"timed out waiting for {what}; last state {json.dumps(state)[:1500]}\n{logs}")

@@ -12,6 +12,7 @@ import grpc
 from ..net.auth import SwarmKey
 from ..config.emulation import LinkEmulation
 from ..net.emulation import interceptors_for
+from ..net.grpc_transport import DIRECT
 from ..net.errors import CoordinatorError, NotAuthenticated, Unreachable, from_rpc_error
 from ..pipeline.checkpoint import ChunkWriter, read_chunks
 from ..proto import tahnode_pb2 as pb
@@ -27,7 +28,7 @@ class CoordinatorClient:
 
     def __init__(self, address: str, key: SwarmKey, emulation: LinkEmulation = LinkEmulation()):
         self.address, self.key = address, key
-        self.channel = grpc.aio.insecure_channel(address, interceptors=interceptors_for(emulation))
+        self.channel = grpc.aio.insecure_channel(address, options=DIRECT, interceptors=interceptors_for(emulation))
         self.stub = pb_grpc.CoordinatorStub(self.channel)
 
     async def _call(self, method, request, what: str, timeout: float = 10.0):

@@ -17,7 +17,7 @@ from .framing import FrameError, FrameNotAuthenticated, Reassembler, frames_of, 
 from .links import LinkedTransport, OutLink
 from .transport import FORWARD, BACKWARD, Direction, Inbound, Measurer
 
-__all__ = ["GrpcTransport", "CHANNEL_OPTIONS", "SERVER_OPTIONS"]
+__all__ = ["GrpcTransport", "CHANNEL_OPTIONS", "DIRECT", "SERVER_OPTIONS"]
 
 log = logging.getLogger("tahnode.transport")
 
@@ -28,7 +28,10 @@ KEEPALIVE = [
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.max_pings_without_data", 0),
 ]
-CHANNEL_OPTIONS = KEEPALIVE + [
+# Peers and the coordinator are always dialled directly: an http(s)_proxy set for downloads would
+# otherwise carry (or, where it cannot be reached, block) stage links and falsify bandwidth probes.
+DIRECT = [("grpc.enable_http_proxy", 0)]
+CHANNEL_OPTIONS = KEEPALIVE + DIRECT + [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
     ("grpc.initial_reconnect_backoff_ms", 200),

@@ -13,7 +13,7 @@ from ..proto import tahnode_pb2_grpc as pb_grpc
 from .auth import SwarmKey
 from ..config.emulation import LinkEmulation
 from .emulation import interceptors_for, pacer_for
-from .grpc_transport import CHANNEL_OPTIONS
+from .grpc_transport import CHANNEL_OPTIONS, DIRECT
 
 __all__ = ["probe", "measure_link", "request_measure"]
 
@@ -58,7 +58,7 @@ async def measure_link(key: SwarmKey, target: str, nbytes: int, emulation: LinkE
 
 async def request_measure(key: SwarmKey, node_address: str, target_id: str, target_address: str) -> tuple[float, float]:
     """Ask the node at `node_address` to measure its link to the target, over its own data plane."""
-    async with grpc.aio.insecure_channel(node_address) as channel:
+    async with grpc.aio.insecure_channel(node_address, options=DIRECT) as channel:
         stub = pb_grpc.StageServiceStub(channel)
         req = key.sign(pb.MeasureRequest(target_id=target_id, target_address=target_address))
         reply = await stub.Measure(req, timeout=60)

@@ -13,10 +13,11 @@ step's samples and its mean loss are the same whatever the cut (losses weighted 
 size), so training is the same.
 
 Why a growing window: stage 0 sees a micro-batch's gradient only after 2(S-1) link hops, so it
-needs about 2S-1 in flight, more when the links are slow or far. The window starts there and grows
-whenever stage 0 waits for it while its own forward link has nothing to send (the window, not the
-link, held it back); it never exceeds the step's micro-batches, nor what `memory_budget_mb` holds
-of the saved activations of its micro-batches (measured on the first one)."""
+needs about 2S-1 in flight, more when the links are slow or far. The window starts there (the least
+that keeps the pipeline moving, whatever the budget) and grows whenever stage 0 waits for it while
+its own forward link has nothing to send (the window, not the link, held it back); it grows no
+further than the step's micro-batches, nor than `memory_budget_mb` holds of their saved
+activations (measured on the first micro-batch)."""
 
 from __future__ import annotations
 

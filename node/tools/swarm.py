@@ -236,10 +236,13 @@ class LocalSwarm:
         return removed
 
 
+_DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # the swarm is local: never via http_proxy
+
+
 def fetch(http: str, what: str = "state") -> dict | None:
     """GET {http}/api/v1/<what> as JSON, or None if the coordinator does not answer."""
     try:
-        with urllib.request.urlopen(f"{http}/api/v1/{what}", timeout=5) as r:
+        with _DIRECT.open(f"{http}/api/v1/{what}", timeout=5) as r:
             return json.load(r)
     except (OSError, ValueError):
         return None
