@@ -16,10 +16,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .bitpack import packed_nbytes, padded_count, plane_widths, unpack_bits
+from .bitpack import padded_count, plane_widths
 from .quant_ref import check_finite, dequantize_asym, fp16_min_scale, hadamard
-from .tahquant_ref import ALLOC_TOKEN, Layout, TahQuantParams, low_bit_mask, tile_bits
-from .wire import CodecError, PayloadReader, read_bitmap
+from .tahquant_ref import ALLOC_TOKEN, Layout, TahQuantParams, low_bit_mask, read_header, tile_bits
 
 __all__ = ["encode", "decode", "pack_rows_np", "unpack_rows_np"]
 
@@ -168,27 +167,8 @@ def encode(x: torch.Tensor, params: TahQuantParams = TahQuantParams()) -> torch.
 
 def decode(payload: torch.Tensor, shape: tuple[int, ...], params: TahQuantParams, dtype: torch.dtype) -> torch.Tensor:
     """tahquant_ref.decode, faster on the CPU (the same values, and the same errors in the same order)."""
-    params.validate()
-    g = params.group_size
-    lay = Layout.of(shape, g)
-    nt = lay.tiles
-    n_alloc = lay.tokens if params.alloc == ALLOC_TOKEN else nt
-    minimum = 2 * (-(-nt // 8)) + 4 * nt + nt * g * params.bits_low // 8
-    if payload.numel() < minimum:
-        raise CodecError(f"tahquant payload is truncated: {payload.numel()} bytes, shape {list(shape)} needs at least {minimum}")
-    rd = PayloadReader(payload, "tahquant")
-    low_stored = read_bitmap(rd.take(-(-n_alloc // 8), "bit-allocation bitmap"), n_alloc, "bit-allocation")
-    flag = read_bitmap(rd.take(-(-nt // 8), "Hadamard flag bitmap"), nt, "Hadamard flag")
-    zero = rd.take_array(nt, torch.float16, "zero-points")
-    scale = rd.take_array(nt, torch.float16, "scales")
-    if not (bool(torch.isfinite(zero).all()) and bool(torch.isfinite(scale).all()) and bool((scale >= 0).all())):
-        raise CodecError("tahquant payload is corrupt: non-finite zero-point or negative/non-finite scale")
-    n_flag = int(flag.sum())
-    pivots = unpack_bits(rd.take(packed_nbytes(n_flag, params.pivot_bits), "pivot indices"), params.pivot_bits, padded_count(n_flag))
-    if bool(pivots[n_flag:].any()):
-        raise CodecError("tahquant payload is corrupt: padding of the pivot indices is not zero")
-    low = low_stored.reshape(lay.tokens, 1).expand(-1, lay.tiles_per_token).reshape(-1) if params.alloc == ALLOC_TOKEN else low_stored
-    bits = tile_bits(low, params)
+    h = read_header(payload, shape, params)
+    g, lay, bits, flag, zero, scale, rd = params.group_size, h.lay, h.bits, h.flag, h.zero, h.scale, h.reader
     codes = rd.take(int(bits.long().sum()) * (g // 8), "tile codes")
     rd.finish()
     q = torch.from_numpy(unpack_rows_np(codes.numpy(), bits.numpy(), g))
@@ -196,6 +176,6 @@ def decode(payload: torch.Tensor, shape: tuple[int, ...], params: TahQuantParams
     flagged = flag.nonzero().squeeze(1)
     if flagged.numel():
         sub = hadamard(y[flagged])
-        _swap_first(sub, pivots[:n_flag].long())
+        _swap_first(sub, h.pivots.long())
         y[flagged] = sub
     return y.reshape(lay.tokens, lay.padded_channels)[:, : lay.channels].reshape(shape).to(dtype)

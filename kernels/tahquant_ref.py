@@ -191,8 +191,23 @@ def tile_bits(low: torch.Tensor, params: TahQuantParams) -> torch.Tensor:
     return torch.where(low, params.bits_low, params.bits_high)
 
 
-def decode(payload: torch.Tensor, shape: tuple[int, ...], params: TahQuantParams, dtype: torch.dtype) -> torch.Tensor:
-    """Decode a version-1 payload (uint8, 1-D) into a tensor of `shape` and `dtype`."""
+@dataclass
+class Header:
+    """What a version-1 payload holds before its tile codes, read and checked; `reader` stands
+    at the codes."""
+
+    lay: Layout
+    bits: torch.Tensor    # (NT,) bits of each tile
+    flag: torch.Tensor    # (NT,) bool: the tile was pivot-swapped and Hadamard-rotated
+    zero: torch.Tensor    # (NT,) fp16
+    scale: torch.Tensor   # (NT,) fp16
+    pivots: torch.Tensor  # (n_flag,) pivot index of each flagged tile
+    reader: PayloadReader
+
+
+def read_header(payload: torch.Tensor, shape: tuple[int, ...], params: TahQuantParams) -> Header:
+    """The sections before the tile codes, with the checks (and errors, in their order) that
+    decode makes of them."""
     params.validate()
     g = params.group_size
     lay = Layout.of(shape, g)
@@ -217,7 +232,14 @@ def decode(payload: torch.Tensor, shape: tuple[int, ...], params: TahQuantParams
         low = low_stored.reshape(lay.tokens, 1).expand(-1, lay.tiles_per_token).reshape(-1)
     else:
         low = low_stored
-    bits = tile_bits(low, params)
+    return Header(lay, tile_bits(low, params), flag, zero, scale, pivots[:n_flag], rd)
+
+
+def decode(payload: torch.Tensor, shape: tuple[int, ...], params: TahQuantParams, dtype: torch.dtype) -> torch.Tensor:
+    """Decode a version-1 payload (uint8, 1-D) into a tensor of `shape` and `dtype`."""
+    h = read_header(payload, shape, params)
+    g, lay, nt, bits, flag, zero, scale, rd = params.group_size, h.lay, h.lay.tiles, h.bits, h.flag, h.zero, h.scale, h.reader
+    n_flag, pivots = h.pivots.numel(), h.pivots
     codes = rd.take(int(row_nbytes(bits, g).sum()), "tile codes")
     rd.finish()
     q = unpack_rows(codes, bits, g)

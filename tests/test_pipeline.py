@@ -153,8 +153,30 @@ def test_bad_peers_get_clear_errors_and_the_daemon_keeps_serving(swarm):
         with pytest.raises(grpc.RpcError) as err:
             stub.Backward(iter([bad]), timeout=5)
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        for key in (None, wrong):  # who is here and which stage it holds: only for the swarm
+            ping = pb.PingRequest(nonce=b"12345678")
+            with pytest.raises(grpc.RpcError) as err:
+                stub.Ping(key.sign(ping) if key else ping, timeout=5)
+            assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        reply = stub.Ping(right.sign(pb.PingRequest(nonce=b"12345678")), timeout=5)
+        assert reply.nonce == b"12345678" and reply.node_id == "n1" and reply.stage == 1
     final = swarm.wait_finished(25)
     assert [s for s, _ in final["loss_history"]] == list(range(25))
+
+
+def test_a_standby_leaves_when_the_run_finishes(swarm):
+    """A spare `--stage auto` node waits as a standby while two pinned nodes train; when the run
+    ends it leaves the swarm and exits 0 instead of waiting for ever."""
+    swarm.start_coordinator("--steps", "6", "--stages", "2", *SMALL)
+    swarm.join("n0", 0, "--quiet")
+    swarm.join("n1", 1, "--quiet")
+    swarm.join("spare", "auto", "--quiet")
+    swarm.wait_finished(6)
+    assert swarm.wait_exit("spare", timeout=30) == 0
+    log = swarm.log("spare")
+    assert "waiting for a stage" in log and "a standby is no longer needed" in log
+    spare = next(n for n in swarm.state()["nodes"] if n["id"] == "spare")
+    assert spare["status"] == "left"
 
 
 def test_demo_runs_the_whole_swarm_and_prints_a_json_summary(tmp_path, cache):

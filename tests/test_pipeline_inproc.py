@@ -211,3 +211,33 @@ def test_stop_during_the_last_gradient_waits_for_its_step_end(dataset, tmp_path)
 
     saved, committed0 = asyncio.run(scenario())
     assert saved == committed0 == 5
+
+
+def test_a_corrupt_checkpoint_is_moved_aside_and_every_stage_resumes_from_the_one_before(dataset, tmp_path):
+    """Stage 1's newest checkpoint gets a flipped bit: on restart it is moved aside, stage 1
+    resumes from its previous one, the other stages roll back to the same step, and the losses
+    from there on equal uninterrupted single-process training."""
+    run = build_run(4, **NONE, **{"train.checkpoint_every": 2})
+    asyncio.run(train(Swarm(run, dataset, store_dir=tmp_path), 4))
+    newest = CheckpointStore(tmp_path / "n1").latest(1, run.stages)
+    assert newest.step == 4
+    damaged = bytearray(newest.path.read_bytes())
+    damaged[-1] ^= 0x01
+    newest.path.write_bytes(bytes(damaged))
+
+    longer = build_run(6, **NONE, **{"train.checkpoint_every": 2})
+    swarm = Swarm(longer, dataset, store_dir=tmp_path)
+
+    async def scenario() -> list[int]:
+        await swarm.start()
+        try:
+            resumed = [w.resume() for w in swarm.workers]
+            await asyncio.wait_for(asyncio.gather(*(w.run(6) for w in swarm.workers)), 120)
+        finally:
+            await swarm.close()
+        return resumed
+
+    assert asyncio.run(scenario()) == [4, 2, 4]
+    assert (tmp_path / "n1" / (newest.path.name + ".corrupt")).exists()
+    assert swarm.steps() == [2, 3, 4, 5]
+    assert swarm.losses() == pytest.approx(train_local(longer, dataset)[2:], abs=1e-5)

@@ -137,7 +137,12 @@ class SwarmRegistry:
             self.ledger[point.step] = pb.LossPoint()
             self.ledger[point.step].CopyFrom(point)
         self.sweep()
-        return pb.HeartbeatReply(assignment=self.assignment(node), known=True)
+        return pb.HeartbeatReply(assignment=self.assignment(node), known=True, run_finished=self.run_finished())
+
+    def run_finished(self) -> bool:
+        """A node holding (or last holding) the last stage reported the run's last step trained."""
+        last = self.run.stages - 1
+        return any(n.stage == last and n.stats.finished for n in self.nodes.values())
 
     def leave(self, req: pb.LeaveRequest) -> pb.LeaveReply:
         self._check_mac(req)

@@ -3,12 +3,13 @@ its gRPC status), and stage checkpoints stream into and out of the store."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 import grpc
 
 from ..net.errors import Refused
-from ..pipeline.checkpoint import ChunkWriter, read_chunks
+from ..pipeline.checkpoint import ChunkWriter, CorruptCheckpoint, read_chunks
 from ..proto import tahnode_pb2 as pb
 from ..proto import tahnode_pb2_grpc as pb_grpc
 from .registry import SwarmRegistry
@@ -39,7 +40,8 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         return await self._call(self.r.leave, request, context)
 
     async def UploadCheckpoint(self, request_iterator, context):
-        """Receive a stage checkpoint into the store (written to a temp file, renamed when whole)."""
+        """Receive a stage checkpoint into the store (written to a temp file, renamed when whole and
+        its SHA-256 matches; a corrupt one is refused with DATA_LOSS and never stored)."""
         writer: ChunkWriter | None = None
         total = 0
         try:
@@ -53,7 +55,12 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                 writer.write(chunk.data)
                 total += len(chunk.data)
                 if chunk.last:
-                    final = writer.commit()
+                    try:
+                        final = await asyncio.to_thread(writer.commit)
+                    except CorruptCheckpoint as exc:
+                        log.warning("refused a checkpoint upload from %s: %s", chunk.node_id, exc)
+                        await context.abort(grpc.StatusCode.DATA_LOSS, f"checkpoint of stage {chunk.stage} at step {chunk.step} "
+                                            "arrived corrupt (its SHA-256 does not match): not stored")
                     writer = None
                     self.r.store.prune(chunk.stage, chunk.num_stages)
                     log.info("stored %s (%d bytes) from %s", final.name, total, chunk.node_id)

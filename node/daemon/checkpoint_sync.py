@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from ..pipeline.checkpoint import CheckpointStore
+from ..pipeline.checkpoint import CheckpointStore, CorruptCheckpoint, read_verified
 from ..proto import tahnode_pb2 as pb
 from .membership import CoordinatorClient
 
@@ -31,13 +31,30 @@ class CheckpointSync:
         self.loop.call_soon_threadsafe(start)
 
     def needs_fetch(self, a: pb.Assignment) -> bool:
-        """The assignment resumes from a step newer than any checkpoint of the stage here."""
-        latest = self.store.latest(a.stage, a.num_stages)
-        return bool(a.resume_step) and (latest is None or latest.step < a.resume_step)
+        """The assignment resumes from a step newer than any sound checkpoint of the stage here
+        (corrupt ones met on the way are moved aside)."""
+        if not a.resume_step:
+            return False
+        for ckpt in reversed(self.store.list(a.stage, a.num_stages)):
+            if ckpt.step < a.resume_step:
+                return True
+            try:
+                read_verified(ckpt.path)
+                return False
+            except CorruptCheckpoint as exc:
+                log.error("%s; moved aside to %s", exc, self.store.quarantine(ckpt))
+        return True
 
-    async def fetch(self, a: pb.Assignment) -> None:
-        """Download the store's checkpoint the assignment resumes from."""
-        await self.coord.download(self.node_id, a.stage, a.resume_step, self.store.path(a.stage, a.num_stages, a.resume_step))
+    async def fetch(self, a: pb.Assignment) -> bool:
+        """Download the store's checkpoint the assignment resumes from; False (with a log line) if
+        it arrived corrupt, and the stage resumes from its newest sound checkpoint here."""
+        try:
+            await self.coord.download(self.node_id, a.stage, a.resume_step, self.store.path(a.stage, a.num_stages, a.resume_step))
+        except CorruptCheckpoint as exc:
+            log.error("the store's checkpoint of stage %d at step %d: %s; resuming from the newest sound one here",
+                      a.stage, a.resume_step, exc)
+            return False
+        return True
 
     async def wait(self, timeout: float) -> None:
         """Let the uploads still running finish (or give up after `timeout` seconds)."""

@@ -35,6 +35,7 @@ class Heartbeats:
         self.layer_ms = 0.0
         self.worker: StageWorker | None = None
         self.assignment: pb.Assignment | None = None
+        self.run_finished = False
         self.changed = asyncio.Event()
         self.task: asyncio.Task | None = None
 
@@ -61,7 +62,7 @@ class Heartbeats:
         hb = await self.coord.heartbeat(req)
         if self.worker is not None:
             self.worker.reported(sent)
-        self.assignment = hb.assignment
+        self.assignment, self.run_finished = hb.assignment, hb.run_finished
         self.changed.set()
         return hb
 

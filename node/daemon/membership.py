@@ -77,7 +77,7 @@ class CoordinatorClient:
                     if not self.key.verify(chunk):
                         raise NotAuthenticated("a checkpoint chunk from the coordinator failed authentication")
                     writer.write(chunk.data)
-                writer.commit()
+                await asyncio.to_thread(writer.commit)  # raises CorruptCheckpoint (nothing kept) if it arrived damaged
         except grpc.aio.AioRpcError as exc:
             raise from_rpc_error(exc, self.address, f"download of the checkpoint of stage {stage} at step {step}") from None
 

@@ -98,7 +98,8 @@ class StageNode:
         return waiter.result() if waiter in done else None
 
     async def _wait_for_stage(self) -> bool:
-        """Joining, then perhaps standby, until the coordinator gives us a stage (False: stopped)."""
+        """Joining, then perhaps standby, until the coordinator gives us a stage (False: stopped,
+        or the run finished while we stood by)."""
         a = self.assignment
         if a.stage < 0:
             print(f"{self.node_id}: joined {self.cfg.coordinator}, serving on {self.t.address}; waiting for a stage "
@@ -107,6 +108,9 @@ class StageNode:
             a = await self._until_stop(self.beats.next_assignment())
             if a is None:
                 print(f"{self.node_id}: stopping (held no stage)", flush=True)
+                return False
+            if a.stage < 0 and self.beats.run_finished:
+                print(f"{self.node_id}: the run has finished; a standby is no longer needed, leaving", flush=True)
                 return False
         self.assignment = a
         return True

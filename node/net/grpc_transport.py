@@ -79,6 +79,8 @@ class StageServicer(pb_grpc.StageServiceServicer):
         return await self._stream(BACKWARD, request_iterator, context)
 
     async def Ping(self, request, context):
+        if not self.t.key.verify(request):
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "ping failed authentication (wrong swarm token?)")
         return pb.PingReply(nonce=request.nonce, node_id=self.t.node_id, stage=max(self.t.stage, 0))
 
     async def Probe(self, request_iterator, context):
@@ -122,13 +124,18 @@ class GrpcLink(OutLink):
         done = asyncio.ensure_future(call)  # completes (with an error) when the peer goes away
         try:
             while True:
-                getter = asyncio.ensure_future(self.next_envelope())
+                getter = asyncio.ensure_future(self.next_or_end())
                 finished, _ = await asyncio.wait({getter, done}, return_when=asyncio.FIRST_COMPLETED)
                 if done in finished:
                     getter.cancel()
                     await done  # raises the RPC error
                     raise ConnectionError("stream closed by peer")
                 data = getter.result()
+                if data is None:  # flush(): the peer's StreamAck comes once it has read every frame
+                    await call.done_writing()
+                    await done
+                    self.ended.set()
+                    return
                 self.seq += 1
                 start = time.perf_counter()
                 for frame in frames_of(self.transport.key, self.transport.node_id, self.seq, data):

@@ -39,7 +39,10 @@ class InProcessLink(OutLink):
             await asyncio.sleep(0.01)  # not started yet: wait, as a gRPC channel would
         stream = None
         while True:
-            data = await self.next_envelope()
+            data = await self.next_or_end()
+            if data is None:  # every envelope is in the peer's inbox already
+                self.ended.set()
+                return
             start = time.perf_counter()
             if stream is None:
                 stream = peer.next_stream(self.direction)

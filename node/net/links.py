@@ -34,10 +34,13 @@ class OutLink:
         self.task: asyncio.Task | None = None
         self.idle = asyncio.Event()
         self.idle.set()
+        self.ending = asyncio.Event()  # flush(): end the stream once nothing is left to send
+        self.ended = asyncio.Event()   # ... and the peer confirmed it read everything (or it failed)
 
     async def carry(self) -> None:
         """Deliver queued envelopes to self.address until the stream fails (raise ConnectionError
-        or asyncio.TimeoutError) or is cancelled."""
+        or asyncio.TimeoutError) or is cancelled; once `next_or_end()` says the stream ends, make
+        sure the peer read everything, set `ended` and return."""
         raise NotImplementedError
 
     def set_peer(self, node_id: str, address: str) -> None:
@@ -79,6 +82,23 @@ class OutLink:
                     return data
             self.mark_idle()
 
+    async def next_or_end(self) -> bytes | None:
+        """The next envelope to deliver, or None once flush() asked the stream to end and nothing
+        is queued or in flight (so giving up the wait loses nothing)."""
+        getter = asyncio.ensure_future(self.next_envelope())
+        end = asyncio.ensure_future(self._end_requested())
+        try:
+            finished, _ = await asyncio.wait({getter, end}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in (getter, end):
+                if not task.done():
+                    task.cancel()
+        return getter.result() if getter in finished else None
+
+    async def _end_requested(self) -> None:
+        await self.ending.wait()
+        await self.idle.wait()
+
     def delivered(self, nbytes: int, seconds: float) -> None:
         self.counters.bytes += nbytes
         self.counters.seconds += seconds
@@ -91,14 +111,19 @@ class OutLink:
 
     async def _run(self) -> None:
         backoff = 0.2
-        while True:
+        while not self.ended.is_set():
             try:
                 await self.carry()
                 backoff = 0.2
             except (ConnectionError, asyncio.TimeoutError) as exc:
                 reason = str(exc) or type(exc).__name__
-                log.warning("%s link to %s (%s) failed: %s", self.direction, self.peer_id, self.address, reason)
+                log.log(logging.INFO if self.ending.is_set() else logging.WARNING,  # at the end, a peer may be gone first
+                        "%s link to %s (%s) failed: %s", self.direction, self.peer_id, self.address, reason)
                 self.fail(f"{self.direction} link to {self.peer_id} failed: {reason}")
+                if self.ending.is_set():  # what was queued is lost with the stream: nothing left to end
+                    self.ended.set()
+            if self.ended.is_set():
+                return
             await asyncio.sleep(backoff)
             backoff = min(2.0, backoff * 2)
 
@@ -157,12 +182,14 @@ class LinkedTransport:
         await self.links[direction].idle.wait()
 
     async def flush(self, timeout: float) -> None:
-        waits = [link.idle.wait() for link in self.links.values() if link.task]
-        if waits:
+        links = [link for link in self.links.values() if link.task]
+        for link in links:
+            link.ending.set()
+        if links:
             try:
-                await asyncio.wait_for(asyncio.gather(*waits), timeout)
+                await asyncio.wait_for(asyncio.gather(*(link.ended.wait() for link in links)), timeout)
             except asyncio.TimeoutError:
-                log.warning("gave up waiting for queued envelopes after %.0f s", timeout)
+                log.warning("gave up waiting for the peers to read the last envelopes after %.0f s", timeout)
 
     def close_links(self) -> None:
         for link in self.links.values():

@@ -26,7 +26,7 @@ async def probe(key: SwarmKey, address: str, payload_bytes: int, chunk: int = 25
         rtts = []
         for _ in range(5):
             start = time.perf_counter()
-            await stub.Ping(pb.PingRequest(nonce=os.urandom(8)), timeout=10)
+            await stub.Ping(key.sign(pb.PingRequest(nonce=os.urandom(8))), timeout=10)
             rtts.append((time.perf_counter() - start) * 1e3)
         data = os.urandom(chunk)
         mac = key.frame_mac("probe", 0, 0, 0, data)

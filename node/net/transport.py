@@ -105,6 +105,9 @@ class Transport(Protocol):
         """Return once the outgoing link has nothing queued or being sent."""
 
     async def flush(self, timeout: float) -> None:
-        """Wait until queued envelopes have been written (or the timeout passed)."""
+        """At the end of a run or a stop: deliver what is queued, end the outgoing streams and
+        wait until each peer confirmed it read every envelope (or the timeout passed). Written
+        is not enough: a stream closed with frames still in its buffers loses them, and a
+        Shutdown lost that way leaves the later stages waiting for ever. Nothing is sent after."""
 
     async def close(self) -> None: ...

@@ -1,10 +1,12 @@
 """Stage checkpoints: one safetensors file per saved step holding the stage's weights, its AdamW
-state and its codec state, with the step and run identity in the metadata; resume reads the latest.
+state and its codec state, with the step, the run identity and a SHA-256 of it all in the metadata.
 
-This module owns the file names, and the chunking that carries a file to and from the coordinator."""
+This module owns the file names, their integrity (durable writes, the checksum checked on every
+load and on arrival in a store) and the chunking that carries a file to and from the coordinator."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -21,6 +23,62 @@ log = logging.getLogger("tahnode.checkpoint")
 
 NAME = re.compile(r"stage(\d+)-of(\d+)-step(\d+)\.safetensors$")
 CHUNK_BYTES = 1 << 20  # a checkpoint travels in chunks of this size
+DIGEST_KEY = "sha256"  # metadata key of the checksum
+CORRUPT_SUFFIX = ".corrupt"  # a corrupt file is renamed to this, so that nothing lists it again
+
+
+class CheckpointError(ValueError):
+    """A checkpoint cannot be used."""
+
+
+class CorruptCheckpoint(CheckpointError):
+    """A checkpoint that cannot be parsed or whose contents do not match its recorded SHA-256."""
+
+
+class ForeignCheckpoint(CheckpointError):
+    """A checkpoint of another run configuration (model or stages differ)."""
+
+
+def digest(tensors: dict[str, torch.Tensor], meta: dict[str, str]) -> str:
+    """SHA-256 over the metadata (all but the checksum itself) and every tensor's name, dtype,
+    shape and bytes, in name order."""
+    h = hashlib.sha256(json.dumps({k: v for k, v in meta.items() if k != DIGEST_KEY}, sort_keys=True).encode())
+    for name in sorted(tensors):
+        t = tensors[name].detach().contiguous().cpu()
+        h.update(json.dumps([name, str(t.dtype), list(t.shape)]).encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy())
+    return h.hexdigest()
+
+
+def read_verified(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """The tensors and metadata of a checkpoint file, after checking its SHA-256; raises
+    CorruptCheckpoint. A file without a checksum (written before tahnode recorded one) is read
+    with a warning."""
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata() or {}
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
+    except Exception as exc:  # safetensors raises several types for a damaged file
+        raise CorruptCheckpoint(f"checkpoint {path} is unreadable: {exc}") from None
+    recorded = meta.get(DIGEST_KEY)
+    if recorded is None:
+        log.warning("checkpoint %s has no checksum (written by an older tahnode): not verified", path)
+    elif digest(tensors, meta) != recorded:
+        raise CorruptCheckpoint(f"checkpoint {path} is corrupt: its contents do not match the SHA-256 recorded in it")
+    return tensors, meta
+
+
+def durable_replace(tmp: Path, final: Path) -> None:
+    """Flush `tmp` to disk, rename it to `final` and flush the directory: after a crash the name
+    holds either the old file or the whole new one."""
+    with open(tmp, "rb") as fh:
+        os.fsync(fh.fileno())
+    os.replace(tmp, final)
+    fd = os.open(final.parent, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def checkpoint_name(stage: int, num_stages: int, step: int) -> str:
@@ -40,8 +98,9 @@ def read_chunks(path: str | Path, size: int = CHUNK_BYTES) -> Iterator[tuple[byt
 
 
 class ChunkWriter:
-    """Receives a file in pieces into a temporary name beside `final`, and renames it only when
-    whole (`commit`); closing it uncommitted (an error, a broken stream) removes the piece."""
+    """Receives a checkpoint in pieces into a temporary name beside `final`, and renames it only
+    when whole and verified (`commit` raises CorruptCheckpoint otherwise); closing it uncommitted
+    (an error, a broken stream, a corrupt file) removes the piece."""
 
     def __init__(self, final: Path, suffix: str = ".part"):
         self.final = final
@@ -56,13 +115,19 @@ class ChunkWriter:
 
     def commit(self) -> Path:
         self.fh.close()
-        self.tmp.replace(self.final)
+        try:
+            read_verified(self.tmp)
+        except CorruptCheckpoint:
+            self.close()
+            raise
+        durable_replace(self.tmp, self.final)
         return self.final
 
     def close(self) -> None:
+        """Drop what was received (nothing is left once committed)."""
         if not self.fh.closed:
             self.fh.close()
-            self.tmp.unlink(missing_ok=True)
+        self.tmp.unlink(missing_ok=True)
 
     def __enter__(self) -> "ChunkWriter":
         return self
@@ -99,6 +164,12 @@ class CheckpointStore:
     def path(self, stage: int, num_stages: int, step: int) -> Path:
         return self.dir / checkpoint_name(stage, num_stages, step)
 
+    def quarantine(self, ckpt: Checkpoint) -> Path:
+        """Move a corrupt file aside (kept for inspection, never listed, loaded or uploaded again)."""
+        aside = ckpt.path.with_name(ckpt.path.name + CORRUPT_SUFFIX)
+        ckpt.path.replace(aside)
+        return aside
+
     def prune(self, stage: int, num_stages: int) -> None:
         """Keep only the newest `keep` files of the stage."""
         for old in self.list(stage, num_stages)[: -self.keep]:
@@ -113,7 +184,7 @@ class CheckpointStore:
 
     def save(self, stage: int, num_stages: int, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
              run_json: str, extra: dict[str, torch.Tensor] | None = None) -> Path:
-        """Write atomically (temp file + rename) and prune old files."""
+        """Write durably (temp file, fsync, rename) with its SHA-256, and prune old files."""
         self.dir.mkdir(parents=True, exist_ok=True)
         tensors = {f"model/{k}": v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
         names = {id(p): n for n, p in model.named_parameters()}
@@ -130,32 +201,29 @@ class CheckpointStore:
         for k, v in (extra or {}).items():
             tensors[f"extra/{k}"] = v.detach().contiguous().cpu()
         meta = {"step": str(step), "stage": str(stage), "num_stages": str(num_stages), "run": run_json, "optim_steps": json.dumps(opt_steps)}
+        meta[DIGEST_KEY] = digest(tensors, meta)
         path = self.path(stage, num_stages, step)
         tmp = path.with_suffix(".tmp")
         save_file(tensors, str(tmp), metadata=meta)
-        os.replace(tmp, path)
+        durable_replace(tmp, path)
         self.prune(stage, num_stages)
         return path
 
 
 def load(ckpt: Checkpoint, model: torch.nn.Module, optimizer: torch.optim.Optimizer, run_json: str) -> dict[str, torch.Tensor]:
-    """Restore weights and optimizer state in place; returns the extra tensors. Refuses a
-    checkpoint of another run configuration (model, stages, codecs) with a clear error."""
-    try:
-        with safe_open(str(ckpt.path), framework="pt") as f:
-            meta = f.metadata() or {}
-            tensors = {k: f.get_tensor(k) for k in f.keys()}
-    except Exception as exc:
-        raise ValueError(f"checkpoint {ckpt.path} is unreadable: {exc}") from None
+    """Restore weights and optimizer state in place; returns the extra tensors. Nothing changes
+    when it raises: CorruptCheckpoint for a damaged file, ForeignCheckpoint for a checkpoint of
+    another run configuration (model, stages)."""
+    tensors, meta = read_verified(ckpt.path)
     saved = json.loads(meta.get("run", "{}"))
     ours = json.loads(run_json)
     for key in ("model", "stages"):
         if saved.get(key) != ours.get(key):
-            raise ValueError(f"checkpoint {ckpt.path} belongs to another run ({key} differs); move it away or use another --checkpoint-dir")
+            raise ForeignCheckpoint(f"checkpoint {ckpt.path} belongs to another run ({key} differs); move it away or use another --checkpoint-dir")
     state = {k[len("model/"):]: v for k, v in tensors.items() if k.startswith("model/")}
     missing, unexpected = model.load_state_dict(state, strict=False)
     if missing or unexpected:
-        raise ValueError(f"checkpoint {ckpt.path} does not fit stage {ckpt.stage}: missing {missing[:3]}, unexpected {unexpected[:3]}")
+        raise ForeignCheckpoint(f"checkpoint {ckpt.path} does not fit stage {ckpt.stage}: missing {missing[:3]}, unexpected {unexpected[:3]}")
     params = dict(model.named_parameters())
     steps = json.loads(meta.get("optim_steps", "{}"))
     device = next(model.parameters()).device
@@ -190,14 +258,25 @@ class StageSaver:
             self.on_saved(str(path), step)
 
     def load_latest(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, codecs) -> int:
-        """Restore the newest checkpoint of the stage; its step, or 0 if there is none."""
-        ckpt = self.store.latest(self.stage, self.num_stages) if self.store else None
-        return self._restore(ckpt, model, optimizer, codecs) if ckpt else 0
+        """Restore the newest sound checkpoint of the stage (a corrupt one is moved aside and the
+        one before it tried); its step, or 0 if there is none."""
+        for ckpt in reversed(self.store.list(self.stage, self.num_stages) if self.store else []):
+            if self._try_restore(ckpt, model, optimizer, codecs):
+                return ckpt.step
+        return 0
 
     def load(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer, codecs) -> bool:
-        """Restore the checkpoint of `step`; False if the store has none."""
+        """Restore the checkpoint of `step`; False if the store has no sound one."""
         ckpt = self.store.find(self.stage, self.num_stages, step) if self.store else None
-        return bool(ckpt and self._restore(ckpt, model, optimizer, codecs) is not None)
+        return bool(ckpt) and self._try_restore(ckpt, model, optimizer, codecs)
+
+    def _try_restore(self, ckpt: Checkpoint, model, optimizer, codecs) -> bool:
+        try:
+            self._restore(ckpt, model, optimizer, codecs)
+        except CorruptCheckpoint as exc:
+            log.error("stage %d: %s; moved aside to %s", self.stage, exc, self.store.quarantine(ckpt))
+            return False
+        return True
 
     def _restore(self, ckpt: Checkpoint, model, optimizer, codecs) -> int:
         codecs.load(load(ckpt, model, optimizer, self.run_json), ckpt.step)

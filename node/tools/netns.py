@@ -96,8 +96,9 @@ def pids_in(namespace: str) -> list[int]:
 
 
 def _burst(rate_bps: float) -> str:
-    """tbf bucket: 1 ms of the rate, at least 32 kbit (4 KB)."""
-    return f"{max(4096, int(rate_bps / 8 / 1000))}b"
+    """tbf bucket: 1 ms of the rate, at least 68 KB. A bucket smaller than the largest GSO packet
+    (64 KB) makes tbf cut every packet in software, on the same CPU the stages compute on."""
+    return f"{max(68000, int(rate_bps / 8 / 1000))}b"
 
 
 def _classes(topo: Topology, src: str) -> dict[str, tuple[str, float]]:

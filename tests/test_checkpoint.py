@@ -1,0 +1,113 @@
+"""Checkpoint integrity: every file carries a SHA-256 of its metadata and tensors; a flipped bit,
+a truncated file or a file of another run is refused before anything is loaded, and a corrupt file
+never enters a store (the coordinator's uploads and a node's downloads go through ChunkWriter)."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from tahnode.config import RunConfig
+from tahnode.pipeline.checkpoint import (DIGEST_KEY, CheckpointStore, ChunkWriter, CorruptCheckpoint, ForeignCheckpoint,
+                                         load, read_chunks, read_verified)
+from tahnode.train.model import build_stage
+
+
+def trained_stage(run: RunConfig, seed: int = 0):
+    """Stage 1 of `run` after one AdamW step (so the optimizer has state to save)."""
+    model = build_stage(run.model, 1, run.stages, seed=seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    sum(p.square().sum() for p in model.parameters()).backward()
+    opt.step()
+    return model, opt
+
+
+@pytest.fixture
+def saved(tmp_path):
+    run = RunConfig.build("llama-tiny", **{"train.steps": 4})
+    model, opt = trained_stage(run)
+    store = CheckpointStore(tmp_path / "ck")
+    path = store.save(1, run.stages, 4, model, opt, run.to_json(), {"gate": torch.arange(5.0)})
+    return run, store, path, model
+
+
+def fresh_stage(run: RunConfig):
+    model, opt = trained_stage(run, seed=7)
+    return model, opt, {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def test_a_checkpoint_records_its_sha256_and_loads_back_exactly(saved):
+    run, store, path, model = saved
+    tensors, meta = read_verified(path)
+    assert len(meta[DIGEST_KEY]) == 64 and meta["step"] == "4"
+    target, opt, _ = fresh_stage(run)
+    extra = load(store.latest(1, run.stages), target, opt, run.to_json())
+    assert torch.equal(extra["gate"], torch.arange(5.0))
+    for (name, a), b in zip(model.state_dict().items(), target.state_dict().values()):
+        assert torch.equal(a, b), name
+
+
+def flip_last_data_byte(data: bytearray) -> None:
+    data[-1] ^= 0x01
+
+
+def flip_the_step_in_the_metadata(data: bytearray) -> None:
+    at = data.index(b'"step":"4"')
+    data[at + 8] = ord("5")
+
+
+def truncate(data: bytearray) -> None:
+    del data[len(data) // 2:]
+
+
+@pytest.mark.parametrize("damage", [flip_last_data_byte, flip_the_step_in_the_metadata, truncate])
+def test_a_damaged_checkpoint_is_refused_and_nothing_is_loaded(saved, damage):
+    run, store, path, _ = saved
+    data = bytearray(path.read_bytes())
+    damage(data)
+    path.write_bytes(bytes(data))
+    target, opt, before = fresh_stage(run)
+    with pytest.raises(CorruptCheckpoint, match="corrupt|unreadable"):
+        load(store.latest(1, run.stages), target, opt, run.to_json())
+    for name, value in target.state_dict().items():
+        assert torch.equal(value, before[name]), name
+
+
+def test_a_checkpoint_of_another_run_is_refused(saved, tmp_path):
+    run, store, _, _ = saved
+    other = RunConfig.build("llama-tiny", **{"train.steps": 4, "stages": 2})
+    target, opt, _ = fresh_stage(run)
+    with pytest.raises(ForeignCheckpoint, match="another run"):
+        load(store.latest(1, run.stages), target, opt, other.to_json())
+
+
+def test_a_checkpoint_written_before_checksums_loads_with_a_warning(saved, caplog):
+    run, store, path, _ = saved
+    tensors, meta = read_verified(path)
+    del meta[DIGEST_KEY]
+    save_file(tensors, str(path), metadata=meta)
+    with caplog.at_level(logging.WARNING, logger="tahnode.checkpoint"):
+        read_verified(path)
+    assert "no checksum" in caplog.text
+
+
+def test_chunk_writer_stores_a_sound_file_and_refuses_a_corrupt_one(saved, tmp_path):
+    run, store, path, _ = saved
+    sound = tmp_path / "store" / path.name
+    with ChunkWriter(sound) as writer:
+        for data, _ in read_chunks(path, size=4096):
+            writer.write(data)
+        writer.commit()
+    assert sound.read_bytes() == path.read_bytes()
+
+    damaged = bytearray(path.read_bytes())
+    flip_last_data_byte(damaged)
+    refused = tmp_path / "store" / path.name.replace("step4", "step8")
+    with ChunkWriter(refused, ".n1.part") as writer:
+        writer.write(bytes(damaged))
+        with pytest.raises(CorruptCheckpoint):
+            writer.commit()
+    assert sorted(p.name for p in (tmp_path / "store").iterdir()) == [sound.name]
