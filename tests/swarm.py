@@ -6,20 +6,14 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
+from tahnode.tools.swarm import fetch, free_port
+
 TAHNODE = [sys.executable, "-m", "tahnode.cli"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Swarm:
@@ -52,11 +46,7 @@ class Swarm:
                                  "--device", "cpu", *extra], prefix=prefix, env=env)
 
     def state(self) -> dict | None:
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{self.http_port}/api/v1/state", timeout=2) as r:
-                return json.load(r)
-        except (OSError, ValueError):
-            return None
+        return fetch(f"http://127.0.0.1:{self.http_port}")  # never through an http_proxy from the environment
 
     def wait_for(self, predicate, timeout: float, what: str) -> dict:
         deadline = time.monotonic() + timeout
