@@ -15,6 +15,7 @@ import torch
 from tahnode.config import RunConfig
 from tahnode.net.inproc import InProcessNetwork
 from tahnode.net.transport import BACKWARD, FORWARD
+from tahnode.proto import tahnode_pb2 as pb
 from tahnode.pipeline.checkpoint import CheckpointStore
 from tahnode.pipeline.worker import StageWorker
 from tahnode.train.corpus import prepare
@@ -241,3 +242,39 @@ def test_a_corrupt_checkpoint_is_moved_aside_and_every_stage_resumes_from_the_on
     assert (tmp_path / "n1" / (newest.path.name + ".corrupt")).exists()
     assert swarm.steps() == [2, 3, 4, 5]
     assert swarm.losses() == pytest.approx(train_local(longer, dataset)[2:], abs=1e-5)
+
+
+def codec_streams(run: RunConfig, stage: int):
+    """The codec streams of `stage` on an in-process transport of its own."""
+    from tahnode.pipeline.state import Stats
+    from tahnode.pipeline.streams import CodecStreams
+
+    transport = InProcessNetwork().transport(f"n{stage}")
+    transport.open_links()
+    return CodecStreams(run, stage, transport, torch.device("cpu"), Stats())
+
+
+@pytest.mark.parametrize("std", [1e-2, 1e-5, 1e-8, 1e-11])
+def test_gradients_are_prescaled_for_tahquant_and_come_back_at_their_size(std):
+    """TAH-Quant's fp16 zero-points and scales underflow for gradients around 1e-7 and below; the
+    stage multiplies them by a power of two before encoding (MicroBatch.scale_log2) and the
+    receiver divides it out, so the error stays the codec's usual one at every magnitude."""
+    from tahnode.pipeline.streams import prescale_exponent
+
+    run = build_run(1, **{"codec.backward": "tahquant", "codec.backward_params": {}})
+    sender, receiver = codec_streams(run, 1), codec_streams(run, 0)
+    grad = torch.randn(4, 32, 64, generator=torch.Generator().manual_seed(1)) * std
+    k = prescale_exponent(grad)
+    assert 2 ** 7 <= float(grad.abs().max()) * 2.0 ** k < 2 ** 8
+    msg, _, sent_k = sender.encode_gradient(grad, list(range(4)))
+    assert sent_k == k
+    back = receiver.decode(BACKWARD, 1, pb.MicroBatch(tensor=msg, sample_ids=list(range(4)), scale_log2=k), torch.float32)
+    assert float((back - grad).norm() / grad.norm()) < 0.2
+
+
+def test_gradients_of_codecs_without_fp16_side_info_are_sent_as_they_are():
+    """naive keeps its own shared exponent and none is exact: neither is prescaled, so `none` in
+    fp32 stays bit-identical to single-process training (test above)."""
+    for codec, params in (("none", {}), ("naive", {"bits": 6})):
+        run = build_run(1, **{"codec.backward": codec, "codec.backward_params": params})
+        assert codec_streams(run, 1).encode_gradient(torch.full((2, 4, 64), 1e-9), [0, 1])[2] == 0

@@ -49,6 +49,9 @@ class Codec:
     version: ClassVar[int] = 1
     Params: ClassVar[type]
     keeps_stream_state: ClassVar[bool] = False  # both ends update per-stream state on every message
+    # per-group fp16 zero/scale and no shared exponent: values around 1e-7 and below underflow, so
+    # the pipeline scales gradients by a power of two before encoding (tahnode.pipeline.streams)
+    needs_prescale: ClassVar[bool] = False
 
     def __init__(self, **params: Any):
         try:

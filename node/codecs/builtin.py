@@ -80,6 +80,7 @@ class TahQuantCodec(Codec):
 
     name = "tahquant"
     Params = tahquant_ref.TahQuantParams
+    needs_prescale = True
 
     def encode_payload(self, x, ctx):
         return implementation("tahquant", x).encode(x.detach(), self.params), {}

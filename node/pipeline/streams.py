@@ -3,6 +3,8 @@ sends, decode what it receives. A new stream (the link reconnected) starts its s
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from .. import codecs
@@ -12,7 +14,20 @@ from ..net.transport import BACKWARD, FORWARD, Direction, Transport
 from ..proto import tahnode_pb2 as pb
 from .state import Stats
 
-__all__ = ["CodecStreams"]
+__all__ = ["CodecStreams", "prescale_exponent"]
+
+
+PRESCALE_TOP = 8     # a prescaled tensor's largest magnitude lands in [2^7, 2^8): far from fp16's both ends
+PRESCALE_LIMIT = 100  # |k| at most this: 2^k stays a normal float32
+
+
+def prescale_exponent(tensor: torch.Tensor) -> int:
+    """k such that max|tensor| * 2^k lies in [2^(PRESCALE_TOP-1), 2^PRESCALE_TOP); 0 for an all-zero
+    or non-finite tensor (the codec refuses the latter itself)."""
+    top = float(tensor.detach().abs().max()) if tensor.numel() else 0.0
+    if top == 0.0 or not math.isfinite(top):
+        return 0
+    return max(-PRESCALE_LIMIT, min(PRESCALE_LIMIT, PRESCALE_TOP - math.frexp(top)[1]))
 
 
 class CodecStreams:
@@ -43,10 +58,19 @@ class CodecStreams:
         self.stats.counted(direction, msg.ByteSize(), tensor)
         return msg, gen
 
+    def encode_gradient(self, tensor: torch.Tensor, sample_ids) -> tuple[pb.EncodedTensor, int, int]:
+        """A gradient to send backward: encoded, its generation, and the power of two it was
+        multiplied by first. Gradients shrink as training goes on, down to where a codec's fp16
+        zero-points and scales underflow (`needs_prescale`); a power of two moves them up exactly."""
+        k = prescale_exponent(tensor) if self.codecs[BACKWARD].needs_prescale else 0
+        msg, gen = self.encode(BACKWARD, tensor * 2.0 ** k if k else tensor, sample_ids)
+        return msg, gen, k
+
     def decode(self, direction: Direction, stream: int, mb: pb.MicroBatch, dtype: torch.dtype) -> torch.Tensor:
         ctx = self._context(self.receiving, direction, stream, CodecContext)
         ctx.sample_ids = list(mb.sample_ids)
-        return codecs.decode(mb.tensor, ctx, self.device).to(dtype)
+        x = codecs.decode(mb.tensor, ctx, self.device)
+        return (x * 2.0 ** -mb.scale_log2 if mb.scale_log2 else x).to(dtype)
 
     def discard(self, direction: Direction, stream: int, mb: pb.MicroBatch) -> None:
         """A received message the pipeline drops: a codec with per-stream state still decodes it,

@@ -202,9 +202,9 @@ class StageWorker:
             st.samples.extend(ids)
             st.done_backward += 1
             extras = {"grad_sumsq": grad_sumsq(self.opt.params)} if st.all_backward else {}
-            enc, gen = self.codecs.encode(BACKWARD, x.grad, ids)
+            enc, gen, k = self.codecs.encode_gradient(x.grad, ids)
             return BACKWARD, pb.MicroBatch(step=mb.step, index=mb.index, sample_ids=ids, tensor=enc, attempt=mb.attempt, extras=extras,
-                                           count=mb.count), gen
+                                           count=mb.count, scale_log2=k), gen
         st.pending[mb.index] = Pending(x, self.codecs.sent(out), ids)
         enc, gen = self.codecs.encode(FORWARD, out, ids)
         return FORWARD, pb.MicroBatch(step=mb.step, index=mb.index, sample_ids=ids, labels=mb.labels, tensor=enc, attempt=mb.attempt,
@@ -225,9 +225,9 @@ class StageWorker:
         extras = {}
         if st.all_backward:
             extras["grad_sumsq"] = st.partial_sumsq + grad_sumsq(self.opt.params)
-        enc, gen = self.codecs.encode(BACKWARD, p.inp.grad, p.sample_ids)
+        enc, gen, k = self.codecs.encode_gradient(p.inp.grad, p.sample_ids)
         return pb.MicroBatch(step=mb.step, index=mb.index, sample_ids=p.sample_ids, tensor=enc, attempt=mb.attempt, extras=extras,
-                             count=mb.count), gen
+                             count=mb.count, scale_log2=k), gen
 
     def _apply(self, step: int, total_sumsq: float) -> tuple[float, list[int]]:
         """Clip and step (runs on the compute thread, like every change to the step state); the
