@@ -17,8 +17,8 @@ import numpy as np
 import torch
 
 from .bitpack import padded_count, plane_widths
-from .quant_ref import check_finite, dequantize_asym, fp16_min_scale, hadamard
-from .tahquant_ref import ALLOC_TOKEN, Layout, TahQuantParams, low_bit_mask, read_header, tile_bits
+from .quant_ref import dequantize_asym, fp16_min_scale, hadamard
+from .tahquant_ref import ALLOC_TOKEN, TahQuantParams, low_bit_mask, read_header, tile_bits, to_tiles
 
 __all__ = ["encode", "decode", "pack_rows_np", "unpack_rows_np"]
 
@@ -125,14 +125,8 @@ def _quantize(y: torch.Tensor, zero: torch.Tensor, scale: torch.Tensor, qmax: to
 
 def encode(x: torch.Tensor, params: TahQuantParams = TahQuantParams()) -> torch.Tensor:
     """tahquant_ref.encode, faster on the CPU (the same bytes)."""
-    params.validate()
-    check_finite(x, "tahquant")
     g = params.group_size
-    lay = Layout.of(tuple(x.shape), g)
-    x3 = x.reshape(lay.nseq, lay.seq_len, lay.channels).float()
-    if lay.padded_channels != lay.channels:
-        x3 = torch.nn.functional.pad(x3, (0, lay.padded_channels - lay.channels))
-    tiles = x3.reshape(lay.nseq, lay.seq_len, lay.tiles_per_token, g)
+    lay, _, tiles = to_tiles(x, params)
     mag = tiles.abs()
     if params.alloc == ALLOC_TOKEN:
         low_token = low_bit_mask(_entropy(mag.reshape(lay.nseq, lay.seq_len, -1)), params.rho)

@@ -137,16 +137,22 @@ def _swap_first(tiles: torch.Tensor, pivot: torch.Tensor, flag: torch.Tensor) ->
     return torch.gather(tiles, -1, src)
 
 
-def encode(x: torch.Tensor, params: TahQuantParams = TahQuantParams()) -> torch.Tensor:
-    """Encode x (..., C) of float32/float16/bfloat16 into the version-1 payload (uint8, 1-D)."""
+def to_tiles(x: torch.Tensor, params: TahQuantParams) -> tuple[Layout, torch.Tensor, torch.Tensor]:
+    """Check x, then its layout, x as (nseq, seq_len, padded channels) float32 with the channels
+    zero-padded to a multiple of G, and the same values as (nseq, seq_len, tiles per token, G)."""
     params.validate()
     check_finite(x, "tahquant")
-    g = params.group_size
-    lay = Layout.of(tuple(x.shape), g)
+    lay = Layout.of(tuple(x.shape), params.group_size)
     x3 = x.reshape(lay.nseq, lay.seq_len, lay.channels).float()
     if lay.padded_channels != lay.channels:
         x3 = torch.nn.functional.pad(x3, (0, lay.padded_channels - lay.channels))
-    tiles = x3.reshape(lay.nseq, lay.seq_len, lay.tiles_per_token, g)
+    return lay, x3, x3.reshape(lay.nseq, lay.seq_len, lay.tiles_per_token, params.group_size)
+
+
+def encode(x: torch.Tensor, params: TahQuantParams = TahQuantParams()) -> torch.Tensor:
+    """Encode x (..., C) of float32/float16/bfloat16 into the version-1 payload (uint8, 1-D)."""
+    g = params.group_size
+    lay, x3, tiles = to_tiles(x, params)
 
     # 1-2. entropy-guided bit allocation within each sequence
     if params.alloc == ALLOC_TOKEN:
