@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import sys
 
 from .codecs import CODECS, CodecError
@@ -34,14 +33,18 @@ def _add_codec_commands(sub) -> None:
 
 
 def _add_swarm_commands(sub) -> None:
-    from .config import DEFAULT_TOKEN, TransportKind
+    from .config import TransportKind
+    from .config.token import TOKEN_ENV
 
     co = sub.add_parser("coordinator", help="run the swarm's coordinator (control plane + status page)",
                         description="Run the coordinator: nodes join it, it tells each its stage and neighbours, "
                         "tracks heartbeats and serves the status page (/), /api/v1/state and /metrics.")
     co.add_argument("--listen", default="0.0.0.0:7000", help="control-plane gRPC address (default 0.0.0.0:7000)")
     co.add_argument("--http", default="0.0.0.0:8080", help="status page address (default 0.0.0.0:8080)")
-    co.add_argument("--token", default=os.environ.get("TAHNODE_TOKEN", DEFAULT_TOKEN), help="swarm secret every node must present (env TAHNODE_TOKEN)")
+    co.add_argument("--token-file", help=f"file holding the swarm secret every node must present (or set {TOKEN_ENV}); "
+                    "without either, the coordinator makes a random one, keeps it in --store as 'token' and prints it")
+    co.add_argument("--token", help="the swarm secret itself (other local users can read it on the command line: "
+                    "prefer --token-file)")
     co.add_argument("--heartbeat-timeout", type=float, default=10.0, help="seconds without heartbeats before a node is declared failed")
     co.add_argument("--store", default="tahnode-store", help="directory of the stage checkpoints nodes upload (for standbys)")
     co.add_argument("--settle", type=float, default=3.0, help="seconds without new joins before --stage auto nodes are placed")
@@ -55,7 +58,9 @@ def _add_swarm_commands(sub) -> None:
     jo.add_argument("--listen", default="0.0.0.0:0", help="data-plane address to serve on (default: any port)")
     jo.add_argument("--advertise", default="", help="HOST:PORT other nodes reach this one at (default: from --listen)")
     jo.add_argument("--device", default="auto", help="cuda, cuda:N or cpu (default: cuda when available)")
-    jo.add_argument("--token", default=os.environ.get("TAHNODE_TOKEN", DEFAULT_TOKEN), help="swarm secret (env TAHNODE_TOKEN)")
+    jo.add_argument("--token-file", help=f"file holding the swarm secret the coordinator printed (or set {TOKEN_ENV})")
+    jo.add_argument("--token", help="the swarm secret itself (other local users can read it on the command line: "
+                    "prefer --token-file)")
     jo.add_argument("--node-id", default="", help="stable name of this node (default: HOSTNAME-PID)")
     jo.add_argument("--checkpoint-dir", default="", help="where this node saves its stage (default: tahnode-state/NODE_ID)")
     jo.add_argument("--data-dir", default="", help="where stage 0 prepares the built-in corpus (default ~/.cache/tahnode)")
@@ -100,6 +105,9 @@ def _add_swarm_commands(sub) -> None:
     bs = bsub.add_parser("swarm", help="training on a local swarm with shaped links, against the physical limit (root for tc)",
                          add_help=False)
     bs.add_argument("rest", nargs=argparse.REMAINDER)
+    bo = bsub.add_parser("soak", help="a swarm trains for --minutes while memory and open files of every process are "
+                         "sampled", add_help=False)
+    bo.add_argument("rest", nargs=argparse.REMAINDER)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -127,6 +135,10 @@ def main(argv: list[str] | None = None) -> int:
         from .tools import bench_swarm
 
         return bench_swarm.main(argv[2:])
+    if argv[:2] == ["bench", "soak"]:
+        from .tools import bench_soak
+
+        return bench_soak.main(argv[2:])
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
@@ -173,13 +185,32 @@ def _event_loop_policy() -> None:
         pass
 
 
+def _say_token(token, listen: str) -> None:
+    """Tell the operator about the coordinator's token: a warning for --token, the secret and the
+    join command for one it made (or made earlier)."""
+    from .config.token import TOKEN_ENV, TokenOrigin
+
+    if token.warning:
+        print(f"tahnode coordinator: warning: {token.warning}", file=sys.stderr, flush=True)
+    if token.origin in (TokenOrigin.GENERATED, TokenOrigin.STORED):
+        made = "made a new" if token.origin is TokenOrigin.GENERATED else "uses the"
+        print(f"tahnode coordinator: {made} swarm token, kept in {token.path} (readable by you only); give it to the "
+              f"volunteers you trust, who join with\n  {TOKEN_ENV}={token.secret} tahnode join --coordinator "
+              f"{listen.replace('0.0.0.0', 'THIS_HOST')} --stage N", flush=True)
+
+
 def _coordinator(args) -> int:
+    from pathlib import Path
+
     from .config import CoordinatorConfig
+    from .config.token import coordinator_token
     from .coordinator.server import serve
 
     _setup_logging()
     run = run_config_from(args)
-    cfg = CoordinatorConfig(listen=args.listen, http=args.http, token=args.token, heartbeat_timeout=args.heartbeat_timeout,
+    token = coordinator_token(args.token, args.token_file, Path(args.store))
+    _say_token(token, args.listen)
+    cfg = CoordinatorConfig(listen=args.listen, http=args.http, token=token.secret, heartbeat_timeout=args.heartbeat_timeout,
                             store=args.store, settle_s=args.settle)
     _event_loop_policy()
     asyncio.run(serve(run, cfg))
@@ -188,6 +219,7 @@ def _coordinator(args) -> int:
 
 def _join(args) -> int:
     from .config import AUTO_STAGE, LinkEmulation, NodeConfig, TransportKind
+    from .config.token import TOKEN_ENV, TokenMissing, resolve_token
     from .daemon.device import DeviceUnavailable
     from .daemon.node import run_node
     from .net.errors import CoordinatorError
@@ -195,8 +227,14 @@ def _join(args) -> int:
     _setup_logging(args.log_level)
     if args.stage != "auto" and not args.stage.isdigit():
         raise ValueError(f"--stage must be a stage number or 'auto', got {args.stage!r}")
+    token = resolve_token(args.token, args.token_file)
+    if token is None:
+        raise TokenMissing(f"no swarm token: give --token-file FILE or set {TOKEN_ENV} (the coordinator printed it when "
+                           "it started, and keeps it in its store folder as 'token')")
+    if token.warning:
+        print(f"tahnode join: warning: {token.warning}", file=sys.stderr, flush=True)
     cfg = NodeConfig(coordinator=args.coordinator, stage=AUTO_STAGE if args.stage == "auto" else int(args.stage), listen=args.listen,
-                     advertise=args.advertise, device=args.device, token=args.token, node_id=args.node_id,
+                     advertise=args.advertise, device=args.device, token=token.secret, node_id=args.node_id,
                      checkpoint_dir=args.checkpoint_dir, data_dir=args.data_dir, init_from=args.init_from,
                      progress=not args.quiet, threads=args.threads, transport=TransportKind(args.transport),
                      emulation=LinkEmulation.parse(args.emulate_rtt, args.emulate_rate, args.emulate_link))

@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 from tahnode.tools.swarm import fetch, free_port
@@ -23,7 +24,7 @@ class Swarm:
         self.grpc_port = free_port()
         self.http_port = free_port()
         self.procs: dict[str, subprocess.Popen] = {}
-        self.env = {**os.environ, "PYTHONUNBUFFERED": "1", "TAHNODE_CACHE": str(cache or workdir / "cache")}
+        self.env = {**os.environ, "PYTHONUNBUFFERED": "1", "TAHNODE_CACHE": str(cache or workdir / "cache"), "TAHNODE_TOKEN": token}
 
     @property
     def coordinator(self) -> str:
@@ -37,16 +38,25 @@ class Swarm:
 
     def start_coordinator(self, *run_flags: str, listen: str | None = None, http: str | None = None) -> None:
         self.spawn("coordinator", ["coordinator", "--listen", listen or self.coordinator, "--http", http or f"127.0.0.1:{self.http_port}",
-                                   "--token", self.token, "--store", str(self.workdir / "store"), *run_flags])
+                                   "--store", str(self.workdir / "store"), *run_flags])
 
     def join(self, name: str, stage: int | str, *extra: str, prefix: list[str] | None = None, coordinator: str | None = None,
              env: dict | None = None) -> subprocess.Popen:
         return self.spawn(name, ["join", "--coordinator", coordinator or self.coordinator, "--stage", str(stage), "--listen", "127.0.0.1:0",
-                                 "--node-id", name, "--token", self.token, "--checkpoint-dir", str(self.workdir / "ck" / name),
+                                 "--node-id", name, "--checkpoint-dir", str(self.workdir / "ck" / name),
                                  "--device", "cpu", *extra], prefix=prefix, env=env)
 
     def state(self) -> dict | None:
         return fetch(f"http://127.0.0.1:{self.http_port}")  # never through an http_proxy from the environment
+
+    def ledger(self) -> dict | None:
+        return fetch(f"http://127.0.0.1:{self.http_port}", "ledger")
+
+    def metrics(self) -> str:
+        """The coordinator's /metrics text."""
+        direct = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # never via an http_proxy
+        with direct.open(f"http://127.0.0.1:{self.http_port}/metrics", timeout=5) as r:
+            return r.read().decode()
 
     def wait_for(self, predicate, timeout: float, what: str) -> dict:
         deadline = time.monotonic() + timeout

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import grpc
 import pytest
-
 from swarm import Swarm
-from tahnode.net.auth import SwarmKey
+from tahnode.net.auth import Sealer, SwarmKey
+from tahnode.net.freshness import COORDINATOR
+from tahnode.net.identity import NodeKey
 from tahnode.proto import tahnode_pb2 as pb
 from tahnode.proto import tahnode_pb2_grpc as pb_grpc
 from test_status_page import DomIndex, chromium, run_chromium  # noqa: F401  (chromium is a fixture)
@@ -31,9 +32,18 @@ def test_bad_requests_are_refused_and_change_nothing(swarm):
     swarm.start_coordinator("--steps", "5", "--stages", "3")
     swarm.wait_for(lambda s: True, 60, "the coordinator")
     key = SwarmKey(swarm.token)
+
+    run = swarm.state()["run"]
+
+    identities: dict[str, NodeKey] = {}
+
+    def sealed(msg, key=key):  # sealed and signed by the node the request speaks for
+        return Sealer(key, msg.node_id, run, identities.setdefault(msg.node_id, NodeKey.generate())).seal(msg, COORDINATOR)
+
     with grpc.insecure_channel(swarm.coordinator) as ch:
         stub = pb_grpc.CoordinatorStub(ch)
-        stub.Join(key.sign(pb.JoinRequest(node_id="good", address="127.0.0.1:1", stage=1, device="cpu")), timeout=5)
+        joined = sealed(pb.JoinRequest(node_id="good", address="127.0.0.1:1", stage=1, device="cpu"))
+        assert stub.Join(joined, timeout=5).run == run
         before = swarm.state()
 
         def refused(call, request, code, text):
@@ -42,18 +52,19 @@ def test_bad_requests_are_refused_and_change_nothing(swarm):
             assert err.value.code() == code, err.value.details()
             assert text in err.value.details()
 
-        refused(stub.Join, SwarmKey("guess").sign(pb.JoinRequest(node_id="evil", address="127.0.0.1:2", stage=0)),
+        refused(stub.Join, sealed(pb.JoinRequest(node_id="evil", address="127.0.0.1:2", stage=0), SwarmKey("guess")),
                 grpc.StatusCode.UNAUTHENTICATED, "wrong swarm token")
         refused(stub.Join, pb.JoinRequest(node_id="nomac", address="127.0.0.1:2", stage=0),
                 grpc.StatusCode.UNAUTHENTICATED, "wrong swarm token")
-        refused(stub.Heartbeat, key.sign(pb.HeartbeatRequest(node_id="ghost")), grpc.StatusCode.NOT_FOUND, "unknown node 'ghost'")
-        refused(stub.Join, key.sign(pb.JoinRequest(node_id="x", address="127.0.0.1:3", stage=7)),
+        refused(stub.Join, joined, grpc.StatusCode.PERMISSION_DENIED, "replayed")  # the same join again, recorded
+        refused(stub.Heartbeat, sealed(pb.HeartbeatRequest(node_id="ghost")), grpc.StatusCode.NOT_FOUND, "unknown node 'ghost'")
+        refused(stub.Join, sealed(pb.JoinRequest(node_id="x", address="127.0.0.1:3", stage=7)),
                 grpc.StatusCode.INVALID_ARGUMENT, "stage 7 does not exist")
-        refused(stub.Join, key.sign(pb.JoinRequest(node_id="", address="127.0.0.1:3", stage=0)),
+        refused(stub.Join, sealed(pb.JoinRequest(node_id="", address="127.0.0.1:3", stage=0)),
                 grpc.StatusCode.INVALID_ARGUMENT, "needs a node id")
-        refused(stub.Join, key.sign(pb.JoinRequest(node_id="other", address="127.0.0.1:4", stage=1)),
+        refused(stub.Join, sealed(pb.JoinRequest(node_id="other", address="127.0.0.1:4", stage=1)),
                 grpc.StatusCode.FAILED_PRECONDITION, "stage 1 is held by node good")
-        refused(stub.Leave, key.sign(pb.LeaveRequest(node_id="ghost")), grpc.StatusCode.NOT_FOUND, "unknown node")
+        refused(stub.Leave, sealed(pb.LeaveRequest(node_id="ghost")), grpc.StatusCode.NOT_FOUND, "unknown node")
         garbage = ch.unary_unary("/tahnode.v1.Coordinator/Join", request_serializer=lambda b: b, response_deserializer=lambda b: b)
         with pytest.raises(grpc.RpcError) as err:
             garbage(b"\xff\xff\xff\xff", timeout=5)
@@ -61,6 +72,10 @@ def test_bad_requests_are_refused_and_change_nothing(swarm):
         after = swarm.state()
     assert nodes_of(after) == nodes_of(before) == [("good", 1, "active")]
     assert after["epoch"] == before["epoch"]
+    refusals = {(r["receiver"], r["reason"]): r["count"] for r in after["refused"]}
+    assert refusals == {("coordinator", "bad_mac"): 2, ("coordinator", "replayed"): 1}
+    metrics = swarm.metrics()
+    assert 'tahnode_refused_messages{reason="replayed",receiver="coordinator"} 1.0' in metrics
 
 
 def test_status_page_in_chromium_shows_the_live_swarm(swarm, chromium, tmp_path):  # noqa: F811
@@ -94,3 +109,26 @@ def swarm_metrics(swarm) -> str:
 
     with urllib.request.urlopen(f"http://127.0.0.1:{swarm.http_port}/metrics", timeout=5) as r:
         return r.read().decode()
+
+
+def test_a_coordinator_killed_and_restarted_keeps_the_ledger(swarm):
+    """kill -9 of the coordinator mid-run, then a restart on the same store: the nodes go on
+    training, rejoin, and report what they trained meanwhile; the ledger ends with every step
+    exactly once, the steps from before the crash included (it lives in SQLite)."""
+    steps = 150
+    swarm.start_coordinator("--steps", str(steps), *SMALL)
+    for k in range(3):
+        swarm.join(f"n{k}", k, "--quiet")
+    before = swarm.wait_for(lambda s: s["training"]["step"] >= 8, 120, "step 8")
+    swarm.procs["coordinator"].kill()
+    swarm.procs["coordinator"].wait(10)
+    swarm.start_coordinator("--steps", str(steps), *SMALL)
+    swarm.wait_for(lambda s: True, 60, "the restarted coordinator")
+    final = swarm.wait_finished(steps)
+    ledger = swarm.ledger()["steps"]
+    assert [p["step"] for p in ledger] == list(range(steps))
+    assert len(before["loss_history"]) >= 8 and final["run"] == before["run"]
+    samples = [i for p in ledger for i in p["sample_ids"]]
+    assert len(samples) == len(set(samples))  # no sample trained twice within this short run
+    assert final["epoch"] > before["epoch"]
+    assert "restarted: the ledger holds steps" in swarm.log("coordinator")

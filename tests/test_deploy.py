@@ -75,11 +75,11 @@ def test_compose_commands(compose):
     assert sub == "coordinator"
     assert co["--listen"] == "0.0.0.0:7000" and co["--http"] == "0.0.0.0:8080" and co["--stages"] == "3"
     assert (ROOT / co["--model"]).is_file() and co["--model"] == "configs/llama-tiny.toml"
-    assert co["--token"] == "demo-token"
+    assert "--token" not in co and "--token-file" not in co  # the secret is never on a command line
     assert co["--http"].rsplit(":", 1)[1] == services["coordinator"]["ports"][0].split(":")[1]
-    # The token: the same default on both sides, and overridable by TAHNODE_TOKEN.
-    raw = services["coordinator"]["command"]
-    assert "--token other" in interpolate(raw, {"TAHNODE_TOKEN": "other"})
+    # The token: one TAHNODE_TOKEN for every service, "demo-token" unless the user sets their own.
+    token = services["coordinator"]["environment"]["TAHNODE_TOKEN"]
+    assert interpolate(token, {}) == "demo-token" and interpolate(token, {"TAHNODE_TOKEN": "other"}) == "other"
     ids = []
     for node in NODES:
         sub, jo = parse_command(services[node]["command"])
@@ -88,7 +88,7 @@ def test_compose_commands(compose):
         assert jo["--stage"] == "auto"
         assert jo["--listen"] == "0.0.0.0:7100"
         assert jo["--advertise"] == f"{node}:7100"  # the service name resolves on the bridge network
-        assert interpolate(services[node]["environment"]["TAHNODE_TOKEN"], {}) == co["--token"]
+        assert services[node]["environment"]["TAHNODE_TOKEN"] == token and "--token" not in jo
         ids.append(jo.get("--node-id", node))
     assert len(set(ids)) == len(NODES)
 

@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import asyncio
 
-from tahnode.net.auth import SwarmKey
+from tahnode.net.auth import Sealer, SwarmKey
 from tahnode.net.grpc_transport import GrpcTransport
+from tahnode.net.identity import NodeKey
 from tahnode.net.transport import FORWARD
 from tahnode.proto import tahnode_pb2 as pb
 
@@ -17,7 +18,9 @@ def test_flush_then_close_loses_nothing_a_slow_peer_has_not_read_yet():
     count, size = 40, 200_000
 
     async def scenario() -> list[int]:
-        sender, receiver = GrpcTransport("a", key, "127.0.0.1:0"), GrpcTransport("b", key, "127.0.0.1:0")
+        a, b = NodeKey.generate(), NodeKey.generate()
+        sender, receiver = GrpcTransport(Sealer(key, "a", identity=a), "127.0.0.1:0"), GrpcTransport(Sealer(key, "b", identity=b), "127.0.0.1:0")
+        receiver.peer_keys["a"] = a.public  # "a" is its neighbour: its frames are signed by this key
         receiver.inbox = asyncio.Queue(maxsize=1)  # the peer takes envelopes in one by one: gRPC buffers the rest
         await receiver.start()
         await sender.start()

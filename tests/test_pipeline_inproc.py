@@ -11,13 +11,13 @@ from pathlib import Path
 
 import pytest
 import torch
-
+from tahnode.codecs import checksum, get_codec
 from tahnode.config import RunConfig
 from tahnode.net.inproc import InProcessNetwork
-from tahnode.net.transport import BACKWARD, FORWARD
-from tahnode.proto import tahnode_pb2 as pb
+from tahnode.net.transport import BACKWARD, FORWARD, Inbound
 from tahnode.pipeline.checkpoint import CheckpointStore
 from tahnode.pipeline.worker import StageWorker
+from tahnode.proto import tahnode_pb2 as pb
 from tahnode.train.corpus import prepare
 from tahnode.train.data import TokenDataset
 from tahnode.train.local import train_local
@@ -111,6 +111,69 @@ def test_a_lost_link_replays_the_step_and_training_stays_exact(dataset):
     assert swarm.workers[0].stats.replays >= 1
     assert swarm.transports[1].counters(FORWARD).failures == 1
     assert swarm.steps() == list(range(6))
+    assert swarm.losses() == pytest.approx(train_local(run, dataset), abs=1e-5)
+
+
+def bad_micro_batch(kind: str, run: RunConfig, step: int) -> pb.MicroBatch:
+    """A micro-batch of the current step as a broken or hostile peer would send it."""
+    n, s, d = 2, run.train.seq_len, run.model.dim
+    ids, labels = [0, 1], torch.zeros(n, s, dtype=torch.int32).numpy().tobytes()
+    enc = get_codec("none").encode(torch.zeros(n, s, 2 * d if kind == "oversized" else d))
+    if kind == "truncated":  # 16 bytes where n*s*d*4 were due, with a checksum that matches
+        enc.payload = enc.payload[:16]
+        enc.crc32 = checksum(enc)
+    elif kind == "nan":  # encoders refuse NaN: only a hostile peer sends it, with a checksum that matches
+        enc.payload = torch.full((n, s, d), float("nan")).numpy().tobytes()
+        enc.crc32 = checksum(enc)
+    elif kind == "labels":
+        labels = torch.full((n, s), run.model.vocab_size + 5, dtype=torch.int32).numpy().tobytes()
+    return pb.MicroBatch(step=step, index=0, sample_ids=ids, labels=labels, tensor=enc, count=2)
+
+
+@pytest.mark.parametrize("kind,stage", [("truncated", 1), ("nan", 1), ("oversized", 1), ("labels", 2)])
+def test_a_bad_micro_batch_is_refused_the_step_replayed_and_training_stays_exact(dataset, kind, stage):
+    """A malformed, non-finite or oversized micro-batch (or labels outside the vocabulary) arrives
+    at a stage mid-run on a stream of its own: the stage refuses it and lives, stage 0 replays the
+    step, and the losses still equal single-process training."""
+    run = build_run(6, **NONE)
+    sent = []
+
+    def inject_after_step_2(worker: StageWorker) -> None:
+        if worker.stage == stage and worker.committed == 3 and not sent:
+            mb = bad_micro_batch(kind, run, worker.state.step)
+            sent.append(mb)
+            worker.t.inbox.put_nowait(Inbound(FORWARD, "intruder", 99, None))
+            worker.t.inbox.put_nowait(Inbound(FORWARD, "intruder", 99, pb.Envelope(micro_batch=mb)))
+
+    swarm = Swarm(run, dataset, on_step=inject_after_step_2)
+    asyncio.run(train(swarm, 6))
+    assert len(sent) == 1
+    assert swarm.workers[stage].stats.refused_micro_batches == 1
+    assert swarm.workers[0].stats.replays >= 1
+    assert swarm.steps() == list(range(6))
+    assert swarm.losses() == pytest.approx(train_local(run, dataset), abs=1e-5)
+
+
+def test_a_lost_micro_batch_stalls_the_step_until_stage_0_replays_it(dataset):
+    """A gradient that never comes back (dropped on the way, no link failure to tell): stage 0's
+    stall watchdog replays the step after train.stall_timeout_s."""
+    run = build_run(5, **NONE, **{"train.stall_timeout_s": 0.5})
+    dropped = []
+    swarm = Swarm(run, dataset)
+    original = None
+
+    async def send_dropping_one(direction, envelope, generation):
+        if direction == BACKWARD and envelope.WhichOneof("body") == "micro_batch" and envelope.micro_batch.step == 2 and not dropped:
+            dropped.append(envelope.micro_batch.index)
+            return True
+        return await original(direction, envelope, generation)
+
+    original = swarm.transports[2].send
+    swarm.transports[2].send = send_dropping_one
+    asyncio.run(train(swarm, 5))
+    assert dropped == [0]
+    assert swarm.workers[0].stats.replays == 1
+    assert swarm.steps() == list(range(5))
     assert swarm.losses() == pytest.approx(train_local(run, dataset), abs=1e-5)
 
 

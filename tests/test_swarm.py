@@ -65,7 +65,7 @@ def wait_state(workdir: Path, predicate, timeout: float, what: str) -> dict:
     raise AssertionError(f"timed out waiting for {what}; last state {json.dumps(state)[:1500]}\n{logs}")
 
 
-def leftovers(prefix: str, token: str) -> list[str]:
+def leftovers(prefix: str, marker: str) -> list[str]:
     found = []
     if os.geteuid() == 0 and shutil.which("ip"):
         found += [ns for ns in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()
@@ -75,7 +75,7 @@ def leftovers(prefix: str, token: str) -> list[str]:
     for pid in os.listdir("/proc"):
         if pid.isdigit():
             try:
-                if token.encode() in Path(f"/proc/{pid}/cmdline").read_bytes():
+                if marker.encode() in Path(f"/proc/{pid}/cmdline").read_bytes():
                     found.append(f"process {pid}")
             except OSError:
                 pass
@@ -94,7 +94,7 @@ def test_swarm_up_gives_the_asked_rate_and_rtt_and_down_leaves_nothing(tmp_path,
         out = swarm_cmd("up", "--nodes", "3", "--bandwidth", "20mbit", "--rtt", "50ms", "--auto", "--shaper", shaper,
                         "--prefix", prefix, "--workdir", str(workdir), "--steps", "2", env=env).stdout
         assert "status page: http://" in out and f"tahnode swarm down --prefix {prefix}" in out
-        token = json.loads((workdir / "state.json").read_text())["spec"]["token"]
+        token = str(workdir / "token")  # the token file: on every command line of the swarm
         state = wait_state(workdir, lambda s: len(probed_links(s)) == 6, 180, "the six links probed")
         for (src, dst), (mbps, rtt) in probed_links(state).items():
             assert abs(mbps - 20) <= 0.2 * 20, f"{src}->{dst}: {mbps:.1f} Mbit/s measured on a 20 Mbit/s link"
@@ -124,7 +124,7 @@ def test_down_cleans_up_after_a_crash(tmp_path):
     down = swarm_cmd("down", "--prefix", prefix, "--workdir", str(workdir)).stdout
     assert f"removed namespace {prefix}n1" in down and f"removed namespace {prefix}hub" in down
     time.sleep(0.5)
-    assert leftovers(prefix, doc["spec"]["token"]) == []
+    assert leftovers(prefix, str(workdir / "token")) == []
 
 
 @needs_root

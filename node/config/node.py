@@ -8,9 +8,8 @@ from enum import Enum
 
 from .emulation import LinkEmulation
 
-__all__ = ["DEFAULT_TOKEN", "TransportKind", "NodeConfig", "CoordinatorConfig", "AUTO_STAGE"]
+__all__ = ["TransportKind", "NodeConfig", "CoordinatorConfig", "AUTO_STAGE"]
 
-DEFAULT_TOKEN = "tahnode-open-swarm"  # used when no --token is given; the daemons warn about it
 AUTO_STAGE = -1                       # --stage auto: the coordinator chooses
 
 
@@ -32,7 +31,7 @@ class NodeConfig:
     listen: str = "0.0.0.0:0"
     advertise: str = ""
     device: str = "auto"
-    token: str = DEFAULT_TOKEN
+    token: str = ""                 # the swarm secret (tahnode.config.token says where it comes from)
     node_id: str = ""
     checkpoint_dir: str = ""
     data_dir: str = ""              # where the built-in corpus is prepared (default: ~/.cache/tahnode)
@@ -49,7 +48,7 @@ class CoordinatorConfig:
 
     listen: str = "0.0.0.0:7000"
     http: str = "0.0.0.0:8080"
-    token: str = DEFAULT_TOKEN
+    token: str = ""                  # the swarm secret (tahnode.config.token.coordinator_token)
     heartbeat_timeout: float = 10.0  # seconds without heartbeats before a node is declared failed
     store: str = "tahnode-store"     # stage checkpoints uploaded by the nodes (for standbys)
     settle_s: float = 3.0            # seconds without joins before --stage auto nodes are placed

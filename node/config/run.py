@@ -37,12 +37,13 @@ class TrainConfig:
     seed: int = 0                   # model init and data order
     checkpoint_every: int = 20      # save each stage every N steps (and on SIGTERM)
     dtype: str = "float32"          # compute dtype: float32 or bfloat16
+    stall_timeout_s: float = 300.0  # stage 0 replays a step when no gradient came back for this long (a lost message)
 
     def validate(self) -> "TrainConfig":
         for name in ("steps", "micro_batches", "batch_size", "seq_len", "checkpoint_every"):
             if getattr(self, name) < 1:
                 raise ValueError(f"train.{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("pipeline_micro_batches", "min_micro_batch_tokens", "memory_budget_mb"):
+        for name in ("pipeline_micro_batches", "min_micro_batch_tokens", "memory_budget_mb", "stall_timeout_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"train.{name} must be >= 0, got {getattr(self, name)}")
         samples = self.micro_batches * self.batch_size

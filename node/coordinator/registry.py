@@ -5,19 +5,35 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import secrets
 import time
 from pathlib import Path
 
 from ..config import RunConfig
-from ..net.auth import SwarmKey
-from ..net.errors import InvalidRequest, NotAuthenticated, StageTaken, UnknownNode
+from ..net.auth import BadMac, Sealer, SwarmKey
+from ..net.errors import InvalidRequest, NotAuthenticated, NotFresh, StageTaken, UnknownNode
+from ..net.freshness import COORDINATOR, SealRefused
+from ..net.identity import NodeKey
 from ..pipeline.checkpoint import CheckpointStore
 from ..proto import tahnode_pb2 as pb
+from .durable import SwarmDB
 from .state import STANDBY, NodeRecord, NodeStatus
 
 log = logging.getLogger("tahnode.coordinator")
 
-__all__ = ["SwarmRegistry"]
+__all__ = ["SwarmRegistry", "run_identity"]
+
+
+def run_identity(folder: Path) -> str:
+    """The run's id: random when the run starts, kept in its store folder so that a restarted
+    coordinator goes on with the same run (every seal and frame of the swarm names it)."""
+    path = folder / "run-id"
+    if path.exists():
+        return path.read_text().strip()
+    folder.mkdir(parents=True, exist_ok=True)
+    run_id = secrets.token_hex(8)
+    path.write_text(run_id + "\n")
+    return run_id
 
 
 class SwarmRegistry:
@@ -31,12 +47,27 @@ class SwarmRegistry:
         run_id = hashlib.sha256(self.run_json.encode()).hexdigest()[:12]
         self.store = CheckpointStore(Path(store_dir) / f"run-{run_id}", keep=3)
         self.key = key
+        self.sealer = Sealer(key, COORDINATOR, run_identity(self.store.dir), NodeKey.load_or_create(self.store.dir / "coordinator.key"))
         self.timeout = heartbeat_timeout
         self.nodes: dict[str, NodeRecord] = {}
-        self.epoch = 1
+        self.db = SwarmDB(self.store.dir / "coordinator.sqlite")
+        self._epoch = self.db.get("epoch", 1)
         self.last_join = 0.0
-        self.ledger: dict[int, pb.LossPoint] = {}  # committed step -> its loss, samples and wall time
+        self.ledger: dict[int, pb.LossPoint] = self.db.ledger()  # committed step -> its loss, samples and wall time
+        self.identities: dict[str, bytes] = self.db.identities()  # node id -> the public key bound at its first join
         self.events: list[str] = []
+        if self.ledger:
+            self.event(f"restarted: the ledger holds steps 0..{max(self.ledger)}, membership epoch {self._epoch}")
+
+    @property
+    def epoch(self) -> int:
+        """Bumps whenever any assignment changes; kept on disk, so it only ever grows."""
+        return self._epoch
+
+    @epoch.setter
+    def epoch(self, value: int) -> None:
+        self._epoch = value
+        self.db.put("epoch", value)
 
     # -- helpers ----------------------------------------------------------------------------
     def event(self, text: str) -> None:
@@ -58,13 +89,27 @@ class SwarmRegistry:
     def open_stages(self) -> list[int]:
         return [k for k in range(self.run.stages) if self.holder(k) is None]
 
-    def _check_mac(self, req) -> None:
-        if not self.key.verify(req):
-            raise NotAuthenticated("request failed authentication: wrong swarm token")
+    def check(self, req, speaks_for: str, run_optional: bool = False, bind: bool = False) -> None:
+        """Refuse a request that is not authentic (NotAuthenticated); not fresh, not for this run or
+        coordinator, not sealed by the node it speaks for, or not signed by the key that node id
+        is bound to (NotFresh). A node id seen for the first time is signed for by the key in its
+        seal, and bound to it if `bind` (a join)."""
+        key = self.identities.get(speaks_for) or req.seal.public_key
+        try:
+            self.sealer.check(req, speaks_for=speaks_for, run_optional=run_optional, signed_by=key)
+        except BadMac:
+            raise NotAuthenticated("request failed authentication: wrong swarm token") from None
+        except SealRefused as exc:
+            raise NotFresh(f"{type(req).__name__} refused: {exc}") from None
+        if bind and speaks_for not in self.identities:
+            self.identities[speaks_for] = key
+            self.db.bind(speaks_for, key)
 
     def _peer(self, stage: int) -> pb.Peer:
         n = self.holder(stage) if 0 <= stage < self.run.stages else None
-        return pb.Peer(node_id=n.node_id, address=n.address, stage=stage) if n else pb.Peer(stage=stage)
+        if n is None:
+            return pb.Peer(stage=stage)
+        return pb.Peer(node_id=n.node_id, address=n.address, stage=stage, public_key=self.identities.get(n.node_id, b""))
 
     def resume_step(self, stage: int) -> int:
         """The step a new holder of `stage` resumes from: the store's newest checkpoint of it."""
@@ -96,9 +141,9 @@ class SwarmRegistry:
 
     # -- requests ---------------------------------------------------------------------------
     def join(self, req: pb.JoinRequest) -> pb.JoinReply:
-        self._check_mac(req)
         if not req.node_id or not req.address:
             raise InvalidRequest("join needs a node id and an address")
+        self.check(req, req.node_id, run_optional=True, bind=True)
         if req.stage < -1 or req.stage >= self.run.stages:
             raise InvalidRequest(f"stage {req.stage} does not exist: this swarm has stages 0..{self.run.stages - 1}")
         self.sweep()
@@ -117,10 +162,11 @@ class SwarmRegistry:
         self.last_join = time.monotonic()
         where = f"stage {stage}" if stage >= 0 else "waiting for an assignment (--stage auto)"
         self.event(f"{'rejoined' if rejoin else 'joined'}: {req.node_id} at {req.address} ({req.device or '?'}) -> {where}")
-        return pb.JoinReply(assignment=self.assignment(node), swarm="tahnode")
+        return pb.JoinReply(assignment=self.assignment(node), swarm="tahnode", run=self.sealer.run,
+                            coordinator_key=self.sealer.identity.public)
 
     def heartbeat(self, req: pb.HeartbeatRequest) -> pb.HeartbeatReply:
-        self._check_mac(req)
+        self.check(req, req.node_id)
         node = self.nodes.get(req.node_id)
         if node is None or not node.status.live:
             raise UnknownNode(f"unknown node {req.node_id!r}: join first")
@@ -130,14 +176,20 @@ class SwarmRegistry:
             node.layer_ms = req.layer_ms
         for link in req.links:
             node.links[link.dst] = (link.bytes, link.seconds)
-        for point in req.stats.losses:
-            if point.step in self.ledger or any(s > point.step for s in self.ledger):
-                # a rollback: the steps from here on are trained again and replace the old ones
+        self._record(list(req.stats.losses))
+        self.sweep()
+        return pb.HeartbeatReply(assignment=self.assignment(node), known=True, run_finished=self.run_finished())
+
+    def _record(self, points: list[pb.LossPoint]) -> None:
+        """Committed steps into the ledger, in memory and on disk. A step at or before one already
+        recorded means a rollback: the steps from there on are trained again and replace the old."""
+        for point in points:
+            if any(s >= point.step for s in self.ledger):
                 self.ledger = {s: v for s, v in self.ledger.items() if s < point.step}
             self.ledger[point.step] = pb.LossPoint()
             self.ledger[point.step].CopyFrom(point)
-        self.sweep()
-        return pb.HeartbeatReply(assignment=self.assignment(node), known=True, run_finished=self.run_finished())
+        if points:
+            self.db.record(points)
 
     def run_finished(self) -> bool:
         """A node holding (or last holding) the last stage reported the run's last step trained."""
@@ -145,7 +197,7 @@ class SwarmRegistry:
         return any(n.stage == last and n.stats.finished for n in self.nodes.values())
 
     def leave(self, req: pb.LeaveRequest) -> pb.LeaveReply:
-        self._check_mac(req)
+        self.check(req, req.node_id)
         node = self.nodes.get(req.node_id)
         if node is None:
             raise UnknownNode(f"unknown node {req.node_id!r}")
@@ -153,6 +205,14 @@ class SwarmRegistry:
         self.epoch += 1
         self.event(f"left: {req.node_id} (stage {node.stage})")
         return pb.LeaveReply()
+
+    def may_upload(self, node_id: str, stage: int) -> None:
+        """Only a node that holds (or last held) `stage` may upload its checkpoints."""
+        node = self.nodes.get(node_id)
+        if node is None:
+            raise UnknownNode(f"unknown node {node_id!r}: join first")
+        if node.stage != stage:
+            raise InvalidRequest(f"node {node_id} holds stage {node.stage}, not stage {stage}: it may not upload that stage's checkpoints")
 
     def sweep(self) -> None:
         """Declare nodes that missed their heartbeats for `timeout` seconds failed."""

@@ -10,9 +10,10 @@ import signal
 import grpc
 from aiohttp import web
 
-from ..config import DEFAULT_TOKEN, CoordinatorConfig, RunConfig
-from ..net.auth import SwarmKey
+from ..config import CoordinatorConfig, RunConfig
+from ..net.auth import Sealer, SwarmKey
 from ..net.probe import request_measure
+from ..net.unparsable import RefuseUnparsable
 from ..proto import tahnode_pb2_grpc as pb_grpc
 from .placement import Measure, Placement
 from .registry import SwarmRegistry
@@ -23,7 +24,7 @@ from .view import ledger_json, swarm_state
 
 log = logging.getLogger("tahnode.coordinator")
 
-__all__ = ["serve", "http_app"]
+__all__ = ["serve", "http_app", "control_plane"]
 
 
 def http_app(registry: SwarmRegistry, placement: Placement) -> web.Application:
@@ -32,23 +33,27 @@ def http_app(registry: SwarmRegistry, placement: Placement) -> web.Application:
     return app
 
 
-def measurer(key: SwarmKey) -> Measure:
+def control_plane(registry: SwarmRegistry) -> grpc.aio.Server:
+    """The Coordinator gRPC service on a server of its own (no port yet)."""
+    server = grpc.aio.server(interceptors=[RefuseUnparsable()])
+    pb_grpc.add_CoordinatorServicer_to_server(CoordinatorServicer(registry), server)
+    return server
+
+
+def measurer(sealer: Sealer) -> Measure:
     async def measure(a: NodeRecord, b: NodeRecord) -> tuple[float, float]:
         """Ask node a to measure its link to b over a's own data plane."""
-        return await request_measure(key, a.address, b.node_id, b.address)
+        return await request_measure(sealer, a.node_id, a.address, b.node_id, b.address)
 
     return measure
 
 
 async def serve(run: RunConfig, cfg: CoordinatorConfig) -> None:
-    if cfg.token == DEFAULT_TOKEN:
-        log.warning("no --token given: this swarm uses the public default token; anyone who can reach it can join")
     key = SwarmKey(cfg.token)
     registry = SwarmRegistry(run, key, cfg.heartbeat_timeout, store_dir=cfg.store)
     placement = Placement(registry, cfg.settle_s)
-    measure = measurer(key)
-    server = grpc.aio.server()
-    pb_grpc.add_CoordinatorServicer_to_server(CoordinatorServicer(registry), server)
+    measure = measurer(registry.sealer)
+    server = control_plane(registry)
     if server.add_insecure_port(cfg.listen) == 0:
         raise OSError(f"cannot listen on {cfg.listen} for the control plane")
     await server.start()

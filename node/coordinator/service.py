@@ -46,8 +46,12 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         total = 0
         try:
             async for chunk in request_iterator:
-                if not self.r.key.verify(chunk):
-                    await context.abort(grpc.StatusCode.UNAUTHENTICATED, "checkpoint chunk failed authentication: wrong swarm token")
+                try:
+                    self.r.check(chunk, chunk.node_id)
+                    self.r.may_upload(chunk.node_id, chunk.stage)
+                except Refused as exc:
+                    log.warning("refused a checkpoint chunk from %s: %s", context.peer(), exc)
+                    await context.abort(exc.code, str(exc))
                 if chunk.num_stages != self.r.run.stages or chunk.stage >= chunk.num_stages:
                     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"checkpoint of stage {chunk.stage}/{chunk.num_stages} does not fit this swarm")
                 if writer is None:
@@ -70,10 +74,14 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         return pb.UploadReply(bytes=total)
 
     async def DownloadCheckpoint(self, request, context):
-        if not self.r.key.verify(request):
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "download failed authentication: wrong swarm token")
+        try:
+            self.r.check(request, request.node_id)
+        except Refused as exc:
+            log.warning("refused a checkpoint download from %s: %s", context.peer(), exc)
+            await context.abort(exc.code, str(exc))
         ckpt = self.r.store.find(request.stage, self.r.run.stages, request.step)
         if ckpt is None:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"no checkpoint of stage {request.stage} at step {request.step} in the store")
         for data, last in read_chunks(ckpt.path):
-            yield self.r.key.sign(pb.CheckpointChunk(stage=request.stage, num_stages=self.r.run.stages, step=request.step, data=data, last=last))
+            chunk = pb.CheckpointChunk(stage=request.stage, num_stages=self.r.run.stages, step=request.step, data=data, last=last)
+            yield self.r.sealer.seal(chunk, request.node_id)

@@ -148,6 +148,8 @@ class _Metrics:
         self.node_stage = Gauge("tahnode_node_stage", "Stage each node holds (-1 = standby)", ["node"], registry=r)
         self.link_mbps = Gauge("tahnode_link_mbps", "Measured link bandwidth in Mbit/s", ["src", "dst"], registry=r)
         self.link_rtt = Gauge("tahnode_link_rtt_ms", "Measured link round-trip time in ms", ["src", "dst"], registry=r)
+        self.refused = Gauge("tahnode_refused_messages", "Messages refused so far (replayed, unauthentic, for another "
+                             "run or recipient, off the clock), by receiver and reason", ["receiver", "reason"], registry=r)
 
     def render(self, state: dict[str, Any]) -> bytes:
         t = state["training"]
@@ -156,7 +158,7 @@ class _Metrics:
         self.tokens.set(t["tokens_per_s"] or 0.0)
         self.bits.set(t["bits_per_element"] or 0.0)
         self.stages.set(state["stages"])
-        for g in (self.nodes, self.node_stage, self.link_mbps, self.link_rtt):
+        for g in (self.nodes, self.node_stage, self.link_mbps, self.link_rtt, self.refused):
             g.clear()  # nodes and links that left disappear from the scrape
         counts = dict.fromkeys(STATUSES, 0)
         for n in state["nodes"]:
@@ -169,6 +171,8 @@ class _Metrics:
                 self.link_mbps.labels(src=link["src"], dst=link["dst"]).set(link["mbps"])
             if link["rtt_ms"] is not None:
                 self.link_rtt.labels(src=link["src"], dst=link["dst"]).set(link["rtt_ms"])
+        for r in state.get("refused", []):
+            self.refused.labels(receiver=r["receiver"], reason=r["reason"]).set(r["count"])
         return generate_latest(self.registry)
 
 

@@ -76,7 +76,18 @@ def swarm_state(r: SwarmRegistry, placement: Placement) -> dict:
         "events": r.events[-20:],
         "stages": r.run.stages,
         "epoch": r.epoch,
+        "run": r.sealer.run,
+        "refused": refused(r),
     }
+
+
+def refused(r: SwarmRegistry) -> list[dict]:
+    """Messages refused so far, by receiver (the coordinator, each node) and reason."""
+    out = [{"receiver": "coordinator", "reason": reason.value, "count": n} for reason, n in sorted(
+        r.sealer.guard.refused.items(), key=lambda kv: kv[0].value)]
+    for n in sorted(r.nodes.values(), key=lambda n: n.node_id):
+        out += [{"receiver": n.node_id, "reason": reason, "count": count} for reason, count in sorted(n.stats.refused.items())]
+    return out
 
 
 def ledger_json(r: SwarmRegistry) -> dict:

@@ -27,8 +27,8 @@ class AssignmentFollower:
             log.warning("the coordinator moved this node from stage %d to %d; it keeps stage %d until restarted",
                         self.stage, assignment.stage, self.stage)
             return
-        self.t.set_peer(FORWARD, assignment.next.node_id, assignment.next.address)
-        self.t.set_peer(BACKWARD, assignment.prev.node_id, assignment.prev.address)
+        for direction, peer in ((FORWARD, assignment.next), (BACKWARD, assignment.prev)):
+            self.t.set_peer(direction, peer.node_id, peer.address, peer.public_key)
 
     async def _follow(self) -> None:
         while True:

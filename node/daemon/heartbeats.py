@@ -49,9 +49,11 @@ class Heartbeats:
 
     async def report(self) -> pb.HeartbeatReply:
         req = pb.HeartbeatRequest(node_id=self.join.node_id, layer_ms=self.layer_ms)
+        for reason, count in self.coord.sealer.guard.refused.items():
+            req.stats.refused[reason.value] = count
         sent = 0
         if self.worker is not None:
-            req.stats.CopyFrom(self.worker.report())
+            req.stats.MergeFrom(self.worker.stats.report(self.worker.committed, self.worker.codecs.cache_bytes()))
             req.stats.peak_rss_bytes = peak_rss_bytes()
             sent = len(req.stats.losses)
             counters = (self.t.counters(FORWARD), self.t.counters(BACKWARD))
@@ -61,7 +63,7 @@ class Heartbeats:
                     req.links.add(dst=c.peer, bytes=c.bytes, seconds=c.seconds)
         hb = await self.coord.heartbeat(req)
         if self.worker is not None:
-            self.worker.reported(sent)
+            self.worker.stats.reported(sent)
         self.assignment, self.run_finished = hb.assignment, hb.run_finished
         self.changed.set()
         return hb
@@ -70,14 +72,9 @@ class Heartbeats:
         while True:
             try:
                 await self.report()
-            except UnknownNode as exc:  # declared failed while we were busy: join again
+            except UnknownNode as exc:  # declared failed while we were busy, or a restarted coordinator: join again
                 log.warning("heartbeat: %s", exc)
-                self.join.stage = self.worker.stage if self.worker is not None else AUTO_STAGE
-                try:
-                    await self.coord.join(self.join, wait_s=0)
-                    log.info("rejoined the coordinator")
-                except CoordinatorError as again:
-                    log.warning("rejoin: %s", again)
+                await self._rejoin()
             except CoordinatorError as exc:
                 log.warning("heartbeat: %s", exc)
             await asyncio.sleep(self.period)
@@ -90,10 +87,33 @@ class Heartbeats:
         await self.changed.wait()
         return self.assignment
 
-    async def stop(self) -> None:
+    async def stop(self, wait_s: float = 30.0) -> None:
+        """A last report, so the coordinator sees the final step and the finished flag; while
+        committed steps are still unreported (the coordinator is restarting), try again for up to
+        `wait_s` seconds, rejoining if it forgot this node."""
         if self.task:
             self.task.cancel()
-        try:  # a last report, so the coordinator sees the final step and the finished flag
-            await self.report()
-        except CoordinatorError:
-            pass
+        deadline = asyncio.get_running_loop().time() + wait_s
+        while True:
+            try:
+                await self.report()
+                return
+            except UnknownNode:
+                await self._rejoin()
+            except CoordinatorError as exc:
+                if not self._unreported() or asyncio.get_running_loop().time() > deadline:
+                    if self._unreported():
+                        log.warning("the coordinator did not take the last %d steps' report: %s", self._unreported(), exc)
+                    return
+            await asyncio.sleep(self.period)
+
+    def _unreported(self) -> int:
+        return len(self.worker.stats.outbox) if self.worker is not None else 0
+
+    async def _rejoin(self) -> None:
+        self.join.stage = self.worker.stage if self.worker is not None else AUTO_STAGE
+        try:
+            await self.coord.join(self.join, wait_s=0)
+            log.info("rejoined the coordinator")
+        except CoordinatorError as again:
+            log.warning("rejoin: %s", again)

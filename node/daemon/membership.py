@@ -9,11 +9,12 @@ from pathlib import Path
 
 import grpc
 
-from ..net.auth import SwarmKey
 from ..config.emulation import LinkEmulation
+from ..net.auth import BadMac, Sealer
 from ..net.emulation import interceptors_for
+from ..net.errors import CoordinatorError, NotAuthenticated, NotFresh, Unreachable, from_rpc_error
+from ..net.freshness import COORDINATOR, SealRefused
 from ..net.grpc_transport import DIRECT
-from ..net.errors import CoordinatorError, NotAuthenticated, Unreachable, from_rpc_error
 from ..pipeline.checkpoint import ChunkWriter, read_chunks
 from ..proto import tahnode_pb2 as pb
 from ..proto import tahnode_pb2_grpc as pb_grpc
@@ -24,16 +25,17 @@ __all__ = ["CoordinatorClient"]
 
 
 class CoordinatorClient:
-    """Signed calls to the coordinator at `address`."""
+    """Sealed and signed calls to the coordinator at `address`; `join` tells the sealer the run."""
 
-    def __init__(self, address: str, key: SwarmKey, emulation: LinkEmulation = LinkEmulation()):
-        self.address, self.key = address, key
+    def __init__(self, address: str, sealer: Sealer, emulation: LinkEmulation = LinkEmulation()):
+        self.address, self.sealer = address, sealer
+        self.coordinator_key = b""  # the coordinator's public key, from the join reply
         self.channel = grpc.aio.insecure_channel(address, options=DIRECT, interceptors=interceptors_for(emulation))
         self.stub = pb_grpc.CoordinatorStub(self.channel)
 
     async def _call(self, method, request, what: str, timeout: float = 10.0):
         try:
-            return await method(self.key.sign(request), timeout=timeout)
+            return await method(self.sealer.seal(request, COORDINATOR), timeout=timeout)
         except grpc.aio.AioRpcError as exc:
             raise from_rpc_error(exc, self.address, what) from None
 
@@ -42,7 +44,9 @@ class CoordinatorClient:
         deadline = asyncio.get_running_loop().time() + wait_s
         while True:
             try:
-                return await self._call(self.stub.Join, req, "join")
+                reply = await self._call(self.stub.Join, req, "join")
+                self.sealer.run, self.coordinator_key = reply.run, reply.coordinator_key
+                return reply
             except Unreachable:
                 if asyncio.get_running_loop().time() > deadline:
                     raise
@@ -61,7 +65,8 @@ class CoordinatorClient:
         """Send a saved stage checkpoint to the coordinator's store (for standbys)."""
         def chunks():
             for data, last in read_chunks(path):
-                yield self.key.sign(pb.CheckpointChunk(node_id=node_id, stage=stage, num_stages=num_stages, step=step, data=data, last=last))
+                chunk = pb.CheckpointChunk(node_id=node_id, stage=stage, num_stages=num_stages, step=step, data=data, last=last)
+                yield self.sealer.seal(chunk, COORDINATOR)
 
         try:
             await self.stub.UploadCheckpoint(chunks(), timeout=600)
@@ -70,12 +75,16 @@ class CoordinatorClient:
 
     async def download(self, node_id: str, stage: int, step: int, final: Path) -> None:
         """Fetch the store's checkpoint of (stage, step) into the file `final`."""
-        request = self.key.sign(pb.DownloadRequest(node_id=node_id, stage=stage, step=step))
+        request = self.sealer.seal(pb.DownloadRequest(node_id=node_id, stage=stage, step=step), COORDINATOR)
         try:
             with ChunkWriter(final, ".download") as writer:
                 async for chunk in self.stub.DownloadCheckpoint(request, timeout=600):
-                    if not self.key.verify(chunk):
-                        raise NotAuthenticated("a checkpoint chunk from the coordinator failed authentication")
+                    try:
+                        self.sealer.check(chunk, speaks_for=COORDINATOR, signed_by=self.coordinator_key)
+                    except BadMac:
+                        raise NotAuthenticated("a checkpoint chunk from the coordinator failed authentication") from None
+                    except SealRefused as exc:
+                        raise NotFresh(f"a checkpoint chunk from the coordinator was refused: {exc}") from None
                     writer.write(chunk.data)
                 await asyncio.to_thread(writer.commit)  # raises CorruptCheckpoint (nothing kept) if it arrived damaged
         except grpc.aio.AioRpcError as exc:

@@ -17,10 +17,13 @@ from pathlib import Path
 import torch
 
 from ..config import NodeConfig, RunConfig, TransportKind
-from ..net.auth import SwarmKey
+from ..net.auth import Sealer, SwarmKey
+from ..net.freshness import COORDINATOR
 from ..net.grpc_transport import GrpcTransport
+from ..net.identity import KEY_FILE, NodeKey
 from ..net.probe import measure_link
 from ..net.transport import Transport
+from ..pipeline.admission import envelope_cap
 from ..pipeline.checkpoint import CheckpointStore
 from ..pipeline.state import PipelineError
 from ..pipeline.worker import StageWorker
@@ -38,12 +41,17 @@ log = logging.getLogger("tahnode.daemon")
 __all__ = ["StageNode", "run_node"]
 
 
-def make_transport(cfg: NodeConfig, node_id: str, key: SwarmKey) -> Transport:
+def state_dir(cfg: NodeConfig, node_id: str) -> Path:
+    """Where the node keeps its stage checkpoints and its key."""
+    return Path(cfg.checkpoint_dir) if cfg.checkpoint_dir else Path("tahnode-state") / node_id
+
+
+def make_transport(cfg: NodeConfig, sealer: Sealer) -> Transport:
     """The data plane the node's config asks for."""
     if cfg.transport is TransportKind.GRPC:
         emulation = cfg.emulation
-        return GrpcTransport(node_id, key, cfg.listen, cfg.advertise, emulation=emulation,
-                             measurer=lambda peer, target, nbytes: measure_link(key, target, nbytes, emulation, peer))
+        return GrpcTransport(sealer, cfg.listen, cfg.advertise, emulation=emulation,
+                             measurer=lambda peer, target, nbytes: measure_link(sealer, target, peer, nbytes, emulation))
     raise ValueError(f"transport {cfg.transport} is not available")
 
 
@@ -65,20 +73,24 @@ class StageNode:
     async def create(cls, cfg: NodeConfig, stop: asyncio.Event) -> "StageNode":
         """Serve the data plane, join the coordinator, start heartbeats and measure this device."""
         key = SwarmKey(cfg.token)
-        if key.is_default:
-            log.warning("no --token given: using the public default swarm token")
         device = resolve_device(cfg.device)
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
         node_id = cfg.node_id or f"{socket.gethostname()}-{os.getpid()}"
-        transport = make_transport(cfg, node_id, key)
+        # the node's identity lives beside its checkpoints: the same directory, the same node to the coordinator
+        identity = NodeKey.load_or_create(state_dir(cfg, node_id) / KEY_FILE)
+        sealer = Sealer(key, node_id, identity=identity)  # one counter and one replay guard for all it sends and receives
+        transport = make_transport(cfg, sealer)
         address = await transport.start()
-        node = cls(cfg, stop, node_id, device, transport, CoordinatorClient(cfg.coordinator, key, cfg.emulation))
+        node = cls(cfg, stop, node_id, device, transport, CoordinatorClient(cfg.coordinator, sealer, cfg.emulation))
         try:
             join = pb.JoinRequest(node_id=node_id, address=address, stage=cfg.stage, device=device_label(device),
                                   memory_bytes=device_memory(device))
-            node.assignment = (await node.coord.join(join)).assignment
+            reply = await node.coord.join(join)
+            node.assignment = reply.assignment
+            transport.peer_keys[COORDINATOR] = reply.coordinator_key  # measure requests must be signed by it
             node.run_cfg = RunConfig.from_json(node.assignment.run_config)
+            transport.set_envelope_cap(envelope_cap(node.run_cfg))
             node.beats = Heartbeats(node.coord, join, transport)
             node.beats.start()
             node.beats.measured(await asyncio.to_thread(measure_layer_ms, node.run_cfg, device))
@@ -120,7 +132,7 @@ class StageNode:
         self.t.set_stage(a.stage)
         print(f"{self.node_id}: holds stage {a.stage} of {a.num_stages} (coordinator {cfg.coordinator}), serving on "
               f"{self.t.address} ({device_label(self.device)})", flush=True)
-        store = CheckpointStore(cfg.checkpoint_dir or Path("tahnode-state") / self.node_id)
+        store = CheckpointStore(state_dir(cfg, self.node_id))
         self.sync = CheckpointSync(self.coord, self.node_id, store)
         if self.sync.needs_fetch(a):
             print(f"{self.node_id}: fetching the checkpoint of stage {a.stage} at step {a.resume_step} from the coordinator", flush=True)

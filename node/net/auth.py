@@ -1,5 +1,6 @@
-"""Swarm authentication: every data-plane frame and control request carries an HMAC-SHA256 made
-with a key derived from the swarm token, so peers without the token are refused by name."""
+"""Swarm authentication: every data-plane frame and control message carries an HMAC-SHA256 made with
+a key derived from the swarm token (`SwarmKey`) over the message and its seal, and the sender's
+Ed25519 signature (`Sealer`, with the node's identity of tahnode.net.identity)."""
 
 from __future__ import annotations
 
@@ -7,9 +8,33 @@ import hashlib
 import hmac
 import struct
 
-from ..config.node import DEFAULT_TOKEN
+from ..proto import tahnode_pb2 as pb
+from .freshness import RefusalReason, ReplayGuard, SealCounter, SealRefused
+from .identity import KEY_BYTES, NodeKey, verify_signature
 
-__all__ = ["SwarmKey"]
+__all__ = ["SwarmKey", "Sealer", "BadMac"]
+
+
+class BadMac(ValueError):
+    """A message or frame whose MAC does not match: the sender lacks the swarm token (or the message
+    was altered on the way)."""
+
+
+def frame_parts(frame: pb.Frame) -> tuple[bytes, ...]:
+    """What a frame's MAC covers (and so its signature, which signs the MAC): run, sender,
+    recipient, seq, index, count, data."""
+    head = b"\0".join(s.encode() for s in (frame.run, frame.sender, frame.recipient))
+    return head, b"\0", struct.pack("<QII", frame.seq, frame.index, frame.count), frame.data
+
+
+def signed_bytes(msg) -> bytes:
+    """What a message's signature covers: its type name and its deterministic bytes with an empty
+    mac and an empty seal signature."""
+    mac, signature = msg.mac, msg.seal.signature
+    msg.mac, msg.seal.signature = b"", b""
+    data = msg.SerializeToString(deterministic=True)
+    msg.mac, msg.seal.signature = mac, signature
+    return type(msg).__name__.encode() + b"\0" + data
 
 
 class SwarmKey:
@@ -19,7 +44,6 @@ class SwarmKey:
         if not token:
             raise ValueError("the swarm token must not be empty")
         self.key = hashlib.sha256(b"tahnode-v1\0" + token.encode()).digest()
-        self.is_default = token == DEFAULT_TOKEN
         self._keyed = hmac.new(self.key, digestmod=hashlib.sha256)  # copied per MAC: the key is set up once
 
     def _mac(self, *parts: bytes) -> bytes:
@@ -28,11 +52,11 @@ class SwarmKey:
             h.update(part)
         return h.digest()
 
-    def frame_mac(self, sender: str, seq: int, index: int, count: int, data: bytes) -> bytes:
-        return self._mac(sender.encode(), b"\0", struct.pack("<QII", seq, index, count), data)
+    def frame_mac(self, frame: pb.Frame) -> bytes:
+        return self._mac(*frame_parts(frame))
 
     def message_mac(self, msg) -> bytes:
-        """MAC of a protobuf request over its deterministic bytes with the `mac` field empty."""
+        """MAC of a protobuf message over its deterministic bytes with the `mac` field empty."""
         saved = msg.mac
         msg.mac = b""
         data = msg.SerializeToString(deterministic=True)
@@ -46,5 +70,74 @@ class SwarmKey:
     def verify(self, msg) -> bool:
         return hmac.compare_digest(msg.mac, self.message_mac(msg))
 
-    def verify_frame(self, frame) -> bool:
-        return hmac.compare_digest(frame.mac, self.frame_mac(frame.sender, frame.seq, frame.index, frame.count, frame.data))
+    def verify_frame(self, frame: pb.Frame) -> bool:
+        return hmac.compare_digest(frame.mac, self.frame_mac(frame))
+
+
+class Sealer:
+    """One process's signing identity: it seals and signs what it sends (`seal`, `frame`) and checks
+    what it receives (`check`, `check_frame`: the MAC, then the seal with its ReplayGuard). `run`
+    is the swarm's run id once known (a node learns it when it joins)."""
+
+    def __init__(self, key: SwarmKey, me: str, run: str = "", identity: NodeKey | None = None):
+        self.key, self.me, self.identity = key, me, identity
+        self.counter = SealCounter()
+        self.guard = ReplayGuard(me, run)
+
+    @property
+    def run(self) -> str:
+        return self.guard.run
+
+    @run.setter
+    def run(self, run: str) -> None:
+        self.guard.run = run
+
+    def seal(self, msg, recipient: str):
+        """`msg` sealed for `recipient` and signed (in place; returned for convenience)."""
+        msg.seal.CopyFrom(pb.Seal(run=self.run, sender=self.me, recipient=recipient, counter=self.counter.next()))
+        if self.identity is not None:
+            msg.seal.public_key = self.identity.public
+            msg.seal.signature = self.identity.sign(signed_bytes(msg))
+        return self.key.sign(msg)
+
+    def check(self, msg, speaks_for: str | None = None, run_optional: bool = False, signed_by: bytes | None = None) -> str:
+        """The sender of a received message; raises BadMac or SealRefused. `speaks_for`: the node the
+        message acts for, which must be its sender; `run_optional`: a message sent before the
+        sender knew the run (a join); `signed_by`: the public key that must have signed it."""
+        if not self.key.verify(msg):
+            self.guard.refused[RefusalReason.BAD_MAC] += 1
+            raise BadMac(f"{type(msg).__name__} failed authentication (wrong swarm token?)")
+        s = msg.seal
+        if speaks_for is not None and s.sender != speaks_for:
+            self._refuse(RefusalReason.WRONG_SENDER, f"sealed by {s.sender!r} but speaks for {speaks_for!r}")
+        if signed_by is not None and len(signed_by) != KEY_BYTES:
+            self._refuse(RefusalReason.WRONG_KEY, f"{type(msg).__name__} carries no node key (every node needs one)")
+        if signed_by is not None and (s.public_key != signed_by or not verify_signature(signed_by, s.signature, signed_bytes(msg))):
+            self._refuse(RefusalReason.WRONG_KEY, f"not signed by the key node {s.sender!r} is bound to")
+        self.guard.check(s.run, s.sender, s.recipient, s.counter, run_optional=run_optional)
+        return s.sender
+
+    def _refuse(self, reason: RefusalReason, detail: str):
+        self.guard.refused[reason] += 1
+        raise SealRefused(reason, detail)
+
+    def frame(self, recipient: str, seq: int, index: int, count: int, data: bytes) -> pb.Frame:
+        f = pb.Frame(run=self.run, sender=self.me, recipient=recipient, seq=seq, index=index, count=count, data=data)
+        f.mac = self.key.frame_mac(f)
+        if self.identity is not None:  # the MAC commits to every byte of the frame: signing it is signing them
+            f.signature = self.identity.sign(f.mac)
+        return f
+
+    def check_frame(self, frame: pb.Frame, first: bool, signed_by: bytes | None) -> None:
+        """Raises BadMac or SealRefused. Every frame must be signed by `signed_by`, the sender's
+        bound key (None: the sender is no neighbour of this node, refused); the first frame of an
+        envelope carries its seal (`seq`), the later ones are held to it by the reassembler."""
+        if not self.key.verify_frame(frame):
+            self.guard.refused[RefusalReason.BAD_MAC] += 1
+            raise BadMac(f"frame from {frame.sender or '?'} failed authentication (wrong swarm token?)")
+        if signed_by is None:
+            self._refuse(RefusalReason.STRANGER, f"{frame.sender!r} is not a neighbour of {self.me!r} (or not yet known here)")
+        if not verify_signature(signed_by, frame.signature, frame.mac):
+            self._refuse(RefusalReason.WRONG_KEY, f"frame not signed by the key node {frame.sender!r} is bound to")
+        if first:
+            self.guard.check(frame.run, frame.sender, frame.recipient, frame.seq)

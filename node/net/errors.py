@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import grpc
 
-__all__ = ["CoordinatorError", "Unreachable", "Refused", "NotAuthenticated", "InvalidRequest", "StageTaken",
+__all__ = ["CoordinatorError", "Unreachable", "Refused", "NotAuthenticated", "NotFresh", "InvalidRequest", "StageTaken",
            "UnknownNode", "from_rpc_error"]
 
 
@@ -31,6 +31,13 @@ class NotAuthenticated(Refused):
     code = grpc.StatusCode.UNAUTHENTICATED
 
 
+class NotFresh(Refused):
+    """The request's seal was refused (tahnode.net.freshness): replayed, meant for another run or
+    recipient, or sealed off the coordinator's clock (the clocks differ by more than a minute)."""
+
+    code = grpc.StatusCode.PERMISSION_DENIED
+
+
 class InvalidRequest(Refused):
     """The request is malformed or asks for something that does not exist."""
 
@@ -49,7 +56,7 @@ class UnknownNode(Refused):
     code = grpc.StatusCode.NOT_FOUND
 
 
-_BY_CODE = {cls.code: cls for cls in (NotAuthenticated, InvalidRequest, StageTaken, UnknownNode)}
+_BY_CODE = {cls.code: cls for cls in (NotAuthenticated, NotFresh, InvalidRequest, StageTaken, UnknownNode)}
 _UNREACHABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 
 

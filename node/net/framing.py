@@ -1,17 +1,21 @@
 """Envelopes on a byte stream: each serialized Envelope travels as authenticated frames of at most
-1 MiB; the receiver checks every frame, their order and the size before parsing the envelope."""
+1 MiB, sealed for one recipient and run; the receiver checks every frame, the envelope's seal,
+their order and the size before parsing the envelope."""
 
 from __future__ import annotations
 
+from typing import Mapping
+
 from ..proto import tahnode_pb2 as pb
 from ..proto.parse import parse
-from .auth import SwarmKey
+from .auth import BadMac, Sealer
+from .freshness import SealRefused
 
-__all__ = ["CHUNK_BYTES", "MAX_ENVELOPE_BYTES", "FrameError", "FrameNotAuthenticated", "frames_of", "Reassembler",
-           "parse_envelope"]
+__all__ = ["CHUNK_BYTES", "MAX_ENVELOPE_BYTES", "FrameError", "FrameNotAuthenticated", "FrameNotFresh", "FrameTooLarge", "frames_of",
+           "Reassembler", "parse_envelope"]
 
 CHUNK_BYTES = 1 << 20            # an Envelope travels in frames of at most 1 MiB of data
-MAX_ENVELOPE_BYTES = 1 << 31     # refuse reassembling anything larger
+MAX_ENVELOPE_BYTES = 1 << 31     # refuse reassembling anything larger (until the run sets a tighter cap)
 
 
 class FrameError(ValueError):
@@ -22,36 +26,52 @@ class FrameNotAuthenticated(FrameError):
     """A frame whose MAC does not match: the sender lacks the swarm token."""
 
 
-def frames_of(key: SwarmKey, sender: str, seq: int, data: bytes):
-    """The frames of one serialized envelope, numbered `seq` by its sender."""
+class FrameTooLarge(FrameError):
+    """An envelope larger than the largest a peer of this run sends (tahnode.pipeline.admission.envelope_cap)."""
+
+
+class FrameNotFresh(FrameError):
+    """An envelope whose seal is refused: replayed, for another node or run, or off the clock."""
+
+
+def frames_of(sealer: Sealer, recipient: str, data: bytes):
+    """The frames of one serialized envelope for `recipient`, under one fresh seal counter."""
+    seq = sealer.counter.next()
     count = max(1, -(-len(data) // CHUNK_BYTES))
     for index in range(count):
-        chunk = data[index * CHUNK_BYTES : (index + 1) * CHUNK_BYTES]
-        yield pb.Frame(sender=sender, seq=seq, index=index, count=count, data=chunk, mac=key.frame_mac(sender, seq, index, count, chunk))
+        yield sealer.frame(recipient, seq, index, count, data[index * CHUNK_BYTES : (index + 1) * CHUNK_BYTES])
 
 
 class Reassembler:
-    """Frames -> whole envelopes, checking authentication, order and sizes."""
+    """Frames -> whole envelopes, checking authentication, freshness, order and sizes."""
 
-    def __init__(self, key: SwarmKey):
-        self.key = key
+    def __init__(self, sealer: Sealer, cap: int = MAX_ENVELOPE_BYTES, peer_keys: Mapping[str, bytes] | None = None):
+        self.sealer, self.cap = sealer, cap
+        self.peer_keys = peer_keys if peer_keys is not None else {}  # who may send frames here, by node id
         self.parts: list[bytes] = []
         self.seq: int | None = None
+        self.sender = ""
         self.size = 0
 
     def add(self, frame: pb.Frame) -> bytes | None:
         """The envelope's bytes once its last frame arrived, else None; raises FrameError."""
-        if not self.key.verify_frame(frame):
-            raise FrameNotAuthenticated(f"frame from {frame.sender or '?'} failed authentication (wrong swarm token?)")
+        try:
+            self.sealer.check_frame(frame, first=frame.index == 0, signed_by=self.peer_keys.get(frame.sender))
+        except BadMac as exc:
+            raise FrameNotAuthenticated(str(exc)) from None
+        except SealRefused as exc:
+            raise FrameNotFresh(f"envelope from {frame.sender!r} refused: {exc}") from None
         if frame.count == 0 or frame.index >= frame.count:
             raise FrameError(f"malformed frame: index {frame.index} of {frame.count}")
-        if frame.index == 0:
-            self.parts, self.seq, self.size = [], frame.seq, 0
-        elif frame.seq != self.seq or frame.index != len(self.parts):
+        if frame.index and (frame.seq != self.seq or frame.sender != self.sender or frame.index != len(self.parts)):
             raise FrameError(f"frames out of order: seq {frame.seq} index {frame.index}")
+        if frame.index == 0:
+            self.parts, self.seq, self.sender, self.size = [], frame.seq, frame.sender, 0
+        if frame.index == 0 and (frame.count - 1) * CHUNK_BYTES >= self.cap:
+            raise FrameTooLarge(f"an envelope of {frame.count} frames is larger than the largest this run sends ({self.cap} bytes)")
         self.size += len(frame.data)
-        if self.size > MAX_ENVELOPE_BYTES:
-            raise FrameError("envelope larger than 2 GiB")
+        if self.size > self.cap:
+            raise FrameTooLarge(f"envelope larger than the largest this run sends ({self.cap} bytes)")
         self.parts.append(frame.data)
         if frame.index + 1 == frame.count:
             data, self.parts = b"".join(self.parts), []

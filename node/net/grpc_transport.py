@@ -9,13 +9,15 @@ import time
 
 import grpc
 
+from ..config.emulation import LinkEmulation
 from ..proto import tahnode_pb2 as pb
 from ..proto import tahnode_pb2_grpc as pb_grpc
-from .auth import SwarmKey
-from ..config.emulation import LinkEmulation
-from .framing import FrameError, FrameNotAuthenticated, Reassembler, frames_of, parse_envelope
+from .auth import BadMac, Sealer
+from .framing import FrameError, FrameNotAuthenticated, FrameNotFresh, FrameTooLarge, Reassembler, frames_of, parse_envelope
+from .freshness import COORDINATOR, SealRefused
 from .links import LinkedTransport, OutLink
-from .transport import FORWARD, BACKWARD, Direction, Inbound, Measurer
+from .transport import BACKWARD, FORWARD, Direction, Inbound, Measurer
+from .unparsable import RefuseUnparsable
 
 __all__ = ["GrpcTransport", "CHANNEL_OPTIONS", "DIRECT", "SERVER_OPTIONS"]
 
@@ -45,13 +47,28 @@ SERVER_OPTIONS = KEEPALIVE + [
 ]
 
 
+FRAME_CODES = {FrameNotAuthenticated: grpc.StatusCode.UNAUTHENTICATED, FrameNotFresh: grpc.StatusCode.PERMISSION_DENIED,
+               FrameTooLarge: grpc.StatusCode.RESOURCE_EXHAUSTED}
+
+
 class StageServicer(pb_grpc.StageServiceServicer):
     def __init__(self, transport: "GrpcTransport"):
         self.t = transport
 
+    async def _check(self, msg, context, what: str, signed_by: bytes | None = None) -> None:
+        """Abort the call unless `msg` is authentic (UNAUTHENTICATED), fresh, for this node and run,
+        and signed by `signed_by` if given (PERMISSION_DENIED)."""
+        try:
+            self.t.sealer.check(msg, signed_by=signed_by)
+        except BadMac:
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, f"{what} failed authentication (wrong swarm token?)")
+        except SealRefused as exc:
+            log.warning("refused a %s from %s: %s", what, context.peer(), exc)
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, f"{what} refused: {exc}")
+
     async def _stream(self, direction: Direction, request_iterator, context) -> pb.StreamAck:
         stream = self.t.next_stream(direction)
-        asm = Reassembler(self.t.key)
+        asm = Reassembler(self.t.sealer, self.t.envelope_cap, self.t.peer_keys)
         frames = nbytes = 0
         announced = False
         async for frame in request_iterator:
@@ -60,8 +77,7 @@ class StageServicer(pb_grpc.StageServiceServicer):
                 env = parse_envelope(data) if data is not None else None
             except FrameError as exc:
                 log.warning("refused %s stream from %s: %s", direction, context.peer(), exc)
-                code = grpc.StatusCode.UNAUTHENTICATED if isinstance(exc, FrameNotAuthenticated) else grpc.StatusCode.INVALID_ARGUMENT
-                await context.abort(code, str(exc))
+                await context.abort(FRAME_CODES.get(type(exc), grpc.StatusCode.INVALID_ARGUMENT), str(exc))
             frames += 1
             nbytes += len(frame.data)
             if env is None:
@@ -79,16 +95,14 @@ class StageServicer(pb_grpc.StageServiceServicer):
         return await self._stream(BACKWARD, request_iterator, context)
 
     async def Ping(self, request, context):
-        if not self.t.key.verify(request):
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "ping failed authentication (wrong swarm token?)")
+        await self._check(request, context, "ping")
         return pb.PingReply(nonce=request.nonce, node_id=self.t.node_id, stage=max(self.t.stage, 0))
 
     async def Probe(self, request_iterator, context):
         first = last = None
         total = 0
         async for chunk in request_iterator:
-            if not self.t.key.verify_frame(pb.Frame(sender="probe", data=chunk.data, mac=chunk.mac)):
-                await context.abort(grpc.StatusCode.UNAUTHENTICATED, "probe failed authentication (wrong swarm token?)")
+            await self._check(chunk, context, "probe chunk")
             now = time.perf_counter()
             first = first if first is not None else now
             last = now
@@ -96,8 +110,9 @@ class StageServicer(pb_grpc.StageServiceServicer):
         return pb.ProbeReply(bytes=total, seconds=(last - first) if first is not None else 0.0)
 
     async def Measure(self, request, context):
-        if not self.t.key.verify(request):
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "measure request failed authentication")
+        # only the coordinator asks (pings and probes come from any node it asks to measure: the
+        # token and the seal authenticate them, no node key; they change nothing here)
+        await self._check(request, context, "measure request", signed_by=self.t.peer_keys.get(COORDINATOR, b"?"))
         if self.t.measurer is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "this node does not measure links")
         mbps, rtt = await self.t.measurer(request.target_id, request.target_address, request.payload_bytes)
@@ -106,8 +121,6 @@ class StageServicer(pb_grpc.StageServiceServicer):
 
 class GrpcLink(OutLink):
     """One direction's client stream (StageService.Forward or .Backward), written frame by frame."""
-
-    seq = 0
 
     async def carry(self) -> None:
         async with grpc.aio.insecure_channel(self.address, options=CHANNEL_OPTIONS) as channel:
@@ -136,9 +149,8 @@ class GrpcLink(OutLink):
                     await done
                     self.ended.set()
                     return
-                self.seq += 1
                 start = time.perf_counter()
-                for frame in frames_of(self.transport.key, self.transport.node_id, self.seq, data):
+                for frame in frames_of(self.transport.sealer, self.peer_id, data):
                     await call.write(frame)
                 self.delivered(len(data), time.perf_counter() - start)
         finally:
@@ -147,21 +159,22 @@ class GrpcLink(OutLink):
 
 
 class GrpcTransport(LinkedTransport):
-    """Transport over gRPC; see tahnode.net.transport.Transport for the contract. `measurer`
-    answers the coordinator's requests to measure a link from this node (None: refused)."""
+    """Transport over gRPC; see tahnode.net.transport.Transport for the contract. `sealer` signs
+    what this node sends and checks what it receives; `measurer` answers the coordinator's
+    requests to measure a link from this node (None: refused)."""
 
     Link = GrpcLink
 
-    def __init__(self, node_id: str, key: SwarmKey, listen: str, advertise: str = "", measurer: Measurer | None = None,
+    def __init__(self, sealer: Sealer, listen: str, advertise: str = "", measurer: Measurer | None = None,
                  emulation: LinkEmulation = LinkEmulation()):
-        super().__init__(node_id, emulation)
-        self.key = key
+        super().__init__(sealer.me, emulation)
+        self.sealer = sealer
         self.listen, self.advertise = listen, advertise
         self.measurer = measurer
         self.server: grpc.aio.Server | None = None
 
     async def start(self) -> str:
-        self.server = grpc.aio.server(options=SERVER_OPTIONS)
+        self.server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=[RefuseUnparsable()])
         pb_grpc.add_StageServiceServicer_to_server(StageServicer(self), self.server)
         port = self.server.add_insecure_port(self.listen)
         if port == 0:

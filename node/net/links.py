@@ -9,9 +9,10 @@ import logging
 import time
 from typing import Callable
 
-from ..proto import tahnode_pb2 as pb
 from ..config.emulation import LinkEmulation
+from ..proto import tahnode_pb2 as pb
 from .emulation import pacer_for
+from .framing import MAX_ENVELOPE_BYTES
 from .transport import BACKWARD, FORWARD, QUEUE_LIMIT, Direction, LinkCounters
 
 log = logging.getLogger("tahnode.transport")
@@ -142,6 +143,8 @@ class LinkedTransport:
         self.down_callbacks: list[Callable[[Direction, str], None]] = []
         self.stage = -1
         self.address = ""
+        self.envelope_cap = MAX_ENVELOPE_BYTES  # the run's largest legitimate envelope, once known (set_envelope_cap)
+        self.peer_keys: dict[str, bytes] = {}  # node id -> public key: only these may send frames here
 
     def open_links(self) -> None:
         self.links = {d: self.Link(self, d) for d in (FORWARD, BACKWARD)}
@@ -149,12 +152,18 @@ class LinkedTransport:
     def set_stage(self, stage: int) -> None:
         self.stage = stage
 
+    def set_envelope_cap(self, nbytes: int) -> None:
+        """Refuse incoming envelopes larger than `nbytes` (what the run's largest message can be)."""
+        self.envelope_cap = nbytes
+
     def next_stream(self, direction: Direction) -> int:
         """Number a new incoming stream of `direction` (its codec state starts afresh)."""
         self.streams[direction] += 1
         return self.streams[direction]
 
-    def set_peer(self, direction: Direction, node_id: str, address: str) -> None:
+    def set_peer(self, direction: Direction, node_id: str, address: str, public_key: bytes = b"") -> None:
+        if node_id and public_key:
+            self.peer_keys[node_id] = public_key
         self.links[direction].set_peer(node_id, address)
 
     def peer(self, direction: Direction) -> str:

@@ -8,35 +8,35 @@ import time
 
 import grpc
 
+from ..config.emulation import LinkEmulation
 from ..proto import tahnode_pb2 as pb
 from ..proto import tahnode_pb2_grpc as pb_grpc
-from .auth import SwarmKey
-from ..config.emulation import LinkEmulation
+from .auth import Sealer
 from .emulation import interceptors_for, pacer_for
 from .grpc_transport import CHANNEL_OPTIONS, DIRECT
 
 __all__ = ["probe", "measure_link", "request_measure"]
 
 
-async def probe(key: SwarmKey, address: str, payload_bytes: int, chunk: int = 256 << 10,
-                emulation: LinkEmulation = LinkEmulation(), peer: str = "") -> tuple[float, float]:
-    """Measure the link to `address`: (throughput Mbit/s over payload_bytes, median RTT ms)."""
+async def probe(sealer: Sealer, address: str, peer: str, payload_bytes: int, chunk: int = 256 << 10,
+                emulation: LinkEmulation = LinkEmulation()) -> tuple[float, float]:
+    """Measure the link to node `peer` at `address`: (throughput Mbit/s over payload_bytes, median
+    RTT ms). Every ping and chunk is sealed for `peer`."""
     async with grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS, interceptors=interceptors_for(emulation)) as channel:
         stub = pb_grpc.StageServiceStub(channel)
         rtts = []
         for _ in range(5):
             start = time.perf_counter()
-            await stub.Ping(key.sign(pb.PingRequest(nonce=os.urandom(8))), timeout=10)
+            await stub.Ping(sealer.seal(pb.PingRequest(nonce=os.urandom(8)), peer), timeout=10)
             rtts.append((time.perf_counter() - start) * 1e3)
         data = os.urandom(chunk)
-        mac = key.frame_mac("probe", 0, 0, 0, data)
         pacer = pacer_for(emulation, peer)
 
         async def chunks():
             sent, queued = 0, time.monotonic()  # one stream: its delay counts once, its rate for every chunk
             while sent < payload_bytes:
                 await pacer.wait(len(data), queued)
-                yield pb.ProbeChunk(data=data, mac=mac)
+                yield sealer.seal(pb.ProbeChunk(data=data), peer)
                 sent += len(data)
 
         start = time.perf_counter()
@@ -45,21 +45,22 @@ async def probe(key: SwarmKey, address: str, payload_bytes: int, chunk: int = 25
         return reply.bytes * 8 / max(elapsed, 1e-9) / 1e6, sorted(rtts)[len(rtts) // 2]
 
 
-async def measure_link(key: SwarmKey, target: str, nbytes: int, emulation: LinkEmulation = LinkEmulation(),
-                       peer: str = "") -> tuple[float, float]:
+async def measure_link(sealer: Sealer, target: str, peer: str, nbytes: int,
+                       emulation: LinkEmulation = LinkEmulation()) -> tuple[float, float]:
     """Throughput (Mbit/s) and RTT (ms) from here to `target` (node `peer`): a short probe sizes the
     real one to last about a second (1-64 MiB), so token-bucket bursts do not inflate the figure."""
     if nbytes:
-        return await probe(key, target, nbytes, emulation=emulation, peer=peer)
-    rough, _ = await probe(key, target, 512 << 10, emulation=emulation, peer=peer)
+        return await probe(sealer, target, peer, nbytes, emulation=emulation)
+    rough, _ = await probe(sealer, target, peer, 512 << 10, emulation=emulation)
     size = int(min(64 << 20, max(1 << 20, rough * 1e6 / 8 * 1.0)))
-    return await probe(key, target, size, emulation=emulation, peer=peer)
+    return await probe(sealer, target, peer, size, emulation=emulation)
 
 
-async def request_measure(key: SwarmKey, node_address: str, target_id: str, target_address: str) -> tuple[float, float]:
-    """Ask the node at `node_address` to measure its link to the target, over its own data plane."""
+async def request_measure(sealer: Sealer, node_id: str, node_address: str, target_id: str,
+                          target_address: str) -> tuple[float, float]:
+    """Ask node `node_id` at `node_address` to measure its link to the target, over its own data plane."""
     async with grpc.aio.insecure_channel(node_address, options=DIRECT) as channel:
         stub = pb_grpc.StageServiceStub(channel)
-        req = key.sign(pb.MeasureRequest(target_id=target_id, target_address=target_address))
+        req = sealer.seal(pb.MeasureRequest(target_id=target_id, target_address=target_address), node_id)
         reply = await stub.Measure(req, timeout=60)
         return reply.mbps, reply.rtt_ms

@@ -85,8 +85,9 @@ class Transport(Protocol):
     def set_stage(self, stage: int) -> None:
         """The stage this node holds (peers that ping it are told)."""
 
-    def set_peer(self, direction: Direction, node_id: str, address: str) -> None:
-        """Point the outgoing link of `direction` at a peer ("" to close it)."""
+    def set_peer(self, direction: Direction, node_id: str, address: str, public_key: bytes = b"") -> None:
+        """Point the outgoing link of `direction` at a peer ("" to close it); its frames to this
+        node must be signed by `public_key` (its identity, as the coordinator bound it)."""
 
     def generation(self, direction: Direction) -> int:
         """Counter of the outgoing link's streams; it changes when the link failed. Encode with

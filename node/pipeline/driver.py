@@ -23,6 +23,8 @@ log = logging.getLogger("tahnode.pipeline")
 
 __all__ = ["StepDriver"]
 
+SYNC_WAIT_MAX_S = 5.0  # the longest stage 0 waits for a Sync's answer before asking again
+
 
 class StepDriver:
     """The step loop of stage 0 (`drive`), fed by the worker's inbox through `backward_done`,
@@ -40,10 +42,12 @@ class StepDriver:
         self.all_backward = asyncio.Event()
         self.abort = asyncio.Event()
         self.sync_reply: asyncio.Future | None = None
+        self.progress = 0  # gradients that came back so far (the stall watchdog's measure)
 
     # -- what the worker tells -------------------------------------------------------------------
     def backward_done(self, step_complete: bool) -> None:
         """The backward pass of one micro-batch finished here (the last of the step: `step_complete`)."""
+        self.progress += 1
         if step_complete:
             self.all_backward.set()
         self.window.release()
@@ -108,6 +112,7 @@ class StepDriver:
         Stages that answer with different committed steps are all rolled back to the smallest."""
         w, st = self.w, self.w.state
         rollback = False
+        wait = 1.0  # the first Sync may reach a stage before it listens: ask again soon, then less often
         while True:
             self.abort.clear()
             await w.compute(w.restart_step, st.committed, attempt)
@@ -118,10 +123,10 @@ class StepDriver:
             sync = pb.Sync(step=st.step, attempt=attempt, last_commit=st.last_commit, rollback=rollback)
             await w.send(FORWARD, sync=sync)
             try:
-                ack = await asyncio.wait_for(asyncio.shield(self.sync_reply), timeout=5.0)
+                ack = await asyncio.wait_for(asyncio.shield(self.sync_reply), timeout=wait)
             except asyncio.TimeoutError:
                 log.info("waiting for every stage to answer (step %d, attempt %d)", st.step, attempt)
-                attempt += 1
+                attempt, wait = attempt + 1, min(2 * wait, SYNC_WAIT_MAX_S)
                 continue
             low = min(ack.min_committed, st.committed)
             if ack.max_committed == low and st.committed == low:
@@ -135,20 +140,40 @@ class StepDriver:
             attempt += 1
 
     async def _run_step(self) -> bool:
-        """Send every micro-batch of the step, wait for its gradients. False if aborted."""
+        """Send every micro-batch of the step, wait for its gradients. False if aborted (a link
+        failed, a stage refused a micro-batch, or the step stalled)."""
         self.all_backward.clear()
         self._begin_step()
-        for index in range(self.split.micro_batches):
-            if not await self._admit():
-                return False
-            mb, gen = await self.w.compute(self._forward, index)
-            await self.w.send(FORWARD, gen, micro_batch=mb)
-        waiter = asyncio.ensure_future(self.all_backward.wait())
-        aborted = asyncio.ensure_future(self.abort.wait())
-        done, _ = await asyncio.wait({waiter, aborted}, return_when=asyncio.FIRST_COMPLETED)
-        waiter.cancel()
-        aborted.cancel()
-        return waiter in done and not self.abort.is_set()
+        watchdog = asyncio.ensure_future(self._watch_for_stall())
+        try:
+            for index in range(self.split.micro_batches):
+                if not await self._admit():
+                    return False
+                mb, gen = await self.w.compute(self._forward, index)
+                await self.w.send(FORWARD, gen, micro_batch=mb)
+            waiter = asyncio.ensure_future(self.all_backward.wait())
+            aborted = asyncio.ensure_future(self.abort.wait())
+            done, _ = await asyncio.wait({waiter, aborted}, return_when=asyncio.FIRST_COMPLETED)
+            waiter.cancel()
+            aborted.cancel()
+            return waiter in done and not self.abort.is_set()
+        finally:
+            watchdog.cancel()
+
+    async def _watch_for_stall(self) -> None:
+        """Abort the step when no gradient came back for `stall_timeout_s` (a message lost or
+        dropped on the way, a peer that hangs): every wait of the step has this deadline."""
+        timeout = self.w.train.stall_timeout_s
+        if not timeout:
+            return
+        seen = self.progress
+        while True:
+            await asyncio.sleep(timeout)
+            if self.progress == seen:
+                log.warning("stage 0: no gradient came back for %.0f s; the step will be replayed", timeout)
+                self.abort.set()
+                return
+            seen = self.progress
 
     async def drive(self, steps: int) -> None:
         """Train until `steps` steps are committed (or the worker stops), then shut the run down."""

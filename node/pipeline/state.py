@@ -101,6 +101,26 @@ class Stats:
     tokens_per_step: int = 0
     finished: bool = False
     replays: int = 0
+    refused_micro_batches: int = 0  # received, but malformed or non-finite (tahnode.pipeline.admission)
+
+    def report(self, committed: int, cache_bytes: int) -> pb.TrainingStats:
+        """The stage's stats for a heartbeat, with the committed steps not yet reported (the caller
+        takes them off with `reported()` once the heartbeat went through)."""
+        stats = pb.TrainingStats(
+            step=committed, tokens_per_s=self.tokens_per_s(), forward_bits_per_element=self.bits_per_element(FORWARD),
+            backward_bits_per_element=self.bits_per_element(BACKWARD), uncompressed_bytes=self.uncompressed_bytes,
+            finished=self.finished, replays=self.replays, aqsgd_cache_bytes=cache_bytes)
+        if self.losses:
+            stats.loss, stats.loss_first = self.losses[-1].loss, self.losses[0].loss
+        for r in self.outbox:
+            stats.losses.add(step=r.step, loss=r.loss, sample_ids=r.sample_ids, seconds=r.seconds)
+        if self.refused_micro_batches:
+            stats.refused["bad_micro_batch"] = self.refused_micro_batches
+        return stats
+
+    def reported(self, count: int) -> None:
+        """The first `count` committed steps of the outbox reached the coordinator."""
+        del self.outbox[:count]
 
     def bits_per_element(self, direction) -> float:
         n = self.elements[direction]

@@ -12,15 +12,16 @@ import concurrent.futures
 import logging
 from typing import Callable
 
-import numpy as np
 import torch
 
+from ..codecs import CodecError
 from ..config import RunConfig
 from ..net.transport import BACKWARD, FORWARD, Direction, EnvelopeKind, Inbound, Transport
 from ..proto import tahnode_pb2 as pb
 from ..train.data import TokenDataset
 from ..train.model import COMPUTE_DTYPES, StageModel, build_stage, init_weights
 from ..train.optim import StageOptimizer, grad_sumsq
+from .admission import Admission, BadMicroBatch
 from .checkpoint import CheckpointStore, StageSaver
 from .driver import StepDriver
 from .schedule import InboxOrder, Split
@@ -46,6 +47,7 @@ class StageWorker:
         self.opt = StageOptimizer(self.model.parameters(), self.train)
         self.stats = Stats(tokens_per_step=self.train.micro_batches * self.train.batch_size * self.train.seq_len)
         self.codecs = CodecStreams(run, stage, transport, self.device, self.stats)
+        self.admission = Admission(run)
         self.saver = StageSaver(store, stage, run, on_saved)
         self.on_step = on_step
         self.pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"stage{stage}-compute")
@@ -103,9 +105,22 @@ class StageWorker:
         if self.stopping or self.shutdown.is_set():
             return
         log.warning("stage %d: %s; the step will be replayed", self.stage, reason)
+        # a failed backward link is reported to stage 0 by the stage on its other end
+        self._replay_step(reason, tell=direction == FORWARD)
+
+    def _refused(self, item: Inbound, mb: pb.MicroBatch, exc: Exception) -> None:
+        """A received micro-batch failed admission or decoding: count it, replay the step."""
+        self.stats.refused_micro_batches += 1
+        reason = f"refused {item.direction} micro-batch {mb.index} of step {mb.step} from {item.sender or '?'}: {exc}"
+        log.warning("stage %d %s; the step will be replayed", self.stage, reason)
+        self._replay_step(reason, tell=True)
+
+    def _replay_step(self, reason: str, tell: bool) -> None:
+        """Have stage 0 replay the step in flight; a later stage tells it (if `tell`) through the
+        backward chain."""
         if self.first:
             self.driver.abort_step()
-        elif direction == FORWARD:  # tell stage 0 through the intact backward chain
+        elif tell:
             ack = pb.SyncAck(step=self.state.step, attempt=self.state.attempt, abort=True, reason=reason)
             asyncio.get_running_loop().create_task(self.send(BACKWARD, sync_ack=ack))
 
@@ -114,25 +129,6 @@ class StageWorker:
         self.state.restart(step, attempt)
         self.model.zero_grad(set_to_none=True)
         self.codecs.zero_grad()
-
-    def report(self) -> pb.TrainingStats:
-        """This stage's stats for a heartbeat, with the committed steps not yet reported (the caller
-        takes them off with `reported()` once the heartbeat went through)."""
-        s = self.stats
-        stats = pb.TrainingStats(
-            step=self.committed, tokens_per_s=s.tokens_per_s(), forward_bits_per_element=s.bits_per_element(FORWARD),
-            backward_bits_per_element=s.bits_per_element(BACKWARD), uncompressed_bytes=s.uncompressed_bytes,
-            finished=s.finished, replays=s.replays, aqsgd_cache_bytes=self.codecs.cache_bytes())
-        if s.losses:
-            stats.loss = s.losses[-1].loss
-            stats.loss_first = s.losses[0].loss
-        for r in s.outbox:
-            stats.losses.add(step=r.step, loss=r.loss, sample_ids=r.sample_ids, seconds=r.seconds)
-        return stats
-
-    def reported(self, count: int) -> None:
-        """The first `count` committed steps of the outbox reached the coordinator."""
-        del self.stats.outbox[:count]
 
     # -- checkpoints --------------------------------------------------------------------------
     def resume(self) -> int:
@@ -185,17 +181,28 @@ class StageWorker:
         self.codecs.discard(item.direction, item.stream, mb)
         return STALE
 
+    def _decode(self, item: Inbound, mb: pb.MicroBatch) -> torch.Tensor:
+        """The received tensor; an unreadable payload is a bad micro-batch (a CodecError encoding
+        this stage's own output, e.g. a diverged model, stays fatal)."""
+        try:
+            return self.codecs.decode(item.direction, item.stream, mb, self.dtype)
+        except CodecError as exc:
+            raise BadMicroBatch(str(exc)) from None
+
     def _forward(self, item: Inbound, mb: pb.MicroBatch):
         st = self.state
         if not st.current(mb.step, mb.attempt):
             return self._stale(item, mb)
+        self.admission.header(mb)
+        labels = self.admission.labels(mb) if self.last else None
+        x = self._decode(item, mb)
+        self.admission.activations(mb, x)
         if mb.count:  # stage 0 cuts every step anew (tahnode.pipeline.schedule)
             st.micro_batches = mb.count
-        x = self.codecs.decode(item.direction, item.stream, mb, self.dtype).requires_grad_(True)
-        out = self.model(x)
+        out = self.model(x.requires_grad_(True))
         ids = list(mb.sample_ids)
         if self.last:
-            labels = torch.from_numpy(np.frombuffer(mb.labels, dtype=np.int32).copy()).long().reshape(x.shape[:2]).to(self.device)
+            labels = torch.from_numpy(labels.copy()).long().to(self.device)
             loss = self.model.loss(out, labels)
             (loss * (len(ids) / st.samples_per_step)).backward()  # the step's loss: the mean over all its tokens
             st.loss_sum += float(loss.detach()) * len(ids)
@@ -214,7 +221,9 @@ class StageWorker:
         st = self.state
         if not st.current(mb.step, mb.attempt) or mb.index not in st.pending:
             return self._stale(item, mb)
-        grad = self.codecs.decode(item.direction, item.stream, mb, self.dtype)
+        self.admission.header(mb)
+        grad = self._decode(item, mb)
+        self.admission.gradient(grad, st.pending[mb.index].out)
         p = st.pending.pop(mb.index)
         p.out.backward(grad)
         st.done_backward += 1
@@ -304,13 +313,16 @@ class StageWorker:
         self.shutdown.set()
 
     async def _on_micro_batch(self, item: Inbound, mb: pb.MicroBatch) -> None:
+        try:
+            result = await self.compute(self._forward if item.direction == FORWARD else self._backward, item, mb)
+        except BadMicroBatch as exc:
+            self._refused(item, mb, exc)
+            return
         if item.direction == FORWARD:
-            result = await self.compute(self._forward, item, mb)
             if result is not STALE:
                 direction, out, gen = result
                 await self.send(direction, gen, micro_batch=out)
             return
-        result = await self.compute(self._backward, item, mb)
         if result is STALE:
             return
         if result is not None:

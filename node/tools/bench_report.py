@@ -8,7 +8,7 @@ import os
 import platform
 from pathlib import Path
 
-__all__ = ["machine", "markdown_table", "write_section", "plot_throughput", "plot_losses", "plot_convergence"]
+__all__ = ["machine", "markdown_table", "write_section", "pyplot_for", "plot_throughput", "plot_losses", "plot_convergence"]
 
 BEGIN, END = "<!-- bench-swarm:{name}:begin -->", "<!-- bench-swarm:{name}:end -->"
 
@@ -48,7 +48,7 @@ def write_section(doc: Path, name: str, title: str, body: list[str], plots: list
     doc.write_text(text)
 
 
-def _pyplot(out: Path):
+def pyplot_for(out: Path):
     """pyplot on a headless backend, with the plot's folder made."""
     out.parent.mkdir(parents=True, exist_ok=True)
     import matplotlib
@@ -61,7 +61,7 @@ def _pyplot(out: Path):
 
 def plot_throughput(rows, out: Path) -> Path:
     """tokens/s against link rate per codec pair, its limit dashed; one panel per (stages, RTT)."""
-    plt = _pyplot(out)
+    plt = pyplot_for(out)
     panels = sorted({(r.stages, r.rtt_ms) for r in rows})
     pairs = list(dict.fromkeys(r.pair for r in rows))
     rates = sorted({r.rate_mbps for r in rows if r.rate_mbps}) + ([0.0] if any(not r.rate_mbps for r in rows) else [])
@@ -86,7 +86,7 @@ def plot_throughput(rows, out: Path) -> Path:
 
 def plot_losses(rows, out: Path) -> Path:
     """Loss against step per codec pair (the longest run of each)."""
-    plt = _pyplot(out)
+    plt = pyplot_for(out)
     fig, ax = plt.subplots(figsize=(6.5, 4.2))
     for k, pair in enumerate(dict.fromkeys(r.pair for r in rows)):
         runs = [r for r in rows if r.pair == pair and r.losses]
@@ -104,7 +104,7 @@ def plot_losses(rows, out: Path) -> Path:
 
 def plot_convergence(rows, reference: str, out: Path) -> Path:
     """One panel per codec pair side by side, each with the reference pair's curve in grey."""
-    plt = _pyplot(out)
+    plt = pyplot_for(out)
     ref = next(r for r in rows if r.pair == reference)
     fig, axes = plt.subplots(1, len(rows), figsize=(5 * len(rows), 4), sharey=True, squeeze=False)
     for k, (ax, r) in enumerate(zip(axes[0], rows)):

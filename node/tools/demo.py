@@ -17,6 +17,7 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from ..config import RunConfig
+from ..config.token import new_token_file
 from .swarm import fetch, free_port, share_of_cores
 
 
@@ -94,7 +95,7 @@ def main(args, run: RunConfig) -> int:
     (workdir / "run.toml").write_text(run.to_toml())
     http_port = args.http_port if args.http_port and port_free(args.http_port) else free_port()
     grpc_port = free_port()
-    token = f"demo-{os.getpid()}"
+    token = new_token_file(workdir / "token")  # a fresh secret for every demo swarm
     swarm = Swarm(workdir)
     started = time.monotonic()
     # the daemons run in sessions of their own: `kill`, a closed terminal or `timeout` must stop them too
@@ -102,12 +103,12 @@ def main(args, run: RunConfig) -> int:
         signal.signal(sig, _interrupt)
     try:
         swarm.start("coordinator", ["coordinator", "--listen", f"127.0.0.1:{grpc_port}", "--http", f"127.0.0.1:{http_port}",
-                                    "--model", args.model, "--config", str(workdir / "run.toml"), "--token", token,
+                                    "--model", args.model, "--config", str(workdir / "run.toml"), "--token-file", str(token),
                                     "--store", str(workdir / "store")])
         for stage in range(run.stages):
             swarm.start(f"stage{stage}", ["join", "--coordinator", f"127.0.0.1:{grpc_port}", "--stage", str(stage),
-                                          "--listen", "127.0.0.1:0", "--node-id", f"demo-stage{stage}", "--token", token,
-                                          "--checkpoint-dir", str(workdir / "checkpoints"), "--device", "cpu",
+                                          "--listen", "127.0.0.1:0", "--node-id", f"demo-stage{stage}", "--token-file", str(token),
+                                          "--checkpoint-dir", str(workdir / "checkpoints" / f"stage{stage}"), "--device", "cpu",
                                           "--threads", str(share_of_cores(run.stages))])
         console.print(f"tahnode demo: coordinator + {run.stages} stage daemons on 127.0.0.1, {run.model.n_layers}-layer model, "
                       f"codecs {run.codec.forward}/{run.codec.backward}, {run.train.steps} steps")

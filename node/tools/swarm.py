@@ -24,6 +24,7 @@ from enum import Enum
 from pathlib import Path
 
 from ..config import LinkEmulation
+from ..config.token import new_token_file
 from . import netns
 
 __all__ = ["Shaper", "SwarmSpec", "LocalSwarm", "SwarmError", "default_workdir"]
@@ -43,6 +44,11 @@ class Shaper(Enum):
 
     def __str__(self) -> str:
         return self.value
+
+
+def token_file_of(workdir: Path) -> Path:
+    """The swarm's secret, made by `up`; its path on the command lines finds its processes (`down`)."""
+    return Path(workdir) / "token"
 
 
 def default_workdir(prefix: str) -> Path:
@@ -75,7 +81,6 @@ class SwarmSpec:
     heartbeat_timeout: float = 10.0
     auto: bool = False                    # every node joins with --stage auto (probes, placement)
     workdir: Path | None = None
-    token: str = ""
 
     def __post_init__(self):
         self.stages = self.stages or self.nodes
@@ -86,7 +91,6 @@ class SwarmSpec:
             if not pair <= names or len(pair) != 2:
                 raise SwarmError(f"slow link {'-'.join(sorted(pair))} is not between two of {', '.join(self.names)}")
         self.workdir = Path(self.workdir or default_workdir(self.prefix))
-        self.token = self.token or f"swarm-{self.prefix}{os.getpid()}"
 
     @property
     def names(self) -> list[str]:
@@ -122,6 +126,7 @@ class LocalSwarm:
             shutil.rmtree(spec.workdir / old, ignore_errors=True)
         spec.workdir.mkdir(parents=True, exist_ok=True)
         (spec.workdir / "logs").mkdir(exist_ok=True)
+        new_token_file(token_file_of(spec.workdir))
         topo = None
         if spec.shaper is Shaper.TC:
             topo = netns.Topology.star(spec.prefix, ["coord", *spec.names], spec.bandwidth_bps, spec.slow_links)
@@ -144,7 +149,8 @@ class LocalSwarm:
         else:
             self.coordinator, port = f"127.0.0.1:{free_port()}", free_port()
             listen_http, self.http = f"127.0.0.1:{port}", f"http://127.0.0.1:{port}"
-        self._start("coord", ["coordinator", "--listen", self.coordinator, "--http", listen_http, "--token", spec.token,
+        token = ["--token-file", str(token_file_of(spec.workdir))]
+        self._start("coord", ["coordinator", "--listen", self.coordinator, "--http", listen_http, *token,
                               "--stages", str(spec.stages), "--store", str(spec.workdir / "store"),
                               "--heartbeat-timeout", f"{spec.heartbeat_timeout:g}", *spec.run_flags])
         for k, name in enumerate(spec.names):
@@ -154,7 +160,7 @@ class LocalSwarm:
             else:
                 listen = ["--listen", "127.0.0.1:0"]
             self._start(name, ["join", "--coordinator", self.coordinator, "--stage", str(k) if spec.pinned else "auto",
-                               "--node-id", name, "--token", spec.token, "--checkpoint-dir", str(spec.workdir / "ck" / name),
+                               "--node-id", name, *token, "--checkpoint-dir", str(spec.workdir / "ck" / name),
                                "--device", "cpu", "--quiet", "--threads", str(share_of_cores(spec.nodes)), *listen,
                                *spec.emulation(name).flags()])
 
@@ -220,9 +226,7 @@ class LocalSwarm:
         recorded = doc.get("pids", {})
         coordinator = [recorded["coord"]] if "coord" in recorded else []
         pids = [pid for name, pid in recorded.items() if name != "coord"]
-        token = doc.get("spec", {}).get("token", "")
-        if token:  # also the processes a crashed `up` did not record
-            pids += [pid for pid in _pids_with(token) if pid not in pids + coordinator]
+        pids += [pid for pid in _pids_with(str(token_file_of(workdir))) if pid not in pids + coordinator]  # not recorded: a crashed `up`
         if os.geteuid() == 0 and _has_ip():
             for ns in netns.namespaces(prefix):
                 pids += [pid for pid in netns.pids_in(ns) if pid not in pids + coordinator]
@@ -253,7 +257,7 @@ def _has_ip() -> bool:
 
 
 def _pids_with(marker: str) -> list[int]:
-    """Processes whose command line holds `marker` (the swarm's token is on every one)."""
+    """Processes whose command line holds `marker` (the swarm's token file is on every one)."""
     found = []
     for entry in os.listdir("/proc"):
         if entry.isdigit() and int(entry) != os.getpid():

@@ -1,0 +1,63 @@
+"""The coordinator's durable state in SQLite (WAL, synchronous writes) in the run's store folder:
+the ledger of committed steps (loss, samples, wall time), the membership epoch and the node
+identities (node id -> public key), so that a coordinator restarted after a crash goes on where it
+was. Nodes rejoin by themselves."""
+
+from __future__ import annotations
+
+import sqlite3
+from array import array
+from pathlib import Path
+
+from ..proto import tahnode_pb2 as pb
+
+__all__ = ["SwarmDB"]
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS ledger (step INTEGER PRIMARY KEY, loss REAL, seconds REAL NOT NULL,
+                                   sample_ids BLOB NOT NULL);
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value INTEGER NOT NULL);
+CREATE TABLE IF NOT EXISTS identities (node_id TEXT PRIMARY KEY, public_key BLOB NOT NULL);
+"""
+
+
+class SwarmDB:
+    """One SQLite file; every write is its own transaction, on disk when the call returns."""
+
+    def __init__(self, path: Path):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.path = path
+        self.db = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+        self.db.execute("PRAGMA journal_mode=WAL")
+        self.db.execute("PRAGMA synchronous=FULL")
+        self.db.executescript(SCHEMA)
+
+    def ledger(self) -> dict[int, pb.LossPoint]:
+        rows = self.db.execute("SELECT step, loss, seconds, sample_ids FROM ledger ORDER BY step")
+        return {step: pb.LossPoint(step=step, loss=float("nan") if loss is None else loss, seconds=seconds,  # SQLite keeps NaN as NULL
+                                   sample_ids=array("Q", ids).tolist()) for step, loss, seconds, ids in rows}
+
+    def record(self, points: list[pb.LossPoint]) -> None:
+        """Store committed steps in order, each replacing the step it names and every later one
+        (after a rollback those are trained again), in one transaction."""
+        with self.db:
+            self.db.execute("BEGIN")
+            for p in points:
+                self.db.execute("DELETE FROM ledger WHERE step >= ?", (p.step,))
+                self.db.execute("INSERT INTO ledger VALUES (?, ?, ?, ?)", (p.step, p.loss, p.seconds, array("Q", p.sample_ids).tobytes()))
+
+    def identities(self) -> dict[str, bytes]:
+        return dict(self.db.execute("SELECT node_id, public_key FROM identities"))
+
+    def bind(self, node_id: str, public_key: bytes) -> None:
+        self.db.execute("INSERT INTO identities VALUES (?, ?)", (node_id, public_key))
+
+    def get(self, key: str, default: int) -> int:
+        row = self.db.execute("SELECT value FROM meta WHERE key = ?", (key,)).fetchone()
+        return row[0] if row else default
+
+    def put(self, key: str, value: int) -> None:
+        self.db.execute("INSERT OR REPLACE INTO meta VALUES (?, ?)", (key, value))
+
+    def close(self) -> None:
+        self.db.close()

@@ -1,0 +1,74 @@
+"""What a stage accepts of a received micro-batch: as many sample ids as a micro-batch may have, the
+tensor shape its model expects, finite values, labels of the right length inside the vocabulary, a
+sane gradient scale. Anything else is refused with BadMicroBatch (the step is then replayed)."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from ..config import RunConfig
+from ..proto import tahnode_pb2 as pb
+
+__all__ = ["BadMicroBatch", "Admission", "MAX_SCALE_LOG2", "envelope_cap"]
+
+MAX_SCALE_LOG2 = 126  # gradient prescales stay far inside float32's exponent range
+IGNORED = -100        # a label without a loss (the torch convention, tahnode.train.model)
+
+
+def envelope_cap(run: RunConfig, margin: float = 1.25) -> int:
+    """The largest envelope a peer of `run` sends, with a margin: a whole step as one micro-batch of
+    float32 activations with codec none (no codec is larger), its labels and sample ids, plus 1 MiB
+    for headers. Incoming envelopes above it are refused before they are held in memory."""
+    t = run.train
+    samples = t.micro_batches * t.batch_size
+    tensor = samples * t.seq_len * run.model.dim * 4
+    return int(margin * (tensor + samples * t.seq_len * 4 + samples * 10)) + (1 << 20)
+
+
+class BadMicroBatch(ValueError):
+    """A received micro-batch this stage refuses; the message says what was wrong with it."""
+
+
+class Admission:
+    """The checks of one stage of `run` (tensors of width `run.model.dim`, `seq_len` tokens)."""
+
+    def __init__(self, run: RunConfig):
+        t = run.train
+        self.seq_len, self.dim, self.vocab = t.seq_len, run.model.dim, run.model.vocab_size
+        self.max_samples = t.micro_batches * t.batch_size  # a micro-batch is at most the whole step
+
+    def header(self, mb: pb.MicroBatch) -> None:
+        """Before decoding: the sample ids and the gradient scale."""
+        if not 1 <= len(mb.sample_ids) <= self.max_samples:
+            raise BadMicroBatch(f"{len(mb.sample_ids)} sample ids (a micro-batch has 1..{self.max_samples})")
+        if abs(mb.scale_log2) > MAX_SCALE_LOG2:
+            raise BadMicroBatch(f"gradient scale 2^{mb.scale_log2} is out of range")
+        if mb.count and not mb.index < mb.count:
+            raise BadMicroBatch(f"micro-batch index {mb.index} of {mb.count}")
+
+    def activations(self, mb: pb.MicroBatch, x: torch.Tensor) -> None:
+        """A decoded forward input: (samples, seq_len, dim), finite."""
+        self._tensor(x, (len(mb.sample_ids), self.seq_len, self.dim), "activations")
+
+    def gradient(self, grad: torch.Tensor, out: torch.Tensor) -> None:
+        """A decoded gradient of this stage's output `out`: its shape, finite."""
+        self._tensor(grad, tuple(out.shape), "gradient")
+
+    def labels(self, mb: pb.MicroBatch) -> np.ndarray:
+        """The int32 labels of a forward message to the last stage, shape (samples, seq_len)."""
+        n = len(mb.sample_ids) * self.seq_len
+        if len(mb.labels) != 4 * n:
+            raise BadMicroBatch(f"{len(mb.labels)} bytes of labels, {4 * n} expected")
+        labels = np.frombuffer(mb.labels, dtype=np.int32).reshape(len(mb.sample_ids), self.seq_len)
+        outside = (labels != IGNORED) & ((labels < 0) | (labels >= self.vocab))
+        if outside.any():
+            raise BadMicroBatch(f"labels outside the vocabulary of {self.vocab}")
+        return labels
+
+    @staticmethod
+    def _tensor(x: torch.Tensor, shape: tuple[int, ...], what: str) -> None:
+        if tuple(x.shape) != shape:
+            raise BadMicroBatch(f"{what} of shape {tuple(x.shape)}, {shape} expected")
+        if not bool(torch.isfinite(x).all()):
+            raise BadMicroBatch(f"{what} with non-finite values")

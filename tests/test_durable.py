@@ -1,0 +1,56 @@
+"""The coordinator's durable state: a registry built again on the same store folder (as after kill -9
+and a restart) has the ledger, the membership epoch and the run id it had; rollbacks and NaN losses
+are kept as they were. The same with real processes is in test_coordinator.py."""
+
+from __future__ import annotations
+
+import math
+
+from tahnode.config import RunConfig
+from tahnode.coordinator.registry import SwarmRegistry
+from tahnode.net.auth import Sealer, SwarmKey
+from tahnode.net.freshness import COORDINATOR
+from tahnode.net.identity import NodeKey
+from tahnode.proto import tahnode_pb2 as pb
+
+TOKEN = "durable-test"
+KEYS: dict[str, NodeKey] = {}
+
+
+def registry(tmp_path) -> SwarmRegistry:
+    return SwarmRegistry(RunConfig.build("llama-tiny", None), SwarmKey(TOKEN), heartbeat_timeout=3600, store_dir=tmp_path / "store")
+
+
+def beat(reg: SwarmRegistry, node: str, steps: list[int], loss: float = 1.0) -> None:
+    points = [pb.LossPoint(step=s, loss=loss if s != 3 else math.nan, seconds=0.5, sample_ids=[10 * s, 10 * s + 1]) for s in steps]
+    sealer = Sealer(SwarmKey(TOKEN), node, reg.sealer.run, KEYS.setdefault(node, NodeKey.generate()))
+    reg.heartbeat(sealer.seal(pb.HeartbeatRequest(node_id=node, stats=pb.TrainingStats(losses=points)), COORDINATOR))
+
+
+def test_a_restarted_registry_has_the_ledger_epoch_and_run_it_had(tmp_path):
+    reg = registry(tmp_path)
+    n2 = Sealer(SwarmKey(TOKEN), "n2", identity=KEYS.setdefault("n2", NodeKey.generate()))
+    reg.join(n2.seal(pb.JoinRequest(node_id="n2", address="127.0.0.1:1", stage=2), COORDINATOR))
+    beat(reg, "n2", [0, 1, 2, 3, 4, 5])
+    beat(reg, "n2", [4, 5, 6], loss=0.5)  # a rollback to step 4: steps 4.. trained again
+    run, epoch, reg_key = reg.sealer.run, reg.epoch, reg.sealer.identity.public
+    reg.epoch += 1  # as placement does
+    del reg  # kill -9: nothing is flushed on purpose
+
+    again = registry(tmp_path)
+    assert again.sealer.run == run
+    assert again.epoch == epoch + 1
+    assert sorted(again.ledger) == list(range(7))
+    assert [again.ledger[s].loss for s in (2, 4, 5, 6)] == [1.0, 0.5, 0.5, 0.5]
+    assert math.isnan(again.ledger[3].loss)
+    assert list(again.ledger[6].sample_ids) == [60, 61] and again.ledger[6].seconds == 0.5
+    assert again.nodes == {}  # nodes rejoin by themselves when their heartbeat is refused as unknown
+    assert again.identities == {"n2": KEYS["n2"].public}  # and only with the key n2 joined with
+    assert again.sealer.identity.public == reg_key
+    assert any("restarted" in e for e in again.events)
+
+
+def test_a_fresh_store_starts_empty(tmp_path):
+    reg = registry(tmp_path)
+    assert reg.ledger == {} and reg.epoch == 1 and len(reg.sealer.run) == 16
+    assert registry(tmp_path / "other").sealer.run != reg.sealer.run

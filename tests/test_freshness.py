@@ -1,0 +1,91 @@
+"""Seals and the replay guard on their own (a fake clock): what is refused, why, and that memory
+of seen counters stays bounded by the clock window."""
+
+from __future__ import annotations
+
+import pytest
+from tahnode.net.auth import BadMac, Sealer, SwarmKey
+from tahnode.net.freshness import CLOCK_WINDOW_S, RefusalReason, ReplayGuard, SealCounter, SealRefused
+from tahnode.proto import tahnode_pb2 as pb
+
+
+class Clock:
+    def __init__(self, t: float = 1_800_000_000.0):
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def refused(guard: ReplayGuard, *args, **kw) -> RefusalReason:
+    with pytest.raises(SealRefused) as err:
+        guard.check(*args, **kw)
+    return err.value.reason
+
+
+def test_counters_follow_the_clock_and_never_repeat_or_go_back():
+    clock = Clock()
+    counter = SealCounter(clock)
+    first = counter.next()
+    assert first == int(clock.t * 1e6)
+    assert counter.next() == first + 1  # same microsecond: still increasing
+    clock.t -= 30  # the clock steps back
+    assert counter.next() == first + 2
+    clock.t += 60
+    assert counter.next() == int(clock.t * 1e6)
+
+
+def test_the_guard_refuses_each_kind_of_bad_seal_and_counts_it():
+    clock = Clock()
+    guard = ReplayGuard("n1", "run-a", clock=clock)
+    now = int(clock.t * 1e6)
+    guard.check("run-a", "n0", "n1", now)
+    assert refused(guard, "run-a", "n0", "n1", now) is RefusalReason.REPLAYED
+    assert refused(guard, "run-a", "n0", "n2", now + 1) is RefusalReason.WRONG_RECIPIENT
+    assert refused(guard, "run-b", "n0", "n1", now + 2) is RefusalReason.WRONG_RUN
+    assert refused(guard, "", "n0", "n1", now + 3) is RefusalReason.WRONG_RUN
+    guard.check("", "n0", "n1", now + 3, run_optional=True)  # a join: the run is not known yet
+    assert refused(guard, "run-a", "", "n1", now + 4) is RefusalReason.MISSING
+    assert refused(guard, "run-a", "n0", "n1", 0) is RefusalReason.MISSING
+    late = now + int((CLOCK_WINDOW_S + 1) * 1e6)
+    assert refused(guard, "run-a", "n0", "n1", late) is RefusalReason.OFF_CLOCK
+    assert dict(guard.refused) == {RefusalReason.REPLAYED: 1, RefusalReason.WRONG_RECIPIENT: 1, RefusalReason.WRONG_RUN: 2,
+                                   RefusalReason.MISSING: 2, RefusalReason.OFF_CLOCK: 1}
+
+
+def test_a_seal_from_before_the_receiver_started_is_refused_within_the_window():
+    """A restarted receiver has forgotten what it saw: what was sealed before it started (beyond
+    a few seconds of clock skew) is a recording, however recent."""
+    clock = Clock()
+    guard = ReplayGuard("coordinator", "run-a", clock=clock)
+    recorded = int((clock.t - 20) * 1e6)  # 20 s ago: inside the clock window
+    assert refused(guard, "run-a", "n0", "coordinator", recorded) is RefusalReason.OFF_CLOCK
+    guard.check("run-a", "n0", "coordinator", int((clock.t - 2) * 1e6))  # 2 s of skew is fine
+
+
+def test_seen_counters_are_forgotten_after_the_window():
+    clock = Clock()
+    guard = ReplayGuard("n1", clock=clock)
+    for k in range(1000):
+        guard.check("", "n0", "n1", int(clock.t * 1e6) + k)
+    assert len(guard.seen["n0"]) == 1000
+    clock.t += CLOCK_WINDOW_S + 5
+    guard.check("", "n2", "n1", int(clock.t * 1e6))
+    assert "n0" not in guard.seen and len(guard.seen["n2"]) == 1
+
+
+def test_a_sealed_message_is_checked_mac_first_then_seal_then_speaker():
+    key = SwarmKey("t")
+    alice, coordinator = Sealer(key, "alice", "run-a"), Sealer(key, "coordinator", "run-a")
+    msg = alice.seal(pb.HeartbeatRequest(node_id="alice"), "coordinator")
+    assert coordinator.check(msg, speaks_for="alice") == "alice"
+    tampered = pb.HeartbeatRequest()
+    tampered.CopyFrom(msg)
+    tampered.node_id = "bob"
+    with pytest.raises(BadMac):
+        coordinator.check(tampered, speaks_for="bob")
+    bob_speaks_for_alice = Sealer(key, "bob", "run-a").seal(pb.HeartbeatRequest(node_id="alice"), "coordinator")
+    with pytest.raises(SealRefused) as err:
+        coordinator.check(bob_speaks_for_alice, speaks_for="alice")
+    assert err.value.reason is RefusalReason.WRONG_SENDER
+    assert coordinator.guard.refused[RefusalReason.BAD_MAC] == 1
