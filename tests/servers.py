@@ -67,6 +67,7 @@ class Servers:
 
         self.transport = GrpcTransport(self.node_sealer, "127.0.0.1:0", measurer=measurer)
         self.transport.inbox = asyncio.Queue()  # nobody reads it here: never apply backpressure
+        self.transport.peer_wait_s = 0.1  # strangers are refused almost at once (the wait has a test of its own)
         node_address = await self.transport.start()
         return f"127.0.0.1:{port}", node_address
 

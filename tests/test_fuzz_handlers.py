@@ -35,7 +35,7 @@ def servers(tmp_path_factory):
 
 def snapshot(s: Servers) -> tuple:
     r = s.registry
-    return (sorted((n.node_id, n.stage, n.status.value) for n in r.nodes.values()), r.epoch, sorted(r.ledger),
+    return (sorted((n.node_id, n.stage, n.status.value) for n in r.nodes.values()), r.epoch, sorted(r.ledger()),
             sorted(p.name for p in r.store.dir.iterdir()))
 
 

@@ -132,7 +132,7 @@ def test_sigterm_and_restart_resumes_from_checkpoint(swarm):
 
 
 def test_bad_peers_get_clear_errors_and_the_daemon_keeps_serving(swarm):
-    swarm.start_coordinator("--steps", "25", *SMALL)
+    swarm.start_coordinator("--steps", "200", *SMALL)  # long enough for the stranger's wait
     for k in range(3):
         swarm.join(f"n{k}", k, "--quiet")
     state = swarm.wait_for(lambda s: s["training"]["step"] >= 3, 120, "step 3")
@@ -165,13 +165,12 @@ def test_bad_peers_get_clear_errors_and_the_daemon_keeps_serving(swarm):
             stub.Ping(ping, timeout=5)  # recorded and sent again
         assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED and "replayed" in err.value.details()
         assert reply.nonce == b"12345678" and reply.node_id == "n1" and reply.stage == 1
-    final = swarm.wait_finished(25)
-    assert [s for s, _ in final["loss_history"]] == list(range(25))
+    final = swarm.wait_finished(200)
+    assert [s for s, _ in final["loss_history"]] == list(range(200))
     n1 = {r["reason"]: r["count"] for r in final["refused"] if r["receiver"] == "n1"}
-    # reported by the node, shown by the coordinator ("stranger" may also count a neighbour's first
-    # frames that arrived before n1's assignment named it: that link retries)
-    assert {k: n1[k] for k in ("bad_mac", "wrong_key", "replayed")} == {"bad_mac": 3, "wrong_key": 1, "replayed": 1}
-    assert n1["stranger"] >= 1 and set(n1) == {"bad_mac", "wrong_key", "replayed", "stranger"}
+    # reported by the node, shown by the coordinator (a neighbour's first frames, sent before n1's
+    # assignment named it, waited for that assignment instead of counting as a stranger's)
+    assert n1 == {"bad_mac": 3, "stranger": 1, "wrong_key": 1, "replayed": 1}
 
 
 def test_a_standby_leaves_when_the_run_finishes(swarm):

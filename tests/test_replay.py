@@ -16,6 +16,7 @@ from tahnode.net.auth import Sealer, SwarmKey
 from tahnode.net.framing import frames_of
 from tahnode.net.freshness import COORDINATOR, RefusalReason
 from tahnode.net.identity import NodeKey
+from tahnode.net.transport import BACKWARD
 from tahnode.pipeline.checkpoint import read_chunks
 from tahnode.proto import tahnode_pb2 as pb
 
@@ -205,9 +206,9 @@ def test_a_replayed_heartbeat_changes_nothing(servers):
     later = [pb.LossPoint(step=k, loss=4.0, sample_ids=[k]) for k in range(1, 5)]
     send(servers, RPCS["Heartbeat"], [servers.sealer(NODE).seal(
         pb.HeartbeatRequest(node_id=NODE, stats=pb.TrainingStats(losses=later)), COORDINATOR).SerializeToString()])
-    assert sorted(reg.ledger) == [0, 1, 2, 3, 4]
+    assert sorted(reg.ledger()) == [0, 1, 2, 3, 4]
     assert refused_with(servers, "Heartbeat", [old]) == grpc.StatusCode.PERMISSION_DENIED
-    assert sorted(reg.ledger) == [0, 1, 2, 3, 4]
+    assert sorted(reg.ledger()) == [0, 1, 2, 3, 4]
 
 
 def test_an_envelope_larger_than_the_run_sends_is_refused_before_it_is_held(servers):
@@ -233,3 +234,28 @@ def test_an_envelope_larger_than_the_run_sends_is_refused_before_it_is_held(serv
         send(servers, RPCS["Forward"], [f.SerializeToString() for f in fits])
     finally:
         servers.transport.set_envelope_cap(1 << 31)
+
+
+def test_checkpoints_go_to_members_only(servers):
+    """A token holder that never joined (its own valid key and seal) gets no weights."""
+    outsider = servers.sealer("never-joined")
+    wire = [outsider.seal(pb.DownloadRequest(node_id="never-joined", stage=0, step=7), COORDINATOR).SerializeToString()]
+    assert refused_with(servers, "DownloadCheckpoint", wire) == grpc.StatusCode.NOT_FOUND
+
+
+def test_a_neighbour_heard_of_late_is_waited_for(servers):
+    """A neighbour may learn of this node a heartbeat before this node learns of it: its first
+    frames wait (up to the transport's peer_wait_s) for the assignment that names it."""
+    import threading
+
+    late = servers.sealer("late-neighbour")
+    wire = [f.SerializeToString() for f in _frames(servers, late, NODE)]
+    servers.transport.peer_wait_s = 5.0
+    try:
+        name_it = threading.Timer(0.5, lambda: servers.loop.call_soon_threadsafe(
+            servers.transport.set_peer, BACKWARD, "late-neighbour", "", servers.key("late-neighbour").public))
+        name_it.start()
+        send(servers, RPCS["Forward"], wire)  # accepted once the assignment named it
+        name_it.join()
+    finally:
+        servers.transport.peer_wait_s = 0.1

@@ -37,6 +37,11 @@ class SwarmDB:
         return {step: pb.LossPoint(step=step, loss=float("nan") if loss is None else loss, seconds=seconds,  # SQLite keeps NaN as NULL
                                    sample_ids=array("Q", ids).tolist()) for step, loss, seconds, ids in rows}
 
+    def losses(self, last: int) -> dict[int, float]:
+        """The losses of the `last` most recent steps (what the status page draws)."""
+        rows = self.db.execute("SELECT step, loss FROM ledger ORDER BY step DESC LIMIT ?", (last,))
+        return {step: float("nan") if loss is None else loss for step, loss in sorted(rows)}
+
     def record(self, points: list[pb.LossPoint]) -> None:
         """Store committed steps in order, each replacing the step it names and every later one
         (after a rollback those are trained again), in one transaction."""

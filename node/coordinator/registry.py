@@ -21,7 +21,9 @@ from .state import STANDBY, NodeRecord, NodeStatus
 
 log = logging.getLogger("tahnode.coordinator")
 
-__all__ = ["SwarmRegistry", "run_identity"]
+__all__ = ["SwarmRegistry", "run_identity", "LOSS_HISTORY"]
+
+LOSS_HISTORY = 2000  # recent steps whose losses stay in memory (the whole ledger is in SQLite)
 
 
 def run_identity(folder: Path) -> str:
@@ -53,11 +55,16 @@ class SwarmRegistry:
         self.db = SwarmDB(self.store.dir / "coordinator.sqlite")
         self._epoch = self.db.get("epoch", 1)
         self.last_join = 0.0
-        self.ledger: dict[int, pb.LossPoint] = self.db.ledger()  # committed step -> its loss, samples and wall time
+        # the ledger lives in the database; memory holds only the losses the status page draws
+        self.losses: dict[int, float] = self.db.losses(LOSS_HISTORY)
         self.identities: dict[str, bytes] = self.db.identities()  # node id -> the public key bound at its first join
         self.events: list[str] = []
-        if self.ledger:
-            self.event(f"restarted: the ledger holds steps 0..{max(self.ledger)}, membership epoch {self._epoch}")
+        if self.losses:
+            self.event(f"restarted: the ledger holds steps 0..{max(self.losses)}, membership epoch {self._epoch}")
+
+    def ledger(self) -> dict[int, pb.LossPoint]:
+        """Every committed step: its loss, samples and wall time on the last stage (from disk)."""
+        return self.db.ledger()
 
     @property
     def epoch(self) -> int:
@@ -184,10 +191,11 @@ class SwarmRegistry:
         """Committed steps into the ledger, in memory and on disk. A step at or before one already
         recorded means a rollback: the steps from there on are trained again and replace the old."""
         for point in points:
-            if any(s >= point.step for s in self.ledger):
-                self.ledger = {s: v for s, v in self.ledger.items() if s < point.step}
-            self.ledger[point.step] = pb.LossPoint()
-            self.ledger[point.step].CopyFrom(point)
+            if self.losses and max(self.losses) >= point.step:
+                self.losses = {s: v for s, v in self.losses.items() if s < point.step}
+            self.losses[point.step] = point.loss
+        while len(self.losses) > LOSS_HISTORY:
+            del self.losses[min(self.losses)]
         if points:
             self.db.record(points)
 
@@ -206,11 +214,16 @@ class SwarmRegistry:
         self.event(f"left: {req.node_id} (stage {node.stage})")
         return pb.LeaveReply()
 
-    def may_upload(self, node_id: str, stage: int) -> None:
-        """Only a node that holds (or last held) `stage` may upload its checkpoints."""
+    def member(self, node_id: str) -> NodeRecord:
+        """The node's record; UnknownNode if it never joined (or this coordinator restarted since)."""
         node = self.nodes.get(node_id)
         if node is None:
             raise UnknownNode(f"unknown node {node_id!r}: join first")
+        return node
+
+    def may_upload(self, node_id: str, stage: int) -> None:
+        """Only a node that holds (or last held) `stage` may upload its checkpoints."""
+        node = self.member(node_id)
         if node.stage != stage:
             raise InvalidRequest(f"node {node_id} holds stage {node.stage}, not stage {stage}: it may not upload that stage's checkpoints")
 

@@ -76,6 +76,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
     async def DownloadCheckpoint(self, request, context):
         try:
             self.r.check(request, request.node_id)
+            self.r.member(request.node_id)  # the weights go to the swarm's nodes only
         except Refused as exc:
             log.warning("refused a checkpoint download from %s: %s", context.peer(), exc)
             await context.abort(exc.code, str(exc))

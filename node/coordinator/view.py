@@ -72,7 +72,7 @@ def swarm_state(r: SwarmRegistry, placement: Placement) -> dict:
         ],
         "links": links(r, placement),
         "training": training(r),
-        "loss_history": [[step, point.loss] for step, point in sorted(r.ledger.items())][-2000:],
+        "loss_history": [[step, loss] for step, loss in sorted(r.losses.items())],
         "events": r.events[-20:],
         "stages": r.run.stages,
         "epoch": r.epoch,
@@ -93,4 +93,4 @@ def refused(r: SwarmRegistry) -> list[dict]:
 def ledger_json(r: SwarmRegistry) -> dict:
     """Every committed step: its loss, sample ids and wall time on the last stage (GET /api/v1/ledger)."""
     return {"steps": [{"step": step, "loss": p.loss, "sample_ids": list(p.sample_ids), "seconds": p.seconds}
-                      for step, p in sorted(r.ledger.items())]}
+                      for step, p in sorted(r.ledger().items())]}

@@ -24,6 +24,7 @@ __all__ = ["GrpcTransport", "CHANNEL_OPTIONS", "DIRECT", "SERVER_OPTIONS"]
 log = logging.getLogger("tahnode.transport")
 
 MAX_MESSAGE_BYTES = 4 << 20      # explicit gRPC limit; frames stay far below it
+PEER_WAIT_S = 3.0                # how long frames from an authentic sender wait for the assignment that names it
 KEEPALIVE = [
     ("grpc.keepalive_time_ms", 2000),
     ("grpc.keepalive_timeout_ms", 3000),
@@ -72,6 +73,8 @@ class StageServicer(pb_grpc.StageServiceServicer):
         frames = nbytes = 0
         announced = False
         async for frame in request_iterator:
+            if frame.sender not in self.t.peer_keys and self.t.sealer.key.verify_frame(frame):
+                await self.t.peer_known(frame.sender, self.t.peer_wait_s)  # a token holder: perhaps a neighbour we will hear of
             try:
                 data = asm.add(frame)
                 env = parse_envelope(data) if data is not None else None
@@ -169,6 +172,7 @@ class GrpcTransport(LinkedTransport):
                  emulation: LinkEmulation = LinkEmulation()):
         super().__init__(sealer.me, emulation)
         self.sealer = sealer
+        self.peer_wait_s = PEER_WAIT_S
         self.listen, self.advertise = listen, advertise
         self.measurer = measurer
         self.server: grpc.aio.Server | None = None

@@ -145,6 +145,7 @@ class LinkedTransport:
         self.address = ""
         self.envelope_cap = MAX_ENVELOPE_BYTES  # the run's largest legitimate envelope, once known (set_envelope_cap)
         self.peer_keys: dict[str, bytes] = {}  # node id -> public key: only these may send frames here
+        self.keys_changed = asyncio.Event()      # set (and replaced) whenever peer_keys gains a key
 
     def open_links(self) -> None:
         self.links = {d: self.Link(self, d) for d in (FORWARD, BACKWARD)}
@@ -164,7 +165,23 @@ class LinkedTransport:
     def set_peer(self, direction: Direction, node_id: str, address: str, public_key: bytes = b"") -> None:
         if node_id and public_key:
             self.peer_keys[node_id] = public_key
+            self.keys_changed.set()
+            self.keys_changed = asyncio.Event()
         self.links[direction].set_peer(node_id, address)
+
+    async def peer_known(self, node_id: str, timeout: float) -> bool:
+        """Wait up to `timeout` for an assignment that names `node_id` as a neighbour (a neighbour
+        may learn of this node a heartbeat earlier than this node learns of it)."""
+        deadline = asyncio.get_running_loop().time() + timeout
+        while node_id not in self.peer_keys:
+            left = deadline - asyncio.get_running_loop().time()
+            if left <= 0:
+                return False
+            try:
+                await asyncio.wait_for(self.keys_changed.wait(), left)
+            except asyncio.TimeoutError:
+                return False
+        return True
 
     def peer(self, direction: Direction) -> str:
         return self.links[direction].peer_id
