@@ -21,6 +21,11 @@ CREATE TABLE IF NOT EXISTS identities (node_id TEXT PRIMARY KEY, public_key BLOB
 """
 
 
+def _loss(stored: float | None) -> float:
+    """A loss as read back: SQLite keeps NaN as NULL."""
+    return float("nan") if stored is None else stored
+
+
 class SwarmDB:
     """One SQLite file; every write is its own transaction, on disk when the call returns."""
 
@@ -34,13 +39,13 @@ class SwarmDB:
 
     def ledger(self) -> dict[int, pb.LossPoint]:
         rows = self.db.execute("SELECT step, loss, seconds, sample_ids FROM ledger ORDER BY step")
-        return {step: pb.LossPoint(step=step, loss=float("nan") if loss is None else loss, seconds=seconds,  # SQLite keeps NaN as NULL
-                                   sample_ids=array("Q", ids).tolist()) for step, loss, seconds, ids in rows}
+        return {step: pb.LossPoint(step=step, loss=_loss(loss), seconds=seconds, sample_ids=array("Q", ids).tolist())
+                for step, loss, seconds, ids in rows}
 
     def losses(self, last: int) -> dict[int, float]:
         """The losses of the `last` most recent steps (what the status page draws)."""
         rows = self.db.execute("SELECT step, loss FROM ledger ORDER BY step DESC LIMIT ?", (last,))
-        return {step: float("nan") if loss is None else loss for step, loss in sorted(rows)}
+        return {step: _loss(loss) for step, loss in sorted(rows)}
 
     def record(self, points: list[pb.LossPoint]) -> None:
         """Store committed steps in order, each replacing the step it names and every later one

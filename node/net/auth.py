@@ -27,14 +27,23 @@ def frame_parts(frame: pb.Frame) -> tuple[bytes, ...]:
     return head, b"\0", struct.pack("<QII", frame.seq, frame.index, frame.count), frame.data
 
 
-def signed_bytes(msg) -> bytes:
-    """What a message's signature covers: its type name and its deterministic bytes with an empty
-    mac and an empty seal signature."""
-    mac, signature = msg.mac, msg.seal.signature
-    msg.mac, msg.seal.signature = b"", b""
+def canonical_bytes(msg, without_signature: bool) -> bytes:
+    """Its type name, a zero byte and its deterministic bytes with an empty `mac` (what the MAC
+    covers) and, `without_signature`, an empty seal signature too (what the signature covers)."""
+    mac, signature = msg.mac, msg.seal.signature if without_signature else b""
+    msg.mac = b""
+    if without_signature:
+        msg.seal.signature = b""
     data = msg.SerializeToString(deterministic=True)
-    msg.mac, msg.seal.signature = mac, signature
+    msg.mac = mac
+    if without_signature:
+        msg.seal.signature = signature
     return type(msg).__name__.encode() + b"\0" + data
+
+
+def signed_bytes(msg) -> bytes:
+    """What a message's signature covers."""
+    return canonical_bytes(msg, without_signature=True)
 
 
 class SwarmKey:
@@ -57,11 +66,7 @@ class SwarmKey:
 
     def message_mac(self, msg) -> bytes:
         """MAC of a protobuf message over its deterministic bytes with the `mac` field empty."""
-        saved = msg.mac
-        msg.mac = b""
-        data = msg.SerializeToString(deterministic=True)
-        msg.mac = saved
-        return self._mac(type(msg).__name__.encode(), b"\0", data)
+        return self._mac(canonical_bytes(msg, without_signature=False))
 
     def sign(self, msg):
         msg.mac = self.message_mac(msg)
