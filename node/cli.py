@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import re
 import sys
 
 from .codecs import CODECS, CodecError
@@ -32,6 +33,59 @@ def _add_codec_commands(sub) -> None:
     ev.add_argument("--json", action="store_true", help="print one JSON object instead of text (sqnr_db is null for an exact reconstruction)")
 
 
+def _add_tls_flags(p, what: str) -> None:
+    from .config import TlsMode
+
+    p.add_argument("--tls", default=TlsMode.AUTO.value, choices=[m.value for m in TlsMode],
+                   help=f"{what}; auto (default): on unless the address is loopback; on: loopback too")
+    p.add_argument("--insecure", action="store_true", help="no TLS (same as --tls off): traffic travels in clear, "
+                   "readable by anyone on the path; the token and signatures still authenticate every message")
+
+
+def _tls_mode(args):
+    from .config import TlsMode
+
+    if args.insecure and args.tls == TlsMode.ON.value:
+        raise ValueError("--insecure and --tls on contradict each other: give one")
+    return TlsMode.OFF if args.insecure else TlsMode(args.tls)
+
+
+def _add_certs_command(sub) -> None:
+    ce = sub.add_parser("certs", help="make (on first use) and show a TLS certificate: the coordinator's or a node's",
+                        description="Show the TLS certificate a coordinator (in its --store) or a node (in its "
+                        "--checkpoint-dir) serves with, making it first if there is none yet. Volunteers pin the "
+                        "coordinator's with `tahnode join --coordinator-fingerprint FINGERPRINT`.")
+    ce.add_argument("--dir", default="tahnode-store", help="the coordinator's --store or a node's --checkpoint-dir "
+                    "(default tahnode-store)")
+    ce.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def _certs(args) -> int:
+    import json
+    from pathlib import Path
+
+    from .net.identity import KEY_FILE
+    from .net.tls import CERT_FILE, PINNED_COORDINATOR_FILE, TlsCertificate, fingerprint
+
+    folder = Path(args.dir)
+    made = not (folder / CERT_FILE).exists()
+    cert = TlsCertificate.load_or_create(folder)
+    pinned = folder / PINNED_COORDINATOR_FILE
+    info = {"certificate": str(folder / CERT_FILE), "fingerprint": cert.fingerprint, "made": made,
+            "trusted_coordinator": fingerprint(pinned.read_bytes()) if pinned.exists() else None}
+    if args.json:
+        print(json.dumps(info))
+        return 0
+    print(f"{'made' if made else 'certificate'} {info['certificate']}\nfingerprint {cert.fingerprint}")
+    if (folder / KEY_FILE).exists():
+        print("a node's certificate: the coordinator hands it to the node's neighbours, who pin it")
+    else:
+        print(f"volunteers pin it with: tahnode join --coordinator-fingerprint {cert.fingerprint} ...")
+    if info["trusted_coordinator"]:
+        print(f"this node trusts the coordinator certificate {info['trusted_coordinator']} ({pinned})")
+    return 0
+
+
 def _add_swarm_commands(sub) -> None:
     from .config import TransportKind
     from .config.token import TOKEN_ENV
@@ -48,6 +102,7 @@ def _add_swarm_commands(sub) -> None:
     co.add_argument("--heartbeat-timeout", type=float, default=10.0, help="seconds without heartbeats before a node is declared failed")
     co.add_argument("--store", default="tahnode-store", help="directory of the stage checkpoints nodes upload (for standbys)")
     co.add_argument("--settle", type=float, default=3.0, help="seconds without new joins before --stage auto nodes are placed")
+    _add_tls_flags(co, "the control plane: TLS with a self-signed certificate kept in --store (`tahnode certs` shows it)")
     add_run_flags(co)
 
     jo = sub.add_parser("join", help="join a swarm and hold one pipeline stage",
@@ -70,6 +125,11 @@ def _add_swarm_commands(sub) -> None:
     jo.add_argument("--threads", type=int, default=0, help="CPU threads for torch (default: every core; give each of "
                     "several stages on one machine its share, as `tahnode demo` and `tahnode swarm up` do)")
     jo.add_argument("--quiet", action="store_true", help="no per-step progress lines")
+    _add_tls_flags(jo, "this node's data plane: TLS with a self-signed certificate kept beside its checkpoints, which the "
+                   "coordinator hands to its neighbours")
+    jo.add_argument("--coordinator-fingerprint", default="", metavar="sha256:HEX",
+                    help="the coordinator's TLS certificate, as its start-up line and `tahnode certs` show it; without it "
+                    "the node trusts the certificate it sees first and refuses any other later")
     em = jo.add_argument_group("emulated network (for test swarms; `tahnode swarm up` sets these)")
     em.add_argument("--emulate-rtt", default="", metavar="DURATION",
                     help="add this round-trip time (e.g. 50ms) to every message this node exchanges, data and control: "
@@ -119,6 +179,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     _add_codec_commands(sub)
     _add_swarm_commands(sub)
+    _add_certs_command(sub)
     from .tools import swarm
 
     swarm.add_parser(sub)
@@ -156,6 +217,8 @@ def main(argv: list[str] | None = None) -> int:
             return demo.main(args, run_config_from(args))
         if args.command == "data":
             return _data_prepare(args)
+        if args.command == "certs":
+            return _certs(args)
         if args.command == "swarm":
             from .tools import swarm
 
@@ -211,7 +274,7 @@ def _coordinator(args) -> int:
     token = coordinator_token(args.token, args.token_file, Path(args.store))
     _say_token(token, args.listen)
     cfg = CoordinatorConfig(listen=args.listen, http=args.http, token=token.secret, heartbeat_timeout=args.heartbeat_timeout,
-                            store=args.store, settle_s=args.settle)
+                            store=args.store, settle_s=args.settle, tls=_tls_mode(args))
     _event_loop_policy()
     asyncio.run(serve(run, cfg))
     return 0
@@ -227,6 +290,9 @@ def _join(args) -> int:
     _setup_logging(args.log_level)
     if args.stage != "auto" and not args.stage.isdigit():
         raise ValueError(f"--stage must be a stage number or 'auto', got {args.stage!r}")
+    if args.coordinator_fingerprint and not re.fullmatch(r"sha256:[0-9a-fA-F]{64}", args.coordinator_fingerprint):
+        raise ValueError(f"--coordinator-fingerprint must be sha256: and 64 hex digits, as `tahnode certs` shows it; "
+                         f"got {args.coordinator_fingerprint!r}")
     token = resolve_token(args.token, args.token_file)
     if token is None:
         raise TokenMissing(f"no swarm token: give --token-file FILE or set {TOKEN_ENV} (the coordinator printed it when "
@@ -237,6 +303,7 @@ def _join(args) -> int:
                      advertise=args.advertise, device=args.device, token=token.secret, node_id=args.node_id,
                      checkpoint_dir=args.checkpoint_dir, data_dir=args.data_dir, init_from=args.init_from,
                      progress=not args.quiet, threads=args.threads, transport=TransportKind(args.transport),
+                     tls=_tls_mode(args), coordinator_fingerprint=args.coordinator_fingerprint,
                      emulation=LinkEmulation.parse(args.emulate_rtt, args.emulate_rate, args.emulate_link))
     _event_loop_policy()
     try:

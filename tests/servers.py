@@ -62,7 +62,7 @@ class Servers:
         port = self.server.add_insecure_port("127.0.0.1:0")
         await self.server.start()
 
-        async def measurer(peer: str, target: str, nbytes: int) -> tuple[float, float]:
+        async def measurer(peer: str, target: str, nbytes: int, cert: bytes) -> tuple[float, float]:
             return 123.0, 4.5
 
         self.transport = GrpcTransport(self.node_sealer, "127.0.0.1:0", measurer=measurer)

@@ -73,7 +73,12 @@ class Swarm:
         raise AssertionError(f"timed out after {timeout} s waiting for {what}; last state: {json.dumps(state)[:2000]}\n{logs}")
 
     def wait_finished(self, steps: int, timeout: float = 240) -> dict:
-        return self.wait_for(lambda s: s["training"]["finished"] and s["training"]["step"] >= steps, timeout, f"{steps} steps")
+        """Until the last stage reported `steps` steps and every stage its final figures (stage 0's
+        last report may come after the last stage's)."""
+        def done(s: dict) -> bool:
+            reported = {n["stage"] for n in s["nodes"] if n["finished"]}
+            return s["training"]["finished"] and s["training"]["step"] >= steps and reported >= set(range(s["stages"]))
+        return self.wait_for(done, timeout, f"{steps} steps")
 
     def losses(self, state: dict) -> list[float]:
         return [loss for _, loss in state["loss_history"]]

@@ -8,7 +8,7 @@ from enum import Enum
 
 from .emulation import LinkEmulation
 
-__all__ = ["TransportKind", "NodeConfig", "CoordinatorConfig", "AUTO_STAGE"]
+__all__ = ["TransportKind", "TlsMode", "NodeConfig", "CoordinatorConfig", "AUTO_STAGE"]
 
 AUTO_STAGE = -1                       # --stage auto: the coordinator chooses
 
@@ -17,6 +17,17 @@ class TransportKind(Enum):
     """How a node's data plane reaches its neighbours."""
 
     GRPC = "grpc"  # direct gRPC streams: every node must be reachable at its advertised address
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class TlsMode(Enum):
+    """Whether a process serves (and expects) gRPC over TLS (tahnode.net.tls)."""
+
+    AUTO = "auto"  # TLS unless the address served or dialled is loopback
+    ON = "on"      # always, loopback too
+    OFF = "off"    # never: `--insecure`, with a warning off loopback
 
     def __str__(self) -> str:
         return self.value
@@ -39,6 +50,8 @@ class NodeConfig:
     progress: bool = True
     threads: int = 0                # torch's CPU threads (0: torch's default, every core); several stages on one machine share them
     transport: TransportKind = TransportKind.GRPC
+    tls: TlsMode = TlsMode.AUTO
+    coordinator_fingerprint: str = ""  # the coordinator's certificate, pinned ("sha256:..."); "" = trust on first use
     emulation: LinkEmulation = field(default_factory=LinkEmulation)  # test swarms: RTT and rate in user space
 
 
@@ -52,3 +65,4 @@ class CoordinatorConfig:
     heartbeat_timeout: float = 10.0  # seconds without heartbeats before a node is declared failed
     store: str = "tahnode-store"     # stage checkpoints uploaded by the nodes (for standbys)
     settle_s: float = 3.0            # seconds without joins before --stage auto nodes are placed
+    tls: TlsMode = TlsMode.AUTO

@@ -112,11 +112,14 @@ class SwarmRegistry:
             self.identities[speaks_for] = key
             self.db.bind(speaks_for, key)
 
+    def peer(self, n: NodeRecord) -> pb.Peer:
+        """How others reach node `n`: its address, identity key and TLS certificate."""
+        return pb.Peer(node_id=n.node_id, address=n.address, stage=n.stage, public_key=self.identities.get(n.node_id, b""),
+                       tls_cert=n.tls_cert)
+
     def _peer(self, stage: int) -> pb.Peer:
         n = self.holder(stage) if 0 <= stage < self.run.stages else None
-        if n is None:
-            return pb.Peer(stage=stage)
-        return pb.Peer(node_id=n.node_id, address=n.address, stage=stage, public_key=self.identities.get(n.node_id, b""))
+        return self.peer(n) if n is not None else pb.Peer(stage=stage)
 
     def resume_step(self, stage: int) -> int:
         """The step a new holder of `stage` resumes from: the store's newest checkpoint of it."""
@@ -161,7 +164,7 @@ class SwarmRegistry:
                 raise StageTaken(f"stage {stage} is held by node {held.node_id} ({held.address})")
         rejoin = req.node_id in self.nodes
         node = NodeRecord(req.node_id, req.address, stage, req.device, req.memory_bytes, req.compute_ms,
-                          status=NodeStatus.ACTIVE if stage >= 0 else NodeStatus.JOINING)
+                          status=NodeStatus.ACTIVE if stage >= 0 else NodeStatus.JOINING, tls_cert=req.tls_cert)
         if stage >= 0:
             node.resume_step = self.resume_step(stage)
         self.nodes[req.node_id] = node

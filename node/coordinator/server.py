@@ -6,13 +6,16 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import sys
+from pathlib import Path
 
 import grpc
 from aiohttp import web
 
-from ..config import CoordinatorConfig, RunConfig
-from ..net.auth import Sealer, SwarmKey
+from ..config import CoordinatorConfig, RunConfig, TlsMode
+from ..net.auth import SwarmKey
 from ..net.probe import request_measure
+from ..net.tls import TlsCertificate, add_port, is_loopback, wants_tls
 from ..net.unparsable import RefuseUnparsable
 from ..proto import tahnode_pb2_grpc as pb_grpc
 from .placement import Measure, Placement
@@ -40,21 +43,33 @@ def control_plane(registry: SwarmRegistry) -> grpc.aio.Server:
     return server
 
 
-def measurer(sealer: Sealer) -> Measure:
+def measurer(registry: SwarmRegistry) -> Measure:
     async def measure(a: NodeRecord, b: NodeRecord) -> tuple[float, float]:
         """Ask node a to measure its link to b over a's own data plane."""
-        return await request_measure(sealer, a.node_id, a.address, b.node_id, b.address)
+        return await request_measure(registry.sealer, registry.peer(a), registry.peer(b))
 
     return measure
+
+
+def say_tls(cfg: CoordinatorConfig, tls: TlsCertificate | None) -> None:
+    """Tell the operator how nodes reach the control plane: the certificate they pin, or a warning
+    where it is plain gRPC off loopback."""
+    if tls is not None:
+        print(f"tahnode coordinator: TLS on, certificate {tls.fingerprint}; volunteers pin it with "
+              f"--coordinator-fingerprint {tls.fingerprint} (else they trust the first one they see)", flush=True)
+    elif cfg.tls is TlsMode.OFF and not is_loopback(cfg.listen):
+        print("tahnode coordinator: warning: --insecure: the control plane on "
+              f"{cfg.listen} is plain gRPC; run configs and checkpoints travel in clear", file=sys.stderr, flush=True)
 
 
 async def serve(run: RunConfig, cfg: CoordinatorConfig) -> None:
     key = SwarmKey(cfg.token)
     registry = SwarmRegistry(run, key, cfg.heartbeat_timeout, store_dir=cfg.store)
     placement = Placement(registry, cfg.settle_s)
-    measure = measurer(registry.sealer)
+    measure = measurer(registry)
     server = control_plane(registry)
-    if server.add_insecure_port(cfg.listen) == 0:
+    tls = TlsCertificate.load_or_create(Path(cfg.store)) if wants_tls(cfg.tls, cfg.listen) else None
+    if add_port(server, cfg.listen, tls) == 0:
         raise OSError(f"cannot listen on {cfg.listen} for the control plane")
     await server.start()
     runner = web.AppRunner(http_app(registry, placement), access_log=None)
@@ -66,6 +81,7 @@ async def serve(run: RunConfig, cfg: CoordinatorConfig) -> None:
     print(f"tahnode coordinator: control plane on {cfg.listen}, status page at http://{shown}:{port}/ "
           f"({run.stages} stages of {run.model.n_layers} layers, codecs {run.codec.forward}/{run.codec.backward}; "
           f"checkpoints in {registry.store.dir})", flush=True)
+    say_tls(cfg, tls)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

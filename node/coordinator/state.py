@@ -52,3 +52,4 @@ class NodeRecord:
     last_seen: float = field(default_factory=time.monotonic)
     stats: pb.TrainingStats = field(default_factory=pb.TrainingStats)
     links: dict = field(default_factory=dict)  # dst node id -> (bytes, seconds)
+    tls_cert: bytes = b""                      # its data plane's TLS certificate (PEM); b"": plain gRPC

@@ -67,7 +67,8 @@ def swarm_state(r: SwarmRegistry, placement: Placement) -> dict:
     r.sweep()
     return {
         "nodes": [
-            {"id": n.node_id, "stage": n.stage, "address": n.address, "status": n.status.value, "device": n.device}
+            {"id": n.node_id, "stage": n.stage, "address": n.address, "status": n.status.value, "device": n.device,
+             "finished": n.stats.finished}
             for n in sorted(r.nodes.values(), key=lambda n: (n.stage if n.stage >= 0 else 1 << 30, n.node_id))
         ],
         "links": links(r, placement),

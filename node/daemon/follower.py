@@ -28,7 +28,7 @@ class AssignmentFollower:
                         self.stage, assignment.stage, self.stage)
             return
         for direction, peer in ((FORWARD, assignment.next), (BACKWARD, assignment.prev)):
-            self.t.set_peer(direction, peer.node_id, peer.address, peer.public_key)
+            self.t.set_peer(direction, peer.node_id, peer.address, peer.public_key, peer.tls_cert)
 
     async def _follow(self) -> None:
         while True:

@@ -15,6 +15,7 @@ from ..net.emulation import interceptors_for
 from ..net.errors import CoordinatorError, NotAuthenticated, NotFresh, Unreachable, from_rpc_error
 from ..net.freshness import COORDINATOR, SealRefused
 from ..net.grpc_transport import DIRECT
+from ..net.tls import CoordinatorTrust, open_channel
 from ..pipeline.checkpoint import ChunkWriter, read_chunks
 from ..proto import tahnode_pb2 as pb
 from ..proto import tahnode_pb2_grpc as pb_grpc
@@ -25,13 +26,22 @@ __all__ = ["CoordinatorClient"]
 
 
 class CoordinatorClient:
-    """Sealed and signed calls to the coordinator at `address`; `join` tells the sealer the run."""
+    """Sealed and signed calls to the coordinator at `address`; `join` connects (over TLS pinning
+    the certificate `trust` names, else plain gRPC) and tells the sealer the run."""
 
-    def __init__(self, address: str, sealer: Sealer, emulation: LinkEmulation = LinkEmulation()):
-        self.address, self.sealer = address, sealer
+    def __init__(self, address: str, sealer: Sealer, emulation: LinkEmulation = LinkEmulation(),
+                 trust: CoordinatorTrust | None = None):
+        self.address, self.sealer, self.emulation, self.trust = address, sealer, emulation, trust
         self.coordinator_key = b""  # the coordinator's public key, from the join reply
-        self.channel = grpc.aio.insecure_channel(address, options=DIRECT, interceptors=interceptors_for(emulation))
-        self.stub = pb_grpc.CoordinatorStub(self.channel)
+        self.channel: grpc.aio.Channel | None = None
+        self.stub: pb_grpc.CoordinatorStub | None = None
+
+    async def connect(self) -> None:
+        """Open the channel once: TLS if the coordinator speaks it (its certificate checked first)."""
+        if self.channel is None:
+            pinned = await self.trust.certificate(self.address) if self.trust else b""
+            self.channel = open_channel(self.address, pinned, DIRECT, interceptors_for(self.emulation))
+            self.stub = pb_grpc.CoordinatorStub(self.channel)
 
     async def _call(self, method, request, what: str, timeout: float = 10.0):
         try:
@@ -44,6 +54,7 @@ class CoordinatorClient:
         deadline = asyncio.get_running_loop().time() + wait_s
         while True:
             try:
+                await self.connect()
                 reply = await self._call(self.stub.Join, req, "join")
                 self.sealer.run, self.coordinator_key = reply.run, reply.coordinator_key
                 return reply
@@ -91,4 +102,5 @@ class CoordinatorClient:
             raise from_rpc_error(exc, self.address, f"download of the checkpoint of stage {stage} at step {step}") from None
 
     async def close(self) -> None:
-        await self.channel.close()
+        if self.channel is not None:
+            await self.channel.close()

@@ -16,12 +16,13 @@ from pathlib import Path
 
 import torch
 
-from ..config import NodeConfig, RunConfig, TransportKind
+from ..config import NodeConfig, RunConfig, TlsMode, TransportKind
 from ..net.auth import Sealer, SwarmKey
 from ..net.freshness import COORDINATOR
 from ..net.grpc_transport import GrpcTransport
 from ..net.identity import KEY_FILE, NodeKey
 from ..net.probe import measure_link
+from ..net.tls import PINNED_COORDINATOR_FILE, CoordinatorTrust, TlsCertificate, is_loopback, wants_tls
 from ..net.transport import Transport
 from ..pipeline.admission import envelope_cap
 from ..pipeline.checkpoint import CheckpointStore
@@ -46,13 +47,25 @@ def state_dir(cfg: NodeConfig, node_id: str) -> Path:
     return Path(cfg.checkpoint_dir) if cfg.checkpoint_dir else Path("tahnode-state") / node_id
 
 
-def make_transport(cfg: NodeConfig, sealer: Sealer) -> Transport:
-    """The data plane the node's config asks for."""
+def make_transport(cfg: NodeConfig, sealer: Sealer, tls: TlsCertificate | None) -> Transport:
+    """The data plane the node's config asks for (served over TLS with `tls`, if given)."""
     if cfg.transport is TransportKind.GRPC:
         emulation = cfg.emulation
-        return GrpcTransport(sealer, cfg.listen, cfg.advertise, emulation=emulation,
-                             measurer=lambda peer, target, nbytes: measure_link(sealer, target, peer, nbytes, emulation))
+
+        async def measurer(peer: str, target: str, nbytes: int, cert: bytes) -> tuple[float, float]:
+            return await measure_link(sealer, target, peer, nbytes, emulation, pinned=cert)
+
+        return GrpcTransport(sealer, cfg.listen, cfg.advertise, emulation=emulation, measurer=measurer, tls=tls)
     raise ValueError(f"transport {cfg.transport} is not available")
+
+
+def data_plane_tls(cfg: NodeConfig, folder: Path) -> TlsCertificate | None:
+    """The certificate the data plane serves with, if TLS is wanted where peers reach this node."""
+    if wants_tls(cfg.tls, cfg.advertise or cfg.listen):
+        return TlsCertificate.load_or_create(folder)
+    if cfg.tls is TlsMode.OFF and not is_loopback(cfg.advertise or cfg.listen):
+        log.warning("--insecure: this node's data plane is plain gRPC; activations and gradients travel in clear")
+    return None
 
 
 class StageNode:
@@ -70,7 +83,7 @@ class StageNode:
         self.run_cfg: RunConfig | None = None
 
     @classmethod
-    async def create(cls, cfg: NodeConfig, stop: asyncio.Event) -> "StageNode":
+    async def create(cls, cfg: NodeConfig, stop: asyncio.Event) -> StageNode:
         """Serve the data plane, join the coordinator, start heartbeats and measure this device."""
         key = SwarmKey(cfg.token)
         device = resolve_device(cfg.device)
@@ -78,14 +91,17 @@ class StageNode:
             torch.set_num_threads(cfg.threads)
         node_id = cfg.node_id or f"{socket.gethostname()}-{os.getpid()}"
         # the node's identity lives beside its checkpoints: the same directory, the same node to the coordinator
-        identity = NodeKey.load_or_create(state_dir(cfg, node_id) / KEY_FILE)
+        folder = state_dir(cfg, node_id)
+        identity = NodeKey.load_or_create(folder / KEY_FILE)
         sealer = Sealer(key, node_id, identity=identity)  # one counter and one replay guard for all it sends and receives
-        transport = make_transport(cfg, sealer)
+        tls = data_plane_tls(cfg, folder)
+        transport = make_transport(cfg, sealer, tls)
         address = await transport.start()
-        node = cls(cfg, stop, node_id, device, transport, CoordinatorClient(cfg.coordinator, sealer, cfg.emulation))
+        trust = CoordinatorTrust(cfg.tls, cfg.coordinator_fingerprint, folder / PINNED_COORDINATOR_FILE)
+        node = cls(cfg, stop, node_id, device, transport, CoordinatorClient(cfg.coordinator, sealer, cfg.emulation, trust))
         try:
             join = pb.JoinRequest(node_id=node_id, address=address, stage=cfg.stage, device=device_label(device),
-                                  memory_bytes=device_memory(device))
+                                  memory_bytes=device_memory(device), tls_cert=tls.cert_pem if tls else b"")
             reply = await node.coord.join(join)
             node.assignment = reply.assignment
             transport.peer_keys[COORDINATOR] = reply.coordinator_key  # measure requests must be signed by it

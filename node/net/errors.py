@@ -6,7 +6,7 @@ from __future__ import annotations
 import grpc
 
 __all__ = ["CoordinatorError", "Unreachable", "Refused", "NotAuthenticated", "NotFresh", "InvalidRequest", "StageTaken",
-           "UnknownNode", "from_rpc_error"]
+           "UnknownNode", "UntrustedCoordinator", "CoordinatorTlsMismatch", "from_rpc_error"]
 
 
 class CoordinatorError(RuntimeError):
@@ -54,6 +54,18 @@ class UnknownNode(Refused):
     """The coordinator does not know this node (never joined, left, or declared failed)."""
 
     code = grpc.StatusCode.NOT_FOUND
+
+
+class UntrustedCoordinator(CoordinatorError):
+    """The coordinator's TLS certificate is not the one this node pinned or trusted before."""
+
+    code = grpc.StatusCode.UNAUTHENTICATED
+
+
+class CoordinatorTlsMismatch(CoordinatorError):
+    """The coordinator serves plain gRPC where this node requires TLS (or the other way round)."""
+
+    code = grpc.StatusCode.UNAVAILABLE
 
 
 _BY_CODE = {cls.code: cls for cls in (NotAuthenticated, NotFresh, InvalidRequest, StageTaken, UnknownNode)}

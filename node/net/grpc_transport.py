@@ -16,6 +16,7 @@ from .auth import BadMac, Sealer
 from .framing import FrameError, FrameNotAuthenticated, FrameNotFresh, FrameTooLarge, Reassembler, frames_of, parse_envelope
 from .freshness import COORDINATOR, SealRefused
 from .links import LinkedTransport, OutLink
+from .tls import TlsCertificate, add_port, open_channel
 from .transport import BACKWARD, FORWARD, Direction, Inbound, Measurer
 from .unparsable import RefuseUnparsable
 
@@ -118,7 +119,7 @@ class StageServicer(pb_grpc.StageServiceServicer):
         await self._check(request, context, "measure request", signed_by=self.t.peer_keys.get(COORDINATOR, b"?"))
         if self.t.measurer is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "this node does not measure links")
-        mbps, rtt = await self.t.measurer(request.target_id, request.target_address, request.payload_bytes)
+        mbps, rtt = await self.t.measurer(request.target_id, request.target_address, request.payload_bytes, request.target_cert)
         return pb.MeasureReply(mbps=mbps, rtt_ms=rtt)
 
 
@@ -126,7 +127,7 @@ class GrpcLink(OutLink):
     """One direction's client stream (StageService.Forward or .Backward), written frame by frame."""
 
     async def carry(self) -> None:
-        async with grpc.aio.insecure_channel(self.address, options=CHANNEL_OPTIONS) as channel:
+        async with open_channel(self.address, self.transport.peer_certs.get(self.peer_id, b""), CHANNEL_OPTIONS) as channel:
             try:
                 await asyncio.wait_for(channel.channel_ready(), timeout=5.0)
                 stub = pb_grpc.StageServiceStub(channel)
@@ -164,13 +165,15 @@ class GrpcLink(OutLink):
 class GrpcTransport(LinkedTransport):
     """Transport over gRPC; see tahnode.net.transport.Transport for the contract. `sealer` signs
     what this node sends and checks what it receives; `measurer` answers the coordinator's
-    requests to measure a link from this node (None: refused)."""
+    requests to measure a link from this node (None: refused); `tls`: serve over TLS with this
+    certificate (None: plain gRPC)."""
 
     Link = GrpcLink
 
     def __init__(self, sealer: Sealer, listen: str, advertise: str = "", measurer: Measurer | None = None,
-                 emulation: LinkEmulation = LinkEmulation()):
+                 emulation: LinkEmulation = LinkEmulation(), tls: TlsCertificate | None = None):
         super().__init__(sealer.me, emulation)
+        self.tls = tls
         self.sealer = sealer
         self.peer_wait_s = PEER_WAIT_S
         self.listen, self.advertise = listen, advertise
@@ -180,7 +183,7 @@ class GrpcTransport(LinkedTransport):
     async def start(self) -> str:
         self.server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=[RefuseUnparsable()])
         pb_grpc.add_StageServiceServicer_to_server(StageServicer(self), self.server)
-        port = self.server.add_insecure_port(self.listen)
+        port = add_port(self.server, self.listen, self.tls)
         if port == 0:
             raise OSError(f"cannot listen on {self.listen}")
         await self.server.start()

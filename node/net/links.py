@@ -145,6 +145,7 @@ class LinkedTransport:
         self.address = ""
         self.envelope_cap = MAX_ENVELOPE_BYTES  # the run's largest legitimate envelope, once known (set_envelope_cap)
         self.peer_keys: dict[str, bytes] = {}  # node id -> public key: only these may send frames here
+        self.peer_certs: dict[str, bytes] = {}  # node id -> its TLS certificate (PEM), pinned when dialling it
         self.keys_changed = asyncio.Event()      # set (and replaced) whenever peer_keys gains a key
 
     def open_links(self) -> None:
@@ -162,7 +163,9 @@ class LinkedTransport:
         self.streams[direction] += 1
         return self.streams[direction]
 
-    def set_peer(self, direction: Direction, node_id: str, address: str, public_key: bytes = b"") -> None:
+    def set_peer(self, direction: Direction, node_id: str, address: str, public_key: bytes = b"", tls_cert: bytes = b"") -> None:
+        if node_id:
+            self.peer_certs[node_id] = tls_cert
         if node_id and public_key:
             self.peer_keys[node_id] = public_key
             self.keys_changed.set()

@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 import time
 
-import grpc
 
 from ..config.emulation import LinkEmulation
 from ..proto import tahnode_pb2 as pb
@@ -14,15 +13,16 @@ from ..proto import tahnode_pb2_grpc as pb_grpc
 from .auth import Sealer
 from .emulation import interceptors_for, pacer_for
 from .grpc_transport import CHANNEL_OPTIONS, DIRECT
+from .tls import open_channel
 
 __all__ = ["probe", "measure_link", "request_measure"]
 
 
 async def probe(sealer: Sealer, address: str, peer: str, payload_bytes: int, chunk: int = 256 << 10,
-                emulation: LinkEmulation = LinkEmulation()) -> tuple[float, float]:
-    """Measure the link to node `peer` at `address`: (throughput Mbit/s over payload_bytes, median
-    RTT ms). Every ping and chunk is sealed for `peer`."""
-    async with grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS, interceptors=interceptors_for(emulation)) as channel:
+                emulation: LinkEmulation = LinkEmulation(), pinned: bytes = b"") -> tuple[float, float]:
+    """Measure the link to node `peer` at `address` (over TLS pinning `pinned`, if given):
+    (throughput Mbit/s over payload_bytes, median RTT ms). Every ping and chunk is sealed for `peer`."""
+    async with open_channel(address, pinned, CHANNEL_OPTIONS, interceptors_for(emulation)) as channel:
         stub = pb_grpc.StageServiceStub(channel)
         rtts = []
         for _ in range(5):
@@ -45,22 +45,24 @@ async def probe(sealer: Sealer, address: str, peer: str, payload_bytes: int, chu
         return reply.bytes * 8 / max(elapsed, 1e-9) / 1e6, sorted(rtts)[len(rtts) // 2]
 
 
-async def measure_link(sealer: Sealer, target: str, peer: str, nbytes: int,
-                       emulation: LinkEmulation = LinkEmulation()) -> tuple[float, float]:
-    """Throughput (Mbit/s) and RTT (ms) from here to `target` (node `peer`): a short probe sizes the
-    real one to last about a second (1-64 MiB), so token-bucket bursts do not inflate the figure."""
+async def measure_link(sealer: Sealer, target: str, peer: str, nbytes: int, emulation: LinkEmulation = LinkEmulation(),
+                       pinned: bytes = b"") -> tuple[float, float]:
+    """Throughput (Mbit/s) and RTT (ms) from here to `target` (node `peer`, TLS pinning `pinned`): a
+    short probe sizes the real one to last about a second (1-64 MiB), so token-bucket bursts do not
+    inflate the figure."""
     if nbytes:
-        return await probe(sealer, target, peer, nbytes, emulation=emulation)
-    rough, _ = await probe(sealer, target, peer, 512 << 10, emulation=emulation)
+        return await probe(sealer, target, peer, nbytes, emulation=emulation, pinned=pinned)
+    rough, _ = await probe(sealer, target, peer, 512 << 10, emulation=emulation, pinned=pinned)
     size = int(min(64 << 20, max(1 << 20, rough * 1e6 / 8 * 1.0)))
-    return await probe(sealer, target, peer, size, emulation=emulation)
+    return await probe(sealer, target, peer, size, emulation=emulation, pinned=pinned)
 
 
-async def request_measure(sealer: Sealer, node_id: str, node_address: str, target_id: str,
-                          target_address: str) -> tuple[float, float]:
-    """Ask node `node_id` at `node_address` to measure its link to the target, over its own data plane."""
-    async with grpc.aio.insecure_channel(node_address, options=DIRECT) as channel:
+async def request_measure(sealer: Sealer, node: pb.Peer, target: pb.Peer) -> tuple[float, float]:
+    """Ask `node` to measure its link to `target`, over its own data plane (each pinned by its
+    TLS certificate, where it has one)."""
+    async with open_channel(node.address, node.tls_cert, DIRECT) as channel:
         stub = pb_grpc.StageServiceStub(channel)
-        req = sealer.seal(pb.MeasureRequest(target_id=target_id, target_address=target_address), node_id)
+        req = sealer.seal(pb.MeasureRequest(target_id=target.node_id, target_address=target.address, target_cert=target.tls_cert),
+                          node.node_id)
         reply = await stub.Measure(req, timeout=60)
         return reply.mbps, reply.rtt_ms

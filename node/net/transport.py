@@ -71,8 +71,8 @@ class LinkCounters:
     failures: int = 0
 
 
-# measure(target node id, its address, payload bytes or 0 for "size it yourself") -> (Mbit/s, RTT ms)
-Measurer = Callable[[str, str, int], Awaitable[tuple[float, float]]]
+# measure(target node id, its address, payload bytes or 0 for "size it yourself", its TLS certificate or b"") -> (Mbit/s, RTT ms)
+Measurer = Callable[[str, str, int, bytes], Awaitable[tuple[float, float]]]
 
 
 class Transport(Protocol):
@@ -85,9 +85,10 @@ class Transport(Protocol):
     def set_stage(self, stage: int) -> None:
         """The stage this node holds (peers that ping it are told)."""
 
-    def set_peer(self, direction: Direction, node_id: str, address: str, public_key: bytes = b"") -> None:
+    def set_peer(self, direction: Direction, node_id: str, address: str, public_key: bytes = b"", tls_cert: bytes = b"") -> None:
         """Point the outgoing link of `direction` at a peer ("" to close it); its frames to this
-        node must be signed by `public_key` (its identity, as the coordinator bound it)."""
+        node must be signed by `public_key` (its identity, as the coordinator bound it); it is
+        dialled over TLS pinning `tls_cert` (empty: it serves plain gRPC)."""
 
     def generation(self, direction: Direction) -> int:
         """Counter of the outgoing link's streams; it changes when the link failed. Encode with
