@@ -1,13 +1,17 @@
 """The coordinator's durable state: a registry built again on the same store folder (as after kill -9
-and a restart) has the ledger, the membership epoch and the run id it had; rollbacks and NaN losses
+and a restart) has the ledger, the membership epoch, the stage holders and the run id it had; rollbacks and NaN losses
 are kept as they were. The same with real processes is in test_coordinator.py."""
 
 from __future__ import annotations
 
 import math
 
+import pytest
+
 from tahnode.config import RunConfig
 from tahnode.coordinator.registry import SwarmRegistry
+from tahnode.coordinator.state import NodeStatus
+from tahnode.net.errors import StageTaken
 from tahnode.net.auth import Sealer, SwarmKey
 from tahnode.net.freshness import COORDINATOR
 from tahnode.net.identity import NodeKey
@@ -46,8 +50,15 @@ def test_a_restarted_registry_has_the_ledger_epoch_and_run_it_had(tmp_path):
     assert [ledger[s].loss for s in (2, 4, 5, 6)] == [1.0, 0.5, 0.5, 0.5]
     assert math.isnan(ledger[3].loss)
     assert list(ledger[6].sample_ids) == [60, 61] and ledger[6].seconds == 0.5
-    assert again.nodes == {}  # nodes rejoin by themselves when their heartbeat is refused as unknown
+    # the stage holders are kept (a stale node cannot take their stages while they come back);
+    # the others rejoin by themselves when their heartbeat is refused as unknown
+    assert {k: (n.stage, n.address, n.status) for k, n in again.nodes.items()} == {"n2": (2, "127.0.0.1:1", NodeStatus.ACTIVE)}
     assert again.identities == {"n2": KEYS["n2"].public}  # and only with the key n2 joined with
+    stale = Sealer(SwarmKey(TOKEN), "n9", run, KEYS.setdefault("n9", NodeKey.generate()))
+    with pytest.raises(StageTaken):
+        again.join(stale.seal(pb.JoinRequest(node_id="n9", address="127.0.0.1:9", stage=2), COORDINATOR))
+    beat(again, "n2", [7])  # its heartbeats go on without a rejoin
+    assert sorted(again.ledger()) == list(range(8))
     assert again.sealer.identity.public == reg_key
     assert any("restarted" in e for e in again.events)
 

@@ -1,7 +1,7 @@
 """The coordinator's durable state in SQLite (WAL, synchronous writes) in the run's store folder:
-the ledger of committed steps (loss, samples, wall time), the membership epoch and the node
-identities (node id -> public key), so that a coordinator restarted after a crash goes on where it
-was. Nodes rejoin by themselves."""
+the ledger of committed steps (loss, samples, wall time), the membership epoch, the node
+identities (node id -> public key) and who holds each stage, so that a coordinator restarted after
+a crash goes on where it was: the holders keep their stages, the others rejoin by themselves."""
 
 from __future__ import annotations
 
@@ -18,6 +18,8 @@ CREATE TABLE IF NOT EXISTS ledger (step INTEGER PRIMARY KEY, loss REAL, seconds 
                                    sample_ids BLOB NOT NULL);
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value INTEGER NOT NULL);
 CREATE TABLE IF NOT EXISTS identities (node_id TEXT PRIMARY KEY, public_key BLOB NOT NULL);
+CREATE TABLE IF NOT EXISTS holders (stage INTEGER PRIMARY KEY, node_id TEXT NOT NULL, address TEXT NOT NULL,
+                                    device TEXT NOT NULL, tls_cert BLOB NOT NULL);
 """
 
 
@@ -61,6 +63,17 @@ class SwarmDB:
 
     def bind(self, node_id: str, public_key: bytes) -> None:
         self.db.execute("INSERT INTO identities VALUES (?, ?)", (node_id, public_key))
+
+    def holders(self) -> list[tuple[int, str, str, str, bytes]]:
+        """(stage, node id, address, device, TLS certificate) of every stage's holder when last saved."""
+        return list(self.db.execute("SELECT stage, node_id, address, device, tls_cert FROM holders ORDER BY stage"))
+
+    def set_holders(self, rows: list[tuple[int, str, str, str, bytes]]) -> None:
+        """Replace the saved holders by `rows`, in one transaction."""
+        with self.db:
+            self.db.execute("BEGIN")
+            self.db.execute("DELETE FROM holders")
+            self.db.executemany("INSERT OR REPLACE INTO holders VALUES (?, ?, ?, ?, ?)", rows)
 
     def get(self, key: str, default: int) -> int:
         row = self.db.execute("SELECT value FROM meta WHERE key = ?", (key,)).fetchone()

@@ -59,8 +59,12 @@ class SwarmRegistry:
         self.losses: dict[int, float] = self.db.losses(LOSS_HISTORY)
         self.identities: dict[str, bytes] = self.db.identities()  # node id -> the public key bound at its first join
         self.events: list[str] = []
-        if self.losses:
-            self.event(f"restarted: the ledger holds steps 0..{max(self.losses)}, membership epoch {self._epoch}")
+        for stage, node_id, address, device, cert in self.db.holders():  # presumed alive: heartbeat_timeout to be heard
+            self.nodes[node_id] = NodeRecord(node_id, address, stage, device, status=NodeStatus.ACTIVE, tls_cert=cert)
+        if self.losses or self.nodes:
+            held = ", ".join(f"{n.node_id} stage {n.stage}" for n in self.nodes.values()) or "none"
+            self.event(f"restarted: the ledger holds steps 0..{max(self.losses, default=-1)}, membership epoch {self._epoch}; "
+                       f"holders kept: {held}")
 
     def ledger(self) -> dict[int, pb.LossPoint]:
         """Every committed step: its loss, samples and wall time on the last stage (from disk)."""
@@ -73,8 +77,11 @@ class SwarmRegistry:
 
     @epoch.setter
     def epoch(self, value: int) -> None:
+        """A new epoch: the assignments changed, and who holds which stage is saved with it."""
         self._epoch = value
         self.db.put("epoch", value)
+        self.db.set_holders([(n.stage, n.node_id, n.address, n.device, n.tls_cert) for n in self.nodes.values()
+                             if n.status is NodeStatus.ACTIVE])
 
     # -- helpers ----------------------------------------------------------------------------
     def event(self, text: str) -> None:

@@ -7,7 +7,7 @@ import asyncio
 import logging
 
 from ..config import AUTO_STAGE
-from ..net.errors import CoordinatorError, UnknownNode
+from ..net.errors import CoordinatorError, StageTaken, UnknownNode
 from ..net.transport import BACKWARD, FORWARD, Transport
 from ..pipeline.worker import StageWorker
 from ..proto import tahnode_pb2 as pb
@@ -110,10 +110,21 @@ class Heartbeats:
     def _unreported(self) -> int:
         return len(self.worker.stats.outbox) if self.worker is not None else 0
 
+    def detach(self) -> None:
+        """This node no longer holds a stage: report no stage stats, rejoin as --stage auto."""
+        self.worker = None
+
     async def _rejoin(self) -> None:
         self.join.stage = self.worker.stage if self.worker is not None else AUTO_STAGE
         try:
-            await self.coord.join(self.join, wait_s=0)
+            try:
+                await self.coord.join(self.join, wait_s=0)
+            except StageTaken as exc:  # declared failed meanwhile, and its stage went to another node
+                log.warning("rejoin: %s; joining as --stage auto", exc)
+                self.join.stage = AUTO_STAGE
+                reply = await self.coord.join(self.join, wait_s=0)
+                self.assignment = reply.assignment
+                self.changed.set()  # the follower sees that the stage is gone
             log.info("rejoined the coordinator")
         except CoordinatorError as again:
             log.warning("rejoin: %s", again)

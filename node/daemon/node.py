@@ -23,7 +23,7 @@ from ..net.grpc_transport import GrpcTransport
 from ..net.identity import KEY_FILE, NodeKey
 from ..net.probe import measure_link
 from ..net.tls import PINNED_COORDINATOR_FILE, CoordinatorTrust, TlsCertificate, is_loopback, wants_tls
-from ..net.transport import Transport
+from ..net.transport import BACKWARD, FORWARD, Transport
 from ..pipeline.admission import envelope_cap
 from ..pipeline.checkpoint import CheckpointStore
 from ..pipeline.state import PipelineError
@@ -115,12 +115,12 @@ class StageNode:
             raise
         return node
 
-    async def _until_stop(self, awaitable):
-        """The awaitable's result, or None if `stop` is set first (the awaitable is cancelled)."""
+    async def _until_stop(self, awaitable, also: asyncio.Event | None = None):
+        """The awaitable's result, or None if `stop` (or `also`) is set first (the awaitable is cancelled)."""
         waiter = asyncio.ensure_future(awaitable)
-        stopper = asyncio.ensure_future(self.stop.wait())
-        done, _ = await asyncio.wait({waiter, stopper}, return_when=asyncio.FIRST_COMPLETED)
-        for task in (waiter, stopper):
+        stoppers = [asyncio.ensure_future(event.wait()) for event in (self.stop, also) if event is not None]
+        done, _ = await asyncio.wait({waiter, *stoppers}, return_when=asyncio.FIRST_COMPLETED)
+        for task in (waiter, *stoppers):
             if task not in done:
                 task.cancel()
         return waiter.result() if waiter in done else None
@@ -169,32 +169,56 @@ class StageNode:
 
     async def run(self) -> int:
         """Hold a stage and train until the run ends (0) or `stop` is set (0, stage saved); 1 if the
-        pipeline cannot go on."""
-        if not await self._wait_for_stage():
-            return 0
-        try:
-            self.worker = worker = await self._build_worker()
-            follower = AssignmentFollower(self.t, worker.stage, self.beats)
-            follower.start(self.assignment)
-            self.beats.attach(worker)
-            run_task = asyncio.ensure_future(worker.run(self.run_cfg.train.steps))
+        pipeline cannot go on. A node that loses its stage (declared failed while unreachable)
+        saves it, stands by and may be given a stage again."""
+        while await self._wait_for_stage():
             try:
-                await self._until_stop(asyncio.shield(run_task))
-            finally:
-                follower.stop()
-            if not run_task.done():
-                print(f"{self.node_id}: stopping: saving stage {worker.stage} at step {worker.committed}", flush=True)
-                await worker.stop()
-                run_task.cancel()
+                outcome = await self._hold_stage()
+            except PipelineError as exc:
+                print(f"{self.node_id}: error: {exc}", file=sys.stderr, flush=True)
+                return 1
+            if outcome is not None:
+                return outcome
+        return 0
+
+    async def _hold_stage(self) -> int | None:
+        """Train the assigned stage: 0 when the run ended or `stop` was set, None if the stage was
+        lost (the worker is stopped and saved, and the node stands by)."""
+        self.worker = worker = await self._build_worker()
+        follower = AssignmentFollower(self.t, worker.stage, self.beats)
+        follower.start(self.assignment)
+        self.beats.attach(worker)
+        run_task = asyncio.ensure_future(worker.run(self.run_cfg.train.steps))
+        try:
+            await self._until_stop(asyncio.shield(run_task), also=follower.lost)
+        finally:
+            follower.stop()
+        if not run_task.done():
+            lost = follower.lost.is_set() and not self.stop.is_set()
+            what = "it lost the stage to another node" if lost else "stopping"
+            print(f"{self.node_id}: {what}: saving stage {worker.stage} at step {worker.committed}", flush=True)
+            await worker.stop()
+            run_task.cancel()
+            if not lost:
                 return 0
-            run_task.result()  # raises PipelineError
-            await self.t.flush(10.0)
-            await worker.compute(worker.save)
-            print(f"{self.node_id}: run finished at step {worker.committed}", flush=True)
-            return 0
-        except PipelineError as exc:
-            print(f"{self.node_id}: error: {exc}", file=sys.stderr, flush=True)
-            return 1
+            await self._release_stage(follower.assignment)
+            return None
+        run_task.result()  # raises PipelineError
+        await self.t.flush(10.0)
+        await worker.compute(worker.save)
+        print(f"{self.node_id}: run finished at step {worker.committed}", flush=True)
+        return 0
+
+    async def _release_stage(self, assignment: pb.Assignment) -> None:
+        """After losing the stage: no links, no stage stats, the coordinator's latest word."""
+        for direction in (FORWARD, BACKWARD):
+            self.t.set_peer(direction, "", "")
+        self.t.set_stage(-1)
+        self.beats.detach()
+        self.worker.close()
+        self.worker = None
+        self.assignment = assignment
+        print(f"{self.node_id}: standing by", flush=True)
 
     async def shutdown(self) -> None:
         """Finish uploads, report a last time, leave the swarm, close every connection."""

@@ -144,7 +144,7 @@ class LinkedTransport:
         self.stage = -1
         self.address = ""
         self.envelope_cap = MAX_ENVELOPE_BYTES  # the run's largest legitimate envelope, once known (set_envelope_cap)
-        self.peer_keys: dict[str, bytes] = {}  # node id -> public key: only these may send frames here
+        self.peer_keys: dict[str, bytes] = {}  # node id -> public key: only these (the neighbours) may send frames here
         self.peer_certs: dict[str, bytes] = {}  # node id -> its TLS certificate (PEM), pinned when dialling it
         self.keys_changed = asyncio.Event()      # set (and replaced) whenever peer_keys gains a key
 
@@ -164,6 +164,11 @@ class LinkedTransport:
         return self.streams[direction]
 
     def set_peer(self, direction: Direction, node_id: str, address: str, public_key: bytes = b"", tls_cert: bytes = b"") -> None:
+        old = self.links[direction].peer_id
+        other = {link.peer_id for d, link in self.links.items() if d != direction}
+        if old and old != node_id and old not in other:  # a former neighbour may send nothing more here
+            self.peer_keys.pop(old, None)
+            self.peer_certs.pop(old, None)
         if node_id:
             self.peer_certs[node_id] = tls_cert
         if node_id and public_key:
