@@ -149,6 +149,7 @@ def test_a_bad_micro_batch_is_refused_the_step_replayed_and_training_stays_exact
     asyncio.run(train(swarm, 6))
     assert len(sent) == 1
     assert swarm.workers[stage].stats.refused_micro_batches == 1
+    assert swarm.workers[stage].stats.offences == {"intruder": 1}  # reported to the coordinator, which bans repeat offenders
     assert swarm.workers[0].stats.replays >= 1
     assert swarm.steps() == list(range(6))
     assert swarm.losses() == pytest.approx(train_local(run, dataset), abs=1e-5)

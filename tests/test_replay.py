@@ -259,3 +259,35 @@ def test_a_neighbour_heard_of_late_is_waited_for(servers):
         name_it.join()
     finally:
         servers.transport.peer_wait_s = 0.1
+
+
+def test_a_neighbour_holds_only_a_few_streams_open_at_once(servers):
+    """Each stream may hold a partly received envelope in memory: one sender gets STREAMS_PER_PEER
+    open streams per direction, the next is refused with RESOURCE_EXHAUSTED, and the slots come
+    back when its streams end."""
+    import threading
+    import time
+
+    from tahnode.net.framing import CHUNK_BYTES
+    from tahnode.net.grpc_transport import STREAMS_PER_PEER
+
+    sealer, release = servers.sealer(PEER), threading.Event()
+
+    def held():  # the first frame of a two-frame envelope, then nothing until released
+        yield list(frames_of(sealer, NODE, bytes(CHUNK_BYTES + 1)))[0].SerializeToString()
+        release.wait(30)
+
+    def first_frame() -> list[bytes]:
+        return [list(frames_of(sealer, NODE, bytes(CHUNK_BYTES + 1)))[0].SerializeToString()]
+
+    with grpc.insecure_channel(servers.node) as ch:
+        forward = ch.stream_unary(RPCS["Forward"].path, request_serializer=lambda b: b, response_deserializer=lambda b: b)
+        calls = [forward.future(held(), timeout=30) for _ in range(STREAMS_PER_PEER)]
+        time.sleep(1.0)  # every one of them past its first frame
+        try:
+            assert refused_with(servers, "Forward", first_frame()) == grpc.StatusCode.RESOURCE_EXHAUSTED
+        finally:
+            release.set()
+        for call in calls:
+            call.result()
+    send(servers, RPCS["Forward"], first_frame())  # the slots are free again

@@ -11,11 +11,12 @@ from pathlib import Path
 
 from ..config import RunConfig
 from ..net.auth import BadMac, Sealer, SwarmKey
-from ..net.errors import InvalidRequest, NotAuthenticated, NotFresh, StageTaken, UnknownNode
+from ..net.errors import Banned, InvalidRequest, NotAuthenticated, NotFresh, StageTaken, UnknownNode
 from ..net.freshness import COORDINATOR, SealRefused
 from ..net.identity import NodeKey
 from ..pipeline.checkpoint import CheckpointStore
 from ..proto import tahnode_pb2 as pb
+from .bans import BanPolicy, Bans
 from .durable import SwarmDB
 from .state import STANDBY, NodeRecord, NodeStatus
 
@@ -42,7 +43,8 @@ class SwarmRegistry:
     """Who is in the swarm and which stage each node holds. Not thread-safe: used from the event loop.
     Refused requests raise the typed errors of tahnode.net.errors."""
 
-    def __init__(self, run: RunConfig, key: SwarmKey, heartbeat_timeout: float = 10.0, store_dir: str | Path = "tahnode-store"):
+    def __init__(self, run: RunConfig, key: SwarmKey, heartbeat_timeout: float = 10.0, store_dir: str | Path = "tahnode-store",
+                 bans: Bans | None = None):
         self.run = run
         self.run_json = run.to_json()
         # one folder per run configuration: a checkpoint of another run is never handed out
@@ -51,6 +53,7 @@ class SwarmRegistry:
         self.key = key
         self.sealer = Sealer(key, COORDINATOR, run_identity(self.store.dir), NodeKey.load_or_create(self.store.dir / "coordinator.key"))
         self.timeout = heartbeat_timeout
+        self.bans = bans or Bans(BanPolicy())
         self.nodes: dict[str, NodeRecord] = {}
         self.db = SwarmDB(self.store.dir / "coordinator.sqlite")
         self._epoch = self.db.get("epoch", 1)
@@ -161,6 +164,9 @@ class SwarmRegistry:
         if not req.node_id or not req.address:
             raise InvalidRequest("join needs a node id and an address")
         self.check(req, req.node_id, run_optional=True, bind=True)
+        if self.bans.left(req.node_id):
+            raise Banned(f"node {req.node_id} is banned for another {self.bans.left(req.node_id):.0f} s: its neighbours "
+                         "kept refusing its micro-batches (malformed, non-finite or oversized)")
         if req.stage < -1 or req.stage >= self.run.stages:
             raise InvalidRequest(f"stage {req.stage} does not exist: this swarm has stages 0..{self.run.stages - 1}")
         self.sweep()
@@ -193,9 +199,23 @@ class SwarmRegistry:
             node.layer_ms = req.layer_ms
         for link in req.links:
             node.links[link.dst] = (link.bytes, link.seconds)
+        self._judge(node, req.stats.offences)
         self._record(list(req.stats.losses))
         self.sweep()
         return pb.HeartbeatReply(assignment=self.assignment(node), known=True, run_finished=self.run_finished())
+
+    def _judge(self, reporter: NodeRecord, offences) -> None:
+        """Ban the neighbours of `reporter` whose micro-batches it keeps refusing (only a stage's
+        neighbours receive its micro-batches, so only their reports count)."""
+        if not offences or reporter.status is not NodeStatus.ACTIVE:
+            return
+        neighbours = {n.node_id for n in self.nodes.values() if n.status is NodeStatus.ACTIVE and abs(n.stage - reporter.stage) == 1}
+        for sender in self.bans.report(reporter.node_id, {s: c for s, c in offences.items() if s in neighbours}):
+            node = self.nodes[sender]
+            node.status = NodeStatus.BANNED
+            self.epoch += 1
+            self.event(f"banned: {sender} (stage {node.stage}) for {self.bans.policy.ban_s:.0f} s: {reporter.node_id} "
+                       f"refused {self.bans.policy.threshold} of its micro-batches within {self.bans.policy.window_s:.0f} s")
 
     def _record(self, points: list[pb.LossPoint]) -> None:
         """Committed steps into the ledger, in memory and on disk. A step at or before one already

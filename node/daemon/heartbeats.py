@@ -7,7 +7,7 @@ import asyncio
 import logging
 
 from ..config import AUTO_STAGE
-from ..net.errors import CoordinatorError, StageTaken, UnknownNode
+from ..net.errors import Banned, CoordinatorError, StageTaken, UnknownNode
 from ..net.transport import BACKWARD, FORWARD, Transport
 from ..pipeline.worker import StageWorker
 from ..proto import tahnode_pb2 as pb
@@ -37,6 +37,8 @@ class Heartbeats:
         self.assignment: pb.Assignment | None = None
         self.run_finished = False
         self.changed = asyncio.Event()
+        self.dismissed = asyncio.Event()  # set when the coordinator bans this node: `dismissal` says why
+        self.dismissal = ""
         self.task: asyncio.Task | None = None
 
     def attach(self, worker: StageWorker) -> None:
@@ -126,5 +128,9 @@ class Heartbeats:
                 self.assignment = reply.assignment
                 self.changed.set()  # the follower sees that the stage is gone
             log.info("rejoined the coordinator")
+        except Banned as exc:
+            log.error("rejoin: %s", exc)
+            self.dismissal = str(exc)
+            self.dismissed.set()
         except CoordinatorError as again:
             log.warning("rejoin: %s", again)

@@ -115,10 +115,11 @@ class StageNode:
             raise
         return node
 
-    async def _until_stop(self, awaitable, also: asyncio.Event | None = None):
-        """The awaitable's result, or None if `stop` (or `also`) is set first (the awaitable is cancelled)."""
+    async def _until_stop(self, awaitable, *also: asyncio.Event):
+        """The awaitable's result, or None if `stop` (or the coordinator's ban, or an event of `also`)
+        is set first (the awaitable is cancelled)."""
         waiter = asyncio.ensure_future(awaitable)
-        stoppers = [asyncio.ensure_future(event.wait()) for event in (self.stop, also) if event is not None]
+        stoppers = [asyncio.ensure_future(event.wait()) for event in (self.stop, self.beats.dismissed, *also)]
         done, _ = await asyncio.wait({waiter, *stoppers}, return_when=asyncio.FIRST_COMPLETED)
         for task in (waiter, *stoppers):
             if task not in done:
@@ -135,7 +136,8 @@ class StageNode:
         while a.stage < 0:
             a = await self._until_stop(self.beats.next_assignment())
             if a is None:
-                print(f"{self.node_id}: stopping (held no stage)", flush=True)
+                if not self.beats.dismissed.is_set():
+                    print(f"{self.node_id}: stopping (held no stage)", flush=True)
                 return False
             if a.stage < 0 and self.beats.run_finished:
                 print(f"{self.node_id}: the run has finished; a standby is no longer needed, leaving", flush=True)
@@ -179,7 +181,11 @@ class StageNode:
                 return 1
             if outcome is not None:
                 return outcome
-        return 0
+        return self._dismissed() if self.beats.dismissed.is_set() else 0
+
+    def _dismissed(self) -> int:
+        print(f"{self.node_id}: error: {self.beats.dismissal}", file=sys.stderr, flush=True)
+        return 1
 
     async def _hold_stage(self) -> int | None:
         """Train the assigned stage: 0 when the run ended or `stop` was set, None if the stage was
@@ -190,17 +196,17 @@ class StageNode:
         self.beats.attach(worker)
         run_task = asyncio.ensure_future(worker.run(self.run_cfg.train.steps))
         try:
-            await self._until_stop(asyncio.shield(run_task), also=follower.lost)
+            await self._until_stop(asyncio.shield(run_task), follower.lost)
         finally:
             follower.stop()
         if not run_task.done():
-            lost = follower.lost.is_set() and not self.stop.is_set()
+            lost = follower.lost.is_set() and not self.stop.is_set() and not self.beats.dismissed.is_set()
             what = "it lost the stage to another node" if lost else "stopping"
             print(f"{self.node_id}: {what}: saving stage {worker.stage} at step {worker.committed}", flush=True)
             await worker.stop()
             run_task.cancel()
             if not lost:
-                return 0
+                return self._dismissed() if self.beats.dismissed.is_set() else 0
             await self._release_stage(follower.assignment)
             return None
         run_task.result()  # raises PipelineError

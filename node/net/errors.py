@@ -6,7 +6,7 @@ from __future__ import annotations
 import grpc
 
 __all__ = ["CoordinatorError", "Unreachable", "Refused", "NotAuthenticated", "NotFresh", "InvalidRequest", "StageTaken",
-           "UnknownNode", "UntrustedCoordinator", "CoordinatorTlsMismatch", "from_rpc_error"]
+           "UnknownNode", "Banned", "UntrustedCoordinator", "CoordinatorTlsMismatch", "from_rpc_error"]
 
 
 class CoordinatorError(RuntimeError):
@@ -56,6 +56,12 @@ class UnknownNode(Refused):
     code = grpc.StatusCode.NOT_FOUND
 
 
+class Banned(Refused):
+    """This node is out of the swarm for a while: its neighbours kept refusing its micro-batches."""
+
+    code = grpc.StatusCode.ABORTED
+
+
 class UntrustedCoordinator(CoordinatorError):
     """The coordinator's TLS certificate is not the one this node pinned or trusted before."""
 
@@ -68,7 +74,7 @@ class CoordinatorTlsMismatch(CoordinatorError):
     code = grpc.StatusCode.UNAVAILABLE
 
 
-_BY_CODE = {cls.code: cls for cls in (NotAuthenticated, NotFresh, InvalidRequest, StageTaken, UnknownNode)}
+_BY_CODE = {cls.code: cls for cls in (NotAuthenticated, NotFresh, InvalidRequest, StageTaken, UnknownNode, Banned)}
 _UNREACHABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 
 

@@ -25,6 +25,7 @@ __all__ = ["GrpcTransport", "CHANNEL_OPTIONS", "DIRECT", "SERVER_OPTIONS"]
 log = logging.getLogger("tahnode.transport")
 
 MAX_MESSAGE_BYTES = 4 << 20      # explicit gRPC limit; frames stay far below it
+STREAMS_PER_PEER = 3             # incoming streams per direction one sender may hold open at once (reconnects overlap)
 PEER_WAIT_S = 3.0                # how long frames from an authentic sender wait for the assignment that names it
 KEEPALIVE = [
     ("grpc.keepalive_time_ms", 2000),
@@ -56,6 +57,7 @@ FRAME_CODES = {FrameNotAuthenticated: grpc.StatusCode.UNAUTHENTICATED, FrameNotF
 class StageServicer(pb_grpc.StageServiceServicer):
     def __init__(self, transport: "GrpcTransport"):
         self.t = transport
+        self.open_streams: dict[tuple[Direction, str], int] = {}  # (direction, sender) -> its incoming streams now
 
     async def _check(self, msg, context, what: str, signed_by: bytes | None = None) -> None:
         """Abort the call unless `msg` is authentic (UNAUTHENTICATED), fresh, for this node and run,
@@ -73,23 +75,34 @@ class StageServicer(pb_grpc.StageServiceServicer):
         asm = Reassembler(self.t.sealer, self.t.envelope_cap, self.t.peer_keys)
         frames = nbytes = 0
         announced = False
-        async for frame in request_iterator:
-            if frame.sender not in self.t.peer_keys and self.t.sealer.key.verify_frame(frame):
-                await self.t.peer_known(frame.sender, self.t.peer_wait_s)  # a token holder: perhaps a neighbour we will hear of
-            try:
-                data = asm.add(frame)
-                env = parse_envelope(data) if data is not None else None
-            except FrameError as exc:
-                log.warning("refused %s stream from %s: %s", direction, context.peer(), exc)
-                await context.abort(FRAME_CODES.get(type(exc), grpc.StatusCode.INVALID_ARGUMENT), str(exc))
-            frames += 1
-            nbytes += len(frame.data)
-            if env is None:
-                continue
-            if not announced:
-                await self.t.inbox.put(Inbound(direction, frame.sender, stream, None))
-                announced = True
-            await self.t.inbox.put(Inbound(direction, frame.sender, stream, env, len(data)))  # full inbox: backpressure
+        slot: tuple[Direction, str] | None = None
+        try:
+            async for frame in request_iterator:
+                if frame.sender not in self.t.peer_keys and self.t.sealer.key.verify_frame(frame):
+                    await self.t.peer_known(frame.sender, self.t.peer_wait_s)  # a token holder: perhaps a neighbour we will hear of
+                try:
+                    data = asm.add(frame)
+                    env = parse_envelope(data) if data is not None else None
+                except FrameError as exc:
+                    log.warning("refused %s stream from %s: %s", direction, context.peer(), exc)
+                    await context.abort(FRAME_CODES.get(type(exc), grpc.StatusCode.INVALID_ARGUMENT), str(exc))
+                if slot is None:  # its first frame is authentic: the stream counts against its sender's streams
+                    slot = (direction, frame.sender)
+                    self.open_streams[slot] = self.open_streams.get(slot, 0) + 1
+                    if self.open_streams[slot] > STREAMS_PER_PEER:
+                        await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{frame.sender} has {STREAMS_PER_PEER} "
+                                            f"{direction} streams open here already")
+                frames += 1
+                nbytes += len(frame.data)
+                if env is None:
+                    continue
+                if not announced:
+                    await self.t.inbox.put(Inbound(direction, frame.sender, stream, None))
+                    announced = True
+                await self.t.inbox.put(Inbound(direction, frame.sender, stream, env, len(data)))  # full inbox: backpressure
+        finally:
+            if slot is not None:
+                self.open_streams[slot] -= 1
         return pb.StreamAck(frames=frames, bytes=nbytes)
 
     async def Forward(self, request_iterator, context):
@@ -116,7 +129,10 @@ class StageServicer(pb_grpc.StageServiceServicer):
     async def Measure(self, request, context):
         # only the coordinator asks (pings and probes come from any node it asks to measure: the
         # token and the seal authenticate them, no node key; they change nothing here)
-        await self._check(request, context, "measure request", signed_by=self.t.peer_keys.get(COORDINATOR, b"?"))
+        coordinator = self.t.peer_keys.get(COORDINATOR)
+        if coordinator is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "this node has not joined a coordinator yet: it measures nothing")
+        await self._check(request, context, "measure request", signed_by=coordinator)
         if self.t.measurer is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "this node does not measure links")
         mbps, rtt = await self.t.measurer(request.target_id, request.target_address, request.payload_bytes, request.target_cert)

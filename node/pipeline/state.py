@@ -102,6 +102,7 @@ class Stats:
     finished: bool = False
     replays: int = 0
     refused_micro_batches: int = 0  # received, but malformed or non-finite (tahnode.pipeline.admission)
+    offences: dict = field(default_factory=dict)  # sender node id -> its refused micro-batches (for bans)
 
     def report(self, committed: int, cache_bytes: int) -> pb.TrainingStats:
         """The stage's stats for a heartbeat, with the committed steps not yet reported (the caller
@@ -116,7 +117,15 @@ class Stats:
             stats.losses.add(step=r.step, loss=r.loss, sample_ids=r.sample_ids, seconds=r.seconds)
         if self.refused_micro_batches:
             stats.refused["bad_micro_batch"] = self.refused_micro_batches
+        for sender, count in self.offences.items():
+            stats.offences[sender] = count
         return stats
+
+    def refused_from(self, sender: str) -> None:
+        """A micro-batch from `sender` was refused (malformed, non-finite, oversized)."""
+        self.refused_micro_batches += 1
+        if sender:
+            self.offences[sender] = self.offences.get(sender, 0) + 1
 
     def reported(self, count: int) -> None:
         """The first `count` committed steps of the outbox reached the coordinator."""

@@ -110,7 +110,7 @@ class StageWorker:
 
     def _refused(self, item: Inbound, mb: pb.MicroBatch, exc: Exception) -> None:
         """A received micro-batch failed admission or decoding: count it, replay the step."""
-        self.stats.refused_micro_batches += 1
+        self.stats.refused_from(item.sender)
         reason = f"refused {item.direction} micro-batch {mb.index} of step {mb.step} from {item.sender or '?'}: {exc}"
         log.warning("stage %d %s; the step will be replayed", self.stage, reason)
         self._replay_step(reason, tell=True)
