@@ -47,3 +47,40 @@ def test_flush_then_close_loses_nothing_a_slow_peer_has_not_read_yet():
         return got
 
     assert asyncio.run(scenario()) == list(range(count))
+
+
+def test_received_envelopes_wait_in_their_stream_once_the_inbox_holds_its_byte_budget():
+    """The inbox holds at most INBOX_ENVELOPES of the run's largest envelopes in bytes: a peer
+    that sends faster than the stage takes them up waits (gRPC's flow control), and everything
+    arrives in order once the stage catches up."""
+    from tahnode.net.links import INBOX_ENVELOPES
+    from tahnode.pipeline.schedule import InboxOrder
+
+    key, size, count = SwarmKey("test-token"), 250_000, 10
+
+    async def scenario() -> tuple[int, int, list[int]]:
+        a, b = NodeKey.generate(), NodeKey.generate()
+        sender, receiver = GrpcTransport(Sealer(key, "a", identity=a), "127.0.0.1:0"), GrpcTransport(Sealer(key, "b", identity=b), "127.0.0.1:0")
+        receiver.peer_keys["a"] = a.public
+        receiver.set_envelope_cap(300_000)  # a budget of 4 x 300 kB: four envelopes of 250 kB, not five
+        await receiver.start()
+        await sender.start()
+        sender.set_peer(FORWARD, "b", receiver.address)
+        for k in range(count):
+            await sender.send(FORWARD, pb.Envelope(micro_batch=pb.MicroBatch(index=k, tensor=pb.EncodedTensor(payload=bytes(size)))),
+                              sender.generation(FORWARD))
+        await asyncio.sleep(2.0)
+        queued = sum(1 for item in list(receiver.inbox._queue) if item.envelope is not None)
+        held = receiver.inbox_bytes.held
+        order, got = InboxOrder(receiver.inbox, receiver.inbox_bytes), []
+        while len(got) < count:
+            item = await asyncio.wait_for(order.next(), 10)
+            if item.envelope is not None:
+                got.append(item.envelope.micro_batch.index)
+        await sender.close()
+        await receiver.close()
+        return queued, held, got
+
+    queued, held, got = asyncio.run(scenario())
+    assert queued == INBOX_ENVELOPES and held <= INBOX_ENVELOPES * 300_000
+    assert got == list(range(count))

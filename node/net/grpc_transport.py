@@ -99,7 +99,7 @@ class StageServicer(pb_grpc.StageServiceServicer):
                 if not announced:
                     await self.t.inbox.put(Inbound(direction, frame.sender, stream, None))
                     announced = True
-                await self.t.inbox.put(Inbound(direction, frame.sender, stream, env, len(data)))  # full inbox: backpressure
+                await self.t.inbox_bytes.put(self.t.inbox, Inbound(direction, frame.sender, stream, env, len(data)))  # backpressure
         finally:
             if slot is not None:
                 self.open_streams[slot] -= 1

@@ -49,7 +49,7 @@ class InProcessLink(OutLink):
                 await peer.inbox.put(Inbound(self.direction, self.transport.node_id, stream, None))
             envelope = pb.Envelope()
             envelope.ParseFromString(data)
-            await peer.inbox.put(Inbound(self.direction, self.transport.node_id, stream, envelope, len(data)))
+            await peer.inbox_bytes.put(peer.inbox, Inbound(self.direction, self.transport.node_id, stream, envelope, len(data)))
             self.delivered(len(data), time.perf_counter() - start)
 
 

@@ -13,11 +13,13 @@ from ..config.emulation import LinkEmulation
 from ..proto import tahnode_pb2 as pb
 from .emulation import pacer_for
 from .framing import MAX_ENVELOPE_BYTES
-from .transport import BACKWARD, FORWARD, QUEUE_LIMIT, Direction, LinkCounters
+from .transport import BACKWARD, FORWARD, QUEUE_LIMIT, ByteBudget, Direction, LinkCounters
 
 log = logging.getLogger("tahnode.transport")
 
 __all__ = ["OutLink", "LinkedTransport"]
+
+INBOX_ENVELOPES = 4  # the inbox holds at most this many of the run's largest envelopes (in bytes)
 
 
 class OutLink:
@@ -138,6 +140,7 @@ class LinkedTransport:
         self.node_id = node_id
         self.emulation = emulation
         self.inbox: asyncio.Queue = asyncio.Queue(maxsize=2 * QUEUE_LIMIT)  # both directions come in here
+        self.inbox_bytes = ByteBudget(INBOX_ENVELOPES * MAX_ENVELOPE_BYTES)  # ... within this many bytes
         self.links: dict[Direction, OutLink] = {}
         self.streams = {FORWARD: 0, BACKWARD: 0}
         self.down_callbacks: list[Callable[[Direction, str], None]] = []
@@ -157,6 +160,7 @@ class LinkedTransport:
     def set_envelope_cap(self, nbytes: int) -> None:
         """Refuse incoming envelopes larger than `nbytes` (what the run's largest message can be)."""
         self.envelope_cap = nbytes
+        self.inbox_bytes.limit = INBOX_ENVELOPES * nbytes
 
     def next_stream(self, direction: Direction) -> int:
         """Number a new incoming stream of `direction` (its codec state starts afresh)."""

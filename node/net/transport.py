@@ -10,7 +10,7 @@ from typing import Awaitable, Callable, Protocol
 
 from ..proto import tahnode_pb2 as pb
 
-__all__ = ["Direction", "FORWARD", "BACKWARD", "EnvelopeKind", "Inbound", "LinkCounters", "Measurer", "Transport", "MAX_IN_FLIGHT",
+__all__ = ["Direction", "FORWARD", "BACKWARD", "EnvelopeKind", "Inbound", "LinkCounters", "Measurer", "Transport", "ByteBudget", "MAX_IN_FLIGHT",
            "QUEUE_LIMIT"]
 
 
@@ -75,8 +75,34 @@ class LinkCounters:
 Measurer = Callable[[str, str, int, bytes], Awaitable[tuple[float, float]]]
 
 
+class ByteBudget:
+    """Bytes of received envelopes a daemon holds (queued in its inbox or waiting to be handled):
+    `reserve` waits while they would pass `limit` (backpressure on the sending stream; one envelope
+    is always let in), `release` gives them back once the stage takes the envelope up."""
+
+    def __init__(self, limit: int):
+        self.limit, self.held = limit, 0
+        self.changed = asyncio.Event()
+
+    async def reserve(self, nbytes: int) -> None:
+        while self.held and self.held + nbytes > self.limit:
+            self.changed.clear()
+            await self.changed.wait()
+        self.held += nbytes
+
+    def release(self, nbytes: int) -> None:
+        self.held = max(0, self.held - nbytes)
+        self.changed.set()
+
+    async def put(self, inbox: asyncio.Queue, item: Inbound) -> None:
+        """Into `inbox`, once the budget has room for the item's bytes."""
+        await self.reserve(item.nbytes)
+        await inbox.put(item)
+
+
 class Transport(Protocol):
     inbox: asyncio.Queue
+    inbox_bytes: ByteBudget  # bytes of received envelopes held; released as the stage takes each up
     address: str
 
     async def start(self) -> str:

@@ -122,10 +122,11 @@ class InboxOrder:
     """Which received envelope a stage handles next: gradients before activations (1F1B's rule: a
     gradient's backward pass frees its saved activations and feeds the backward links, which drain
     last at the end of a step), each direction in the order it arrived. It takes from the inbox
-    only what it may hold (the inbox's own bound), so a flooding peer still meets backpressure."""
+    only what it may hold (the inbox's own bound), so a flooding peer still meets backpressure; an
+    envelope's bytes go back to the transport's `budget` when the stage takes it up."""
 
-    def __init__(self, inbox: asyncio.Queue):
-        self.inbox = inbox
+    def __init__(self, inbox: asyncio.Queue, budget=None):
+        self.inbox, self.budget = inbox, budget
         self.limit = max(1, inbox.maxsize)
         self.waiting = {FORWARD: deque(), BACKWARD: deque()}
 
@@ -140,7 +141,10 @@ class InboxOrder:
             item = await self.inbox.get()
             self.waiting[item.direction].append(item)
             self._take_ready()
-        return (self.waiting[BACKWARD] or self.waiting[FORWARD]).popleft()
+        item = (self.waiting[BACKWARD] or self.waiting[FORWARD]).popleft()
+        if self.budget is not None:
+            self.budget.release(item.nbytes)
+        return item
 
 
 class Window:

@@ -272,7 +272,7 @@ class StageWorker:
     async def serve(self) -> None:
         """Handle envelopes, gradients first (InboxOrder), until a Shutdown went through (or stop()
         was called)."""
-        order = InboxOrder(self.t.inbox)
+        order = InboxOrder(self.t.inbox, self.t.inbox_bytes)
         while not self.shutdown.is_set():
             getter = asyncio.ensure_future(order.next())
             stopper = asyncio.ensure_future(self.shutdown.wait())
