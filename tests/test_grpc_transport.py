@@ -84,3 +84,37 @@ def test_received_envelopes_wait_in_their_stream_once_the_inbox_holds_its_byte_b
     queued, held, got = asyncio.run(scenario())
     assert queued == INBOX_ENVELOPES and held <= INBOX_ENVELOPES * 300_000
     assert got == list(range(count))
+
+
+def test_after_a_flush_the_links_can_be_reset_and_used_for_a_new_stage():
+    """A node that lost its stage flushed and ended its links; holding a stage again, it resets
+    them: the new links reach the new peers, the former neighbours' keys are forgotten."""
+    key = SwarmKey("test-token")
+
+    async def scenario() -> tuple[list[int], bool]:
+        a, b = NodeKey.generate(), NodeKey.generate()
+        sender, receiver = GrpcTransport(Sealer(key, "a", identity=a), "127.0.0.1:0"), GrpcTransport(Sealer(key, "b", identity=b), "127.0.0.1:0")
+        receiver.peer_keys["a"] = a.public
+        await receiver.start()
+        await sender.start()
+        sender.set_peer(FORWARD, "b", receiver.address, b.public)
+
+        async def send(index: int) -> None:
+            await sender.send(FORWARD, pb.Envelope(micro_batch=pb.MicroBatch(index=index)), sender.generation(FORWARD))
+
+        await send(1)
+        await sender.flush(10.0)  # the stage stopped: its links ended
+        sender.reset_links()
+        forgot = "b" not in sender.peer_keys
+        sender.set_peer(FORWARD, "b", receiver.address, b.public)
+        await send(2)
+        got: list[int] = []
+        while len(got) < 2:
+            item = await asyncio.wait_for(receiver.inbox.get(), 10)
+            if item.envelope is not None:
+                got.append(item.envelope.micro_batch.index)
+        await sender.close()
+        await receiver.close()
+        return got, forgot
+
+    assert asyncio.run(scenario()) == ([1, 2], True)

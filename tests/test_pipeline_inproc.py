@@ -308,6 +308,57 @@ def test_a_corrupt_checkpoint_is_moved_aside_and_every_stage_resumes_from_the_on
     assert swarm.losses() == pytest.approx(train_local(longer, dataset)[2:], abs=1e-5)
 
 
+def test_a_stage_without_the_checkpoint_to_roll_back_to_fetches_it_from_the_store(dataset, tmp_path):
+    """Stage 1 must resume from step 2 (its step-4 file is corrupt), but stages 0 and 2 kept only
+    their step-4 checkpoints: each fetches step 2 from the coordinator's store (here a copy of
+    every file) and rolls back, and training stays exact. Without a store to fetch from, the
+    stage that cannot roll back says so and stage 0 stops with PipelineError (no daemon dies
+    on a stage's word alone)."""
+    import shutil
+
+    from tahnode.pipeline.state import PipelineError
+
+    run = build_run(4, **NONE, **{"train.checkpoint_every": 2})
+    asyncio.run(train(Swarm(run, dataset, store_dir=tmp_path / "ck"), 4))
+    shutil.copytree(tmp_path / "ck", tmp_path / "coordinator-store")
+    newest = CheckpointStore(tmp_path / "ck" / "n1").latest(1, run.stages)
+    newest.path.write_bytes(newest.path.read_bytes()[:-1] + bytes([newest.path.read_bytes()[-1] ^ 1]))
+    for k in (0, 2):
+        CheckpointStore(tmp_path / "ck" / f"n{k}").path(k, run.stages, 2).unlink()
+    longer = build_run(6, **NONE, **{"train.checkpoint_every": 2})
+
+    def scenario(with_store: bool):
+        swarm, fetched = Swarm(longer, dataset, store_dir=tmp_path / "ck"), []
+
+        async def go() -> None:
+            await swarm.start()
+            try:
+                for k, w in enumerate(swarm.workers):
+                    async def fetch(step: int, k=k) -> bool:
+                        source = CheckpointStore(tmp_path / "coordinator-store" / f"n{k}").find(k, run.stages, step)
+                        if not with_store or source is None:
+                            return False
+                        shutil.copy(source.path, CheckpointStore(tmp_path / "ck" / f"n{k}").path(k, run.stages, step))
+                        fetched.append((k, step))
+                        return True
+
+                    w.saver.fetch = fetch
+                    w.resume()
+                await asyncio.wait_for(asyncio.gather(*(w.run(6) for w in swarm.workers)), 120)
+            finally:
+                await swarm.close()
+
+        asyncio.run(go())
+        return swarm, fetched
+
+    with pytest.raises(PipelineError, match="cannot roll back to step 2"):
+        scenario(with_store=False)
+    swarm, fetched = scenario(with_store=True)
+    assert sorted(fetched) == [(0, 2), (2, 2)]
+    assert swarm.steps() == [2, 3, 4, 5]
+    assert swarm.losses() == pytest.approx(train_local(longer, dataset)[2:], abs=1e-5)
+
+
 def codec_streams(run: RunConfig, stage: int):
     """The codec streams of `stage` on an in-process transport of its own."""
     from tahnode.pipeline.state import Stats

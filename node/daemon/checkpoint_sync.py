@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
+from ..net.errors import CoordinatorError
 from ..pipeline.checkpoint import CheckpointStore, CorruptCheckpoint, read_verified
 from ..proto import tahnode_pb2 as pb
 from .membership import CoordinatorClient
@@ -48,12 +49,20 @@ class CheckpointSync:
     async def fetch(self, a: pb.Assignment) -> bool:
         """Download the store's checkpoint the assignment resumes from; False (with a log line) if
         it arrived corrupt, and the stage resumes from its newest sound checkpoint here."""
+        return await self.fetch_step(a.stage, a.num_stages, a.resume_step)
+
+    async def fetch_step(self, stage: int, num_stages: int, step: int) -> bool:
+        """Download the store's checkpoint of (stage, step) into this node's store; False (with a
+        log line) if the store has none or it arrived corrupt."""
         try:
-            await self.coord.download(self.node_id, a.stage, a.resume_step, self.store.path(a.stage, a.num_stages, a.resume_step))
+            await self.coord.download(self.node_id, stage, step, self.store.path(stage, num_stages, step))
         except CorruptCheckpoint as exc:
-            log.error("the store's checkpoint of stage %d at step %d: %s; resuming from the newest sound one here",
-                      a.stage, a.resume_step, exc)
+            log.error("the store's checkpoint of stage %d at step %d: %s", stage, step, exc)
             return False
+        except CoordinatorError as exc:
+            log.error("no checkpoint of stage %d at step %d from the coordinator: %s", stage, step, exc)
+            return False
+        log.info("fetched the checkpoint of stage %d at step %d from the coordinator", stage, step)
         return True
 
     async def wait(self, timeout: float) -> None:

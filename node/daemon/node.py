@@ -23,7 +23,7 @@ from ..net.grpc_transport import GrpcTransport
 from ..net.identity import KEY_FILE, NodeKey
 from ..net.probe import measure_link
 from ..net.tls import PINNED_COORDINATOR_FILE, CoordinatorTrust, TlsCertificate, is_loopback, wants_tls
-from ..net.transport import BACKWARD, FORWARD, Transport
+from ..net.transport import Transport
 from ..pipeline.admission import envelope_cap
 from ..pipeline.checkpoint import CheckpointStore
 from ..pipeline.state import PipelineError
@@ -164,6 +164,7 @@ class StageNode:
             model = load_stage_from_hf(build_stage(run.model, a.stage, run.stages, seed=run.train.seed), cfg.init_from)
         worker = StageWorker(run, a.stage, self.t, self.device, store, dataset, on_step=Progress(run.train.steps, cfg.progress),
                              model=model, on_saved=lambda path, step: self.sync.saved(path, step, a.stage, a.num_stages))
+        worker.saver.fetch = lambda step: self.sync.fetch_step(a.stage, a.num_stages, step)  # for rollbacks: the store's copy
         resumed = worker.resume()
         if resumed:
             print(f"{self.node_id}: resumed stage {a.stage} from its checkpoint at step {resumed}", flush=True)
@@ -217,8 +218,7 @@ class StageNode:
 
     async def _release_stage(self, assignment: pb.Assignment) -> None:
         """After losing the stage: no links, no stage stats, the coordinator's latest word."""
-        for direction in (FORWARD, BACKWARD):
-            self.t.set_peer(direction, "", "")
+        self.t.reset_links()  # the stop flushed and ended them
         self.t.set_stage(-1)
         self.beats.detach()
         self.worker.close()

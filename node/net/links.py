@@ -13,6 +13,7 @@ from ..config.emulation import LinkEmulation
 from ..proto import tahnode_pb2 as pb
 from .emulation import pacer_for
 from .framing import MAX_ENVELOPE_BYTES
+from .freshness import COORDINATOR
 from .transport import BACKWARD, FORWARD, QUEUE_LIMIT, ByteBudget, Direction, LinkCounters
 
 log = logging.getLogger("tahnode.transport")
@@ -228,6 +229,16 @@ class LinkedTransport:
                 await asyncio.wait_for(asyncio.gather(*(link.ended.wait() for link in links)), timeout)
             except asyncio.TimeoutError:
                 log.warning("gave up waiting for the peers to read the last envelopes after %.0f s", timeout)
+
+    def reset_links(self) -> None:
+        """Drop every outgoing link (also one ended by flush()) and start afresh without peers, for
+        a new holder of a stage on this transport; callbacks of the old one are forgotten."""
+        self.close_links()
+        self.down_callbacks.clear()
+        for node_id in [k for k in self.peer_keys if k != COORDINATOR]:  # former neighbours may send nothing more
+            del self.peer_keys[node_id]
+        self.peer_certs.clear()
+        self.open_links()
 
     def close_links(self) -> None:
         for link in self.links.values():

@@ -138,4 +138,8 @@ class Transport(Protocol):
         is not enough: a stream closed with frames still in its buffers loses them, and a
         Shutdown lost that way leaves the later stages waiting for ever. Nothing is sent after."""
 
+    def reset_links(self) -> None:
+        """Drop every outgoing link (also after flush()) and start afresh without peers: the node
+        lost its stage and may hold another one later."""
+
     async def close(self) -> None: ...

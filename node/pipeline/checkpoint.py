@@ -245,7 +245,15 @@ class StageSaver:
         self.store, self.stage, self.num_stages = store, stage, run.stages
         self.run_json = run.to_json()
         self.on_saved = on_saved
+        self.fetch = None  # async fetch(step) -> bool: the daemon downloads a checkpoint of the stage from the coordinator
         self.saved_step = -1
+
+    async def ensure(self, step: int) -> bool:
+        """A checkpoint of `step` is here (step 0 needs none: the initial weights), fetched with
+        `fetch` if the store has none of its own; False if neither has one."""
+        if step == 0 or (self.store is not None and self.store.find(self.stage, self.num_stages, step)):
+            return True
+        return self.fetch is not None and self.store is not None and await self.fetch(step)
 
     def save(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer, codecs) -> None:
         """Save the state of committed step `step` (once; nothing at step 0 or without a store)."""

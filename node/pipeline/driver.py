@@ -134,8 +134,8 @@ class StepDriver:
             # a stage came back from an older checkpoint (e.g. a standby took it over): every stage
             # returns to that step and the steps after it are trained again
             log.warning("stages are at steps %d..%d: rolling every stage back to step %d", low, max(ack.max_committed, st.committed), low)
-            if st.committed != low:
-                await w.compute(w.rollback, low)
+            if st.committed != low and not await w.resync.roll_back(low):
+                raise PipelineError(f"stage 0 cannot roll back to step {low}: no checkpoint of it here or in the coordinator's store")
             rollback = True
             attempt += 1
 

@@ -19,11 +19,12 @@ from ..config import RunConfig
 from ..net.transport import BACKWARD, FORWARD, Direction, EnvelopeKind, Inbound, Transport
 from ..proto import tahnode_pb2 as pb
 from ..train.data import TokenDataset
-from ..train.model import COMPUTE_DTYPES, StageModel, build_stage, init_weights
+from ..train.model import COMPUTE_DTYPES, StageModel, build_stage
 from ..train.optim import StageOptimizer, grad_sumsq
 from .admission import Admission, BadMicroBatch
 from .checkpoint import CheckpointStore, StageSaver
 from .driver import StepDriver
+from .resync import Resync
 from .schedule import InboxOrder, Split
 from .state import Pending, PipelineError, Stats, StepRecord, StepState, StopRequest
 from .streams import CodecStreams
@@ -54,6 +55,7 @@ class StageWorker:
         split = Split.of(self.train, run.stages)
         self.state = StepState(micro_batches=split.micro_batches, samples_per_step=split.samples)
         self.driver = StepDriver(self, dataset) if self.first else None
+        self.resync = Resync(self)
         self.stop_request: StopRequest | None = None
         self.shutdown = asyncio.Event()
         self.handling = asyncio.Lock()  # held while one envelope is being handled
@@ -106,16 +108,16 @@ class StageWorker:
             return
         log.warning("stage %d: %s; the step will be replayed", self.stage, reason)
         # a failed backward link is reported to stage 0 by the stage on its other end
-        self._replay_step(reason, tell=direction == FORWARD)
+        self.replay_step(reason, tell=direction == FORWARD)
 
     def _refused(self, item: Inbound, mb: pb.MicroBatch, exc: Exception) -> None:
         """A received micro-batch failed admission or decoding: count it, replay the step."""
         self.stats.refused_from(item.sender)
         reason = f"refused {item.direction} micro-batch {mb.index} of step {mb.step} from {item.sender or '?'}: {exc}"
         log.warning("stage %d %s; the step will be replayed", self.stage, reason)
-        self._replay_step(reason, tell=True)
+        self.replay_step(reason, tell=True)
 
-    def _replay_step(self, reason: str, tell: bool) -> None:
+    def replay_step(self, reason: str, tell: bool) -> None:
         """Have stage 0 replay the step in flight; a later stage tells it (if `tell`) through the
         backward chain."""
         if self.first:
@@ -135,25 +137,10 @@ class StageWorker:
         """Load the newest checkpoint of this stage, if any; returns the committed step."""
         loaded = self.saver.load_latest(self.model, self.opt.opt, self.codecs)
         if loaded:
-            self._resumed_at(loaded)
+            self.resumed_at(loaded)
         return loaded
 
-    def rollback(self, step: int) -> None:
-        """Return to the committed state of `step` (a checkpoint of it, or the initial weights)."""
-        if step == 0:
-            init_weights(self.model, self.train.seed)
-            self.opt = StageOptimizer(self.model.parameters(), self.train)
-            self.codecs.restart()
-            self._resumed_at(0)
-        else:
-            if not self.saver.load(step, self.model, self.opt.opt, self.codecs):
-                raise PipelineError(f"stage {self.stage} cannot roll back to step {step}: no checkpoint of that step")
-            self._resumed_at(step)
-        self.stats.losses = [r for r in self.stats.losses if r.step < step]
-        self.codecs.drop_streams()
-        log.warning("stage %d rolled back to step %d", self.stage, step)
-
-    def _resumed_at(self, step: int) -> None:
+    def resumed_at(self, step: int) -> None:
         self.state.committed = step
         self.restart_step(step, self.state.attempt)
 
@@ -299,9 +286,9 @@ class StageWorker:
         elif kind is EnvelopeKind.STEP_END:
             await self._on_step_end(env.step_end)
         elif kind is EnvelopeKind.SYNC:
-            await self._on_sync(env.sync)
+            await self.resync.on_sync(env.sync)
         elif kind is EnvelopeKind.SYNC_ACK:
-            await self._on_sync_ack(env.sync_ack)
+            await self.resync.on_sync_ack(env.sync_ack)
         elif kind is EnvelopeKind.SHUTDOWN:
             if not self.last:
                 await self.send(FORWARD, shutdown=env.shutdown)
@@ -338,30 +325,6 @@ class StageWorker:
             log.debug("stage %d dropped step end %d: already applied (from a sync)", self.stage, end.step)
         else:
             raise PipelineError(f"stage {self.stage}: step end {end.step} arrived with gradients of {st.done_backward} micro-batches of step {st.step}")
-
-    async def _on_sync(self, sync: pb.Sync) -> None:
-        st = self.state
-        if sync.rollback and st.committed != sync.step:
-            await self.compute(self.rollback, sync.step)
-        lc = sync.last_commit
-        if lc.step + 1 == sync.step and st.committed == lc.step and st.awaits_step_end():
-            log.info("stage %d applies step %d from the sync", self.stage, lc.step)
-            await self.commit(lc)
-        await self.compute(self.restart_step, sync.step, sync.attempt)
-        if self.last:
-            ack = pb.SyncAck(step=sync.step, attempt=sync.attempt, min_committed=st.committed, max_committed=st.committed)
-            await self.send(BACKWARD, sync_ack=ack)
-        else:
-            await self.send(FORWARD, sync=sync)
-
-    async def _on_sync_ack(self, ack: pb.SyncAck) -> None:
-        if not ack.abort:
-            ack.min_committed = min(ack.min_committed, self.committed)
-            ack.max_committed = max(ack.max_committed, self.committed)
-        if self.first:
-            self.driver.sync_answered(ack)
-        else:
-            await self.send(BACKWARD, sync_ack=ack)
 
     # -- running -------------------------------------------------------------------------------
     async def run(self, steps: int) -> None:

@@ -1,0 +1,82 @@
+"""Bringing the stages back to one step after a replay: a stage's part of the Sync protocol (pass
+the Sync on, answer with its committed step) and the rollback to an earlier committed step, from a
+checkpoint of its own or, if it has none of that step, one fetched from the coordinator's store."""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+from ..net.transport import BACKWARD, FORWARD
+from ..proto import tahnode_pb2 as pb
+from ..train.model import init_weights
+from ..train.optim import StageOptimizer
+from .state import PipelineError
+
+if TYPE_CHECKING:
+    from .worker import StageWorker
+
+log = logging.getLogger("tahnode.pipeline")
+
+__all__ = ["Resync"]
+
+
+class Resync:
+    """Stage `w`'s side of the replay protocol (stage 0 drives it: tahnode.pipeline.driver)."""
+
+    def __init__(self, worker: "StageWorker"):
+        self.w = worker
+
+    async def roll_back(self, step: int) -> bool:
+        """Return to the committed state of `step`; False (stage 0 is told, the stage goes on as it
+        was) if neither this stage nor the coordinator's store has a checkpoint of it."""
+        w = self.w
+        if await w.saver.ensure(step):
+            await w.compute(self.rollback, step)
+            return True
+        reason = f"stage {w.stage} cannot roll back to step {step}: no checkpoint of it here or in the coordinator's store"
+        log.error("%s", reason)
+        w.replay_step(reason, tell=True)
+        return False
+
+    def rollback(self, step: int) -> None:
+        """(compute thread) The committed state of `step`: a checkpoint of it, or the initial weights."""
+        w = self.w
+        if step == 0:
+            init_weights(w.model, w.train.seed)
+            w.opt = StageOptimizer(w.model.parameters(), w.train)
+            w.codecs.restart()
+        elif not w.saver.load(step, w.model, w.opt.opt, w.codecs):
+            raise PipelineError(f"stage {w.stage} cannot roll back to step {step}: its checkpoint cannot be loaded")
+        w.resumed_at(step)
+        w.stats.losses = [r for r in w.stats.losses if r.step < step]
+        w.codecs.drop_streams()
+        log.warning("stage %d rolled back to step %d", w.stage, step)
+
+    async def on_sync(self, sync: pb.Sync) -> None:
+        """Stage 0 restarts step `sync.step` (rolling every stage back to it, if asked): follow,
+        then pass the Sync on (or, the last stage, answer it)."""
+        w, st = self.w, self.w.state
+        if sync.rollback and st.committed != sync.step and not await self.roll_back(sync.step):
+            return
+        lc = sync.last_commit
+        if lc.step + 1 == sync.step and st.committed == lc.step and st.awaits_step_end():
+            log.info("stage %d applies step %d from the sync", w.stage, lc.step)
+            await w.commit(lc)
+        await w.compute(w.restart_step, sync.step, sync.attempt)
+        if w.last:
+            ack = pb.SyncAck(step=sync.step, attempt=sync.attempt, min_committed=st.committed, max_committed=st.committed)
+            await w.send(BACKWARD, sync_ack=ack)
+        else:
+            await w.send(FORWARD, sync=sync)
+
+    async def on_sync_ack(self, ack: pb.SyncAck) -> None:
+        """An answer on its way back to stage 0: add this stage's committed step to its range."""
+        w = self.w
+        if not ack.abort:
+            ack.min_committed = min(ack.min_committed, w.committed)
+            ack.max_committed = max(ack.max_committed, w.committed)
+        if w.first:
+            w.driver.sync_answered(ack)
+        else:
+            await w.send(BACKWARD, sync_ack=ack)
