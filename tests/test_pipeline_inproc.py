@@ -229,6 +229,20 @@ def test_a_dropped_stale_micro_batch_still_feeds_the_stream_state(dataset):
     assert (out - x * 1.01).abs().max() < 0.05 * x.abs().max()
 
 
+def test_steps_not_reported_yet_come_back_with_the_last_stages_checkpoint(dataset, tmp_path):
+    """A last stage killed after a checkpoint but before its heartbeat reported the steps it
+    committed would leave holes in the coordinator's ledger (the chaos test found step 104
+    missing): its checkpoint keeps the unreported steps, and a resumed worker reports them."""
+    run = build_run(4, **NONE, **{"train.checkpoint_every": 2})
+    swarm = asyncio.run(train(Swarm(run, dataset, store_dir=tmp_path), 4))  # no heartbeats here: nothing reported
+    done = swarm.workers[2].stats.outbox
+    assert [r.step for r in done] == [0, 1, 2, 3]
+    resumed = StageWorker(run, 2, InProcessNetwork().transport("x"), "cpu", CheckpointStore(tmp_path / "n2"))
+    assert resumed.resume() == 4
+    assert [(r.step, r.loss, list(r.sample_ids)) for r in resumed.stats.outbox] == [(r.step, r.loss, list(r.sample_ids)) for r in done]
+    resumed.close()
+
+
 def test_amaq_gates_learn_and_come_back_from_a_checkpoint(dataset, tmp_path):
     """AMAQ's learned widths live in the sending stage's codec state: they move during training,
     are saved with the stage, and a worker resumed from that checkpoint has the same gates."""

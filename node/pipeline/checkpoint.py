@@ -183,8 +183,10 @@ class CheckpointStore:
         return found[-1] if found else None
 
     def save(self, stage: int, num_stages: int, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-             run_json: str, extra: dict[str, torch.Tensor] | None = None) -> Path:
-        """Write durably (temp file, fsync, rename) with its SHA-256, and prune old files."""
+             run_json: str, extra: dict[str, torch.Tensor] | None = None, unreported: list | None = None) -> Path:
+        """Write durably (temp file, fsync, rename) with its SHA-256, and prune old files.
+        `unreported`: the last stage's committed steps the coordinator has not heard of yet, as
+        [step, loss, sample ids, seconds] (kept in the metadata, so a kill -9 loses none)."""
         self.dir.mkdir(parents=True, exist_ok=True)
         tensors = {f"model/{k}": v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
         names = {id(p): n for n, p in model.named_parameters()}
@@ -201,6 +203,8 @@ class CheckpointStore:
         for k, v in (extra or {}).items():
             tensors[f"extra/{k}"] = v.detach().contiguous().cpu()
         meta = {"step": str(step), "stage": str(stage), "num_stages": str(num_stages), "run": run_json, "optim_steps": json.dumps(opt_steps)}
+        if unreported:
+            meta["unreported"] = json.dumps(unreported)
         meta[DIGEST_KEY] = digest(tensors, meta)
         path = self.path(stage, num_stages, step)
         tmp = path.with_suffix(".tmp")
@@ -247,6 +251,7 @@ class StageSaver:
         self.on_saved = on_saved
         self.fetch = None  # async fetch(step) -> bool: the daemon downloads a checkpoint of the stage from the coordinator
         self.saved_step = -1
+        self.unreported: list = []  # what the checkpoint restored last held of steps not reported yet
 
     async def ensure(self, step: int) -> bool:
         """A checkpoint of `step` is here (step 0 needs none: the initial weights), fetched with
@@ -255,12 +260,13 @@ class StageSaver:
             return True
         return self.fetch is not None and self.store is not None and await self.fetch(step)
 
-    def save(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer, codecs) -> None:
+    def save(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer, codecs, unreported: list | None = None) -> None:
         """Save the state of committed step `step` (once; nothing at step 0 or without a store)."""
         if self.store is None or step == 0 or step == self.saved_step:
             return
         self.saved_step = step
-        path = self.store.save(self.stage, self.num_stages, step, model, optimizer, self.run_json, codecs.tensors() or None)
+        path = self.store.save(self.stage, self.num_stages, step, model, optimizer, self.run_json, codecs.tensors() or None,
+                               unreported)
         log.info("stage %d saved step %d to %s", self.stage, step, path)
         if self.on_saved:
             self.on_saved(str(path), step)
@@ -288,5 +294,7 @@ class StageSaver:
 
     def _restore(self, ckpt: Checkpoint, model, optimizer, codecs) -> int:
         codecs.load(load(ckpt, model, optimizer, self.run_json), ckpt.step)
+        with safe_open(str(ckpt.path), framework="pt") as f:
+            self.unreported = json.loads((f.metadata() or {}).get("unreported", "[]"))
         log.info("stage %d loaded %s (step %d)", self.stage, ckpt.path, ckpt.step)
         return ckpt.step

@@ -138,6 +138,7 @@ class StageWorker:
         loaded = self.saver.load_latest(self.model, self.opt.opt, self.codecs)
         if loaded:
             self.resumed_at(loaded)
+            self.stats.outbox = [StepRecord(*r) for r in self.saver.unreported]  # killed before it reported them
         return loaded
 
     def resumed_at(self, step: int) -> None:
@@ -145,7 +146,8 @@ class StageWorker:
         self.restart_step(step, self.state.attempt)
 
     def save(self) -> None:
-        self.saver.save(self.committed, self.model, self.opt.opt, self.codecs)
+        unreported = [[r.step, r.loss, list(r.sample_ids), r.seconds] for r in self.stats.outbox]
+        self.saver.save(self.committed, self.model, self.opt.opt, self.codecs, unreported)
 
     # -- compute (runs on the compute thread) -------------------------------------------------
     def forward_first(self, index: int, count: int, ids: list[int], tokens: torch.Tensor,
