@@ -238,6 +238,7 @@ class LinkedTransport:
         for node_id in [k for k in self.peer_keys if k != COORDINATOR]:  # former neighbours may send nothing more
             del self.peer_keys[node_id]
         self.peer_certs.clear()
+        self.inbox_bytes.release(self.inbox_bytes.held)  # what the old holder had taken up but not handled is gone with it
         self.open_links()
 
     def close_links(self) -> None:

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from ..config import TrainConfig
-from ..net.transport import BACKWARD, FORWARD, MAX_IN_FLIGHT, Inbound
+from ..net.transport import BACKWARD, FORWARD, MAX_IN_FLIGHT, ByteBudget, Inbound
 
 log = logging.getLogger("tahnode.pipeline")
 
@@ -125,7 +125,7 @@ class InboxOrder:
     only what it may hold (the inbox's own bound), so a flooding peer still meets backpressure; an
     envelope's bytes go back to the transport's `budget` when the stage takes it up."""
 
-    def __init__(self, inbox: asyncio.Queue, budget=None):
+    def __init__(self, inbox: asyncio.Queue, budget: ByteBudget | None = None):
         self.inbox, self.budget = inbox, budget
         self.limit = max(1, inbox.maxsize)
         self.waiting = {FORWARD: deque(), BACKWARD: deque()}
