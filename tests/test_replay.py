@@ -291,3 +291,28 @@ def test_a_neighbour_holds_only_a_few_streams_open_at_once(servers):
         for call in calls:
             call.result()
     send(servers, RPCS["Forward"], first_frame())  # the slots are free again
+
+
+def test_memory_held_by_a_refused_stream_goes_back_to_the_system(servers):
+    """A neighbour sends 96 MiB of an envelope and then a frame out of order: the stream is
+    refused, and the daemon's resident memory comes back down (it stayed up, growing with every
+    such stream, before: the handler's traceback kept the frames, and glibc kept the heap)."""
+    import gc
+
+    from tahnode.net.framing import CHUNK_BYTES
+
+    def rss_mb() -> float:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("VmRSS")) / 1024
+
+    sealer = servers.sealer(PEER)
+    gc.collect()
+    before = rss_mb()
+    for _ in range(2):
+        frames = list(frames_of(sealer, NODE, bytes(128 * CHUNK_BYTES)))
+        wire = [f.SerializeToString() for f in frames[:96]] + [frames[0].SerializeToString()]
+        del frames
+        assert refused_with(servers, "Forward", wire) == grpc.StatusCode.PERMISSION_DENIED  # the repeat is refused
+        del wire
+        gc.collect()
+    assert rss_mb() - before < 48  # each stream held ~96 MiB in the daemon (and as much again here, to send it)

@@ -79,6 +79,11 @@ class Reassembler:
         return None
 
 
+    def reset(self) -> None:
+        """Drop a partly received envelope (the stream ended or was refused)."""
+        self.parts, self.size = [], 0
+
+
 def parse_envelope(data: bytes) -> pb.Envelope:
     """A whole envelope from its bytes; raises FrameError if it is malformed or empty."""
     env = parse(pb.Envelope, data, FrameError, "envelope")

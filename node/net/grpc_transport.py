@@ -16,6 +16,7 @@ from .auth import BadMac, Sealer
 from .framing import FrameError, FrameNotAuthenticated, FrameNotFresh, FrameTooLarge, Reassembler, frames_of, parse_envelope
 from .freshness import COORDINATOR, SealRefused
 from .links import LinkedTransport, OutLink
+from .memory import return_freed_memory
 from .tls import TlsCertificate, add_port, open_channel
 from .transport import BACKWARD, FORWARD, Direction, Inbound, Measurer
 from .unparsable import RefuseUnparsable
@@ -85,6 +86,8 @@ class StageServicer(pb_grpc.StageServiceServicer):
                     env = parse_envelope(data) if data is not None else None
                 except FrameError as exc:
                     log.warning("refused %s stream from %s: %s", direction, context.peer(), exc)
+                    asm.reset()
+                    return_freed_memory()  # what the refused stream held goes back to the system, not only to malloc
                     await context.abort(FRAME_CODES.get(type(exc), grpc.StatusCode.INVALID_ARGUMENT), str(exc))
                 if slot is None:  # its first frame is authentic: the stream counts against its sender's streams
                     slot = (direction, frame.sender)
@@ -103,6 +106,7 @@ class StageServicer(pb_grpc.StageServiceServicer):
         finally:
             if slot is not None:
                 self.open_streams[slot] -= 1
+            asm.reset()  # a refused stream's handler frame outlives it (gRPC keeps the abort's traceback): drop its data
         return pb.StreamAck(frames=frames, bytes=nbytes)
 
     async def Forward(self, request_iterator, context):
