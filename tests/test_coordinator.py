@@ -132,3 +132,22 @@ def test_a_coordinator_killed_and_restarted_keeps_the_ledger(swarm):
     assert len(samples) == len(set(samples))  # no sample trained twice within this short run
     assert final["epoch"] > before["epoch"]
     assert "restarted: the ledger holds steps" in swarm.log("coordinator")
+
+
+def test_sigterm_stops_the_coordinator_in_the_middle_of_a_probe_round(swarm):
+    """Probes between `--stage auto` nodes on slow links take a long time (here each pair more
+    than 20 s at 200 kbit/s); SIGTERM cancels the round instead of waiting for it (it was ignored
+    for as long as the round lasted)."""
+    import signal
+    import time
+
+    swarm.start_coordinator("--steps", "5", "--stages", "2", *SMALL)
+    for k in range(2):
+        swarm.join(f"n{k}", "auto", "--quiet", "--emulate-rate", "200kbit")
+    swarm.wait_for(lambda s: len(s["nodes"]) == 2, 120, "two nodes")
+    time.sleep(6)  # past the 3 s settle time: the first probe (512 KiB at 200 kbit/s) is under way
+    assert swarm.state()["training"]["step"] == 0 and not any(n["status"] == "active" for n in swarm.state()["nodes"])
+    coordinator = swarm.procs["coordinator"]
+    coordinator.send_signal(signal.SIGTERM)
+    assert coordinator.wait(10) == 0  # one probe alone would have lasted 20 s more
+    assert "coordinator stopped" in swarm.log("coordinator")

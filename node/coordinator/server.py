@@ -62,6 +62,18 @@ def say_tls(cfg: CoordinatorConfig, tls: TlsCertificate | None) -> None:
               f"{cfg.listen} is plain gRPC; run configs and checkpoints travel in clear", file=sys.stderr, flush=True)
 
 
+async def until_stopped(work, stop: asyncio.Event) -> bool:
+    """Run `work` to its end (True), or cancel it as soon as `stop` is set (False)."""
+    task, stopper = asyncio.ensure_future(work), asyncio.ensure_future(stop.wait())
+    await asyncio.wait({task, stopper}, return_when=asyncio.FIRST_COMPLETED)
+    stopper.cancel()
+    if task.done():
+        task.result()
+        return True
+    task.cancel()
+    return False
+
+
 async def serve(run: RunConfig, cfg: CoordinatorConfig) -> None:
     key = SwarmKey(cfg.token)
     registry = SwarmRegistry(run, key, cfg.heartbeat_timeout, store_dir=cfg.store)
@@ -88,7 +100,8 @@ async def serve(run: RunConfig, cfg: CoordinatorConfig) -> None:
         loop.add_signal_handler(sig, stop.set)
     try:
         while not stop.is_set():
-            await placement.round(measure)
+            if not await until_stopped(placement.round(measure), stop):  # a probe round can take minutes
+                break
             try:
                 await asyncio.wait_for(stop.wait(), 1.0)
             except asyncio.TimeoutError:
