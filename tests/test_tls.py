@@ -58,6 +58,11 @@ def test_a_certificate_is_made_once_kept_private_and_shown_by_tahnode_certs(tmp_
     assert again == made and again.fingerprint == fingerprint((tmp_path / CERT_FILE).read_bytes())
     assert made.fingerprint.startswith("sha256:") and len(made.fingerprint) == 7 + 64
     assert TlsCertificate.generate().fingerprint != made.fingerprint
+    (tmp_path / "half").mkdir()
+    (tmp_path / "half" / KEY_FILE).write_bytes(b"left over")  # a key without its certificate, readable by all
+    os.chmod(tmp_path / "half" / KEY_FILE, 0o644)
+    TlsCertificate.load_or_create(tmp_path / "half")
+    assert stat.S_IMODE(os.stat(tmp_path / "half" / KEY_FILE).st_mode) == 0o600  # made anew, never written into
     out = subprocess.run([*TAHNODE, "certs", "--dir", str(tmp_path), "--json"], capture_output=True, text=True, check=True)
     shown = json.loads(out.stdout)
     assert shown["fingerprint"] == made.fingerprint and shown["made"] is False

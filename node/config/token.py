@@ -1,6 +1,7 @@
 """Where the swarm token comes from: `--token-file`, the TAHNODE_TOKEN environment variable, or
 `--token` (other local users can read a command line: warned); there is no default secret. A
-coordinator given none makes a random token and keeps it in its store folder (`coordinator_token`)."""
+coordinator given none makes a random token and keeps it in its store folder (`coordinator_token`).
+Every secret kept on disk (token, node key, TLS key) is written by `write_secret`."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping
 
-__all__ = ["TOKEN_ENV", "TokenOrigin", "SwarmToken", "TokenMissing", "resolve_token", "coordinator_token", "new_token_file"]
+__all__ = ["TOKEN_ENV", "TokenOrigin", "SwarmToken", "TokenMissing", "resolve_token", "coordinator_token", "new_token_file",
+           "write_secret"]
 
 TOKEN_ENV = "TAHNODE_TOKEN"
 TOKEN_FILE_NAME = "token"  # in the coordinator's store folder
@@ -81,9 +83,15 @@ def coordinator_token(flag: str | None, file: str | None, store: Path, env: Mapp
 def new_token_file(path: Path) -> Path:
     """A file at `path` holding a new random token, readable by its owner only (a file already
     there is replaced, never written into)."""
+    write_secret(path, (secrets.token_urlsafe(24) + "\n").encode())
+    return path
+
+
+def write_secret(path: Path, data: bytes) -> None:
+    """Write `data` to a new file at `path` readable by its owner only (its folder made if need
+    be; a file already there is replaced, never written into, so it cannot keep wider rights)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     path.unlink(missing_ok=True)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "w") as fh:
-        fh.write(secrets.token_urlsafe(24) + "\n")
-    return path
+    with os.fdopen(fd, "wb") as fh:
+        fh.write(data)

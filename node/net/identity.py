@@ -4,12 +4,13 @@ and frame the node sends carries its signature (`verify_signature`)."""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+
+from ..config.token import write_secret
 
 __all__ = ["NodeKey", "verify_signature", "KEY_FILE", "KEY_BYTES"]
 
@@ -37,11 +38,8 @@ class NodeKey:
                 raise ValueError(f"{path} does not hold an Ed25519 key")
             return cls(key)
         key = cls.generate()
-        path.parent.mkdir(parents=True, exist_ok=True)
-        pem = key.private.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(pem)
+        write_secret(path, key.private.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                                     serialization.NoEncryption()))
         return key
 
     def sign(self, data: bytes) -> bytes:

@@ -11,7 +11,6 @@ import datetime
 import hashlib
 import ipaddress
 import logging
-import os
 import socket
 import ssl
 from dataclasses import dataclass
@@ -24,6 +23,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
 from ..config.node import TlsMode
+from ..config.token import write_secret
 from .errors import CoordinatorTlsMismatch, Unreachable, UntrustedCoordinator
 
 log = logging.getLogger("tahnode.tls")
@@ -91,10 +91,7 @@ class TlsCertificate:
         if key_path.exists() and cert_path.exists():
             return cls(key_path.read_bytes(), cert_path.read_bytes())
         made = cls.generate()
-        folder.mkdir(parents=True, exist_ok=True)
-        fd = os.open(key_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(made.key_pem)
+        write_secret(key_path, made.key_pem)
         cert_path.write_bytes(made.cert_pem)
         return made
 
