@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH)"
-	$(PY) -m pip install -q -e ".[kernels,test]"
+	$(PY) -m pip install -q -e ".[kernels,test,p2p]"
 	touch $(STAMP)
 
 venv: $(STAMP)

@@ -10,6 +10,10 @@ import sys
 
 from .codecs import CODECS, CodecError
 from .config.flags import add_run_flags, run_config_from
+from .config.node import COORDINATOR_P2P_LISTEN, NODE_P2P_LISTEN
+from .net.errors import P2PError
+
+BENCHES = ("kernels", "swarm", "soak", "nat")  # `tahnode bench NAME`: tahnode.tools.bench_NAME.main
 
 
 def _add_codec_commands(sub) -> None:
@@ -86,6 +90,28 @@ def _certs(args) -> int:
     return 0
 
 
+def _add_p2p_flags(p, listen: str, node: bool) -> None:
+    g = p.add_argument_group("p2p (libp2p through hivemind; needs pip install 'tahnode[p2p]')")
+    g.add_argument("--p2p-listen", action="append", metavar="MULTIADDR",
+                   help=f"multiaddr the p2p daemon listens on, repeatable (default {listen})")
+    g.add_argument("--initial-peers", action="append", default=[], metavar="MULTIADDR",
+                   help="a peer already in the swarm's DHT (the coordinator prints its own), repeatable" +
+                   ("; without --coordinator the node finds the coordinator through it" if node else ""))
+    g.add_argument("--announce", action="append", default=[], metavar="MULTIADDR",
+                   help="public multiaddr to announce instead of the ones the daemon sees (behind port forwarding)")
+    g.add_argument("--use-relay", action=argparse.BooleanOptionalAction, default=True,
+                   help="may reach peers (and be reached) through circuit relays (default: yes, as in hivemind)")
+    g.add_argument("--use-auto-relay", action="store_true",
+                   help="behind NAT: reserve a slot on a public peer that relays, so that neighbours can dial in")
+
+
+def _p2p_settings(args, listen: str):
+    from .config.node import P2PSettings
+
+    return P2PSettings(listen=args.p2p_listen or [listen], announce=args.announce, initial_peers=args.initial_peers,
+                       use_relay=args.use_relay, use_auto_relay=args.use_auto_relay)
+
+
 def _add_swarm_commands(sub) -> None:
     from .config import TransportKind
     from .config.token import TOKEN_ENV
@@ -94,6 +120,9 @@ def _add_swarm_commands(sub) -> None:
                         description="Run the coordinator: nodes join it, it tells each its stage and neighbours, "
                         "tracks heartbeats and serves the status page (/), /api/v1/state and /metrics.")
     co.add_argument("--listen", default="0.0.0.0:7000", help="control-plane gRPC address (default 0.0.0.0:7000)")
+    co.add_argument("--transport", default="grpc", choices=["grpc", "p2p", "both"],
+                    help="where nodes reach the control plane: gRPC on --listen, libp2p (with a DHT that volunteers find "
+                    "it through), or both (default grpc)")
     co.add_argument("--http", default="0.0.0.0:8080", help="status page address (default 0.0.0.0:8080)")
     co.add_argument("--token-file", help=f"file holding the swarm secret every node must present (or set {TOKEN_ENV}); "
                     "without either, the coordinator makes a random one, keeps it in --store as 'token' and prints it")
@@ -103,12 +132,14 @@ def _add_swarm_commands(sub) -> None:
     co.add_argument("--store", default="tahnode-store", help="directory of the stage checkpoints nodes upload (for standbys)")
     co.add_argument("--settle", type=float, default=3.0, help="seconds without new joins before --stage auto nodes are placed")
     _add_tls_flags(co, "the control plane: TLS with a self-signed certificate kept in --store (`tahnode certs` shows it)")
+    _add_p2p_flags(co, COORDINATOR_P2P_LISTEN, node=False)
     add_run_flags(co)
 
     jo = sub.add_parser("join", help="join a swarm and hold one pipeline stage",
                         description="Run a stage daemon: join the coordinator, hold the assigned stage on this "
                         "machine's GPU (or CPU), exchange activations and gradients with the neighbour stages.")
-    jo.add_argument("--coordinator", default="127.0.0.1:7000", help="coordinator HOST:PORT (default 127.0.0.1:7000)")
+    jo.add_argument("--coordinator", default="", help="coordinator HOST:PORT, or its p2p multiaddr (default: found through "
+                    "--initial-peers, else 127.0.0.1:7000)")
     jo.add_argument("--stage", default="auto", help="stage number to hold, or 'auto' to let the coordinator choose")
     jo.add_argument("--listen", default="0.0.0.0:0", help="data-plane address to serve on (default: any port)")
     jo.add_argument("--advertise", default="", help="HOST:PORT other nodes reach this one at (default: from --listen)")
@@ -121,7 +152,8 @@ def _add_swarm_commands(sub) -> None:
     jo.add_argument("--data-dir", default="", help="where stage 0 prepares the built-in corpus (default ~/.cache/tahnode)")
     jo.add_argument("--init-from", default="", help="local Hugging Face Llama/Qwen2 checkpoint directory to load this stage's weights from")
     jo.add_argument("--transport", default=TransportKind.GRPC.value, choices=[k.value for k in TransportKind],
-                    help="data-plane transport to the neighbour stages (default grpc: every node reachable at --advertise)")
+                    help="data-plane transport to the neighbour stages (default grpc: every node reachable at --advertise; "
+                    "p2p: libp2p, reachable behind NAT with --use-auto-relay)")
     jo.add_argument("--threads", type=int, default=0, help="CPU threads for torch (default: every core; give each of "
                     "several stages on one machine its share, as `tahnode demo` and `tahnode swarm up` do)")
     jo.add_argument("--quiet", action="store_true", help="no per-step progress lines")
@@ -138,6 +170,7 @@ def _add_swarm_commands(sub) -> None:
                     help="pace every outgoing link at this rate (e.g. 20mbit), in user space: for machines where tc cannot shape")
     em.add_argument("--emulate-link", action="append", default=[], metavar="PEER=RATE",
                     help="another rate for the link to one peer node id (e.g. n3=10mbit), repeatable")
+    _add_p2p_flags(jo, NODE_P2P_LISTEN, node=True)
     jo.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
 
     de = sub.add_parser("demo", help="the whole swarm on this machine: coordinator + stage daemons on 127.0.0.1",
@@ -168,6 +201,9 @@ def _add_swarm_commands(sub) -> None:
     bo = bsub.add_parser("soak", help="a swarm trains for --minutes while memory and open files of every process are "
                          "sampled", add_help=False)
     bo.add_argument("rest", nargs=argparse.REMAINDER)
+    bn = bsub.add_parser("nat", help="probed throughput of relayed and direct p2p links to volunteers behind NAT (root, "
+                         "nftables)", add_help=False)
+    bn.add_argument("rest", nargs=argparse.REMAINDER)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -180,26 +216,18 @@ def build_parser() -> argparse.ArgumentParser:
     _add_codec_commands(sub)
     _add_swarm_commands(sub)
     _add_certs_command(sub)
-    from .tools import swarm
+    from .tools import swarm_cli
 
-    swarm.add_parser(sub)
+    swarm_cli.add_parser(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:2] == ["bench", "kernels"]:  # its own parser (argparse's REMAINDER drops leading --flags)
-        from .tools import bench_kernels
+    if argv[:1] == ["bench"] and len(argv) > 1 and argv[1] in BENCHES:  # each its own parser (REMAINDER drops leading --flags)
+        import importlib
 
-        return bench_kernels.main(argv[2:])
-    if argv[:2] == ["bench", "swarm"]:
-        from .tools import bench_swarm
-
-        return bench_swarm.main(argv[2:])
-    if argv[:2] == ["bench", "soak"]:
-        from .tools import bench_soak
-
-        return bench_soak.main(argv[2:])
+        return importlib.import_module(f".tools.bench_{argv[1]}", __package__).main(argv[2:])
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
@@ -220,12 +248,15 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "certs":
             return _certs(args)
         if args.command == "swarm":
-            from .tools import swarm
+            from .tools import swarm_cli
 
-            return swarm.main(args)
+            return swarm_cli.main(args)
     except (CodecError, ValueError, OSError) as exc:
         print(f"tahnode: error: {exc}", file=sys.stderr)
         return 2
+    except P2PError as exc:
+        print(f"tahnode: error: {exc}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         return 130
     parser.error(f"unknown command {args.command}")
@@ -265,7 +296,7 @@ def _say_token(token, listen: str) -> None:
 def _coordinator(args) -> int:
     from pathlib import Path
 
-    from .config import CoordinatorConfig
+    from .config import CoordinatorConfig, TransportKind
     from .config.token import coordinator_token
     from .coordinator.server import serve
 
@@ -273,8 +304,10 @@ def _coordinator(args) -> int:
     run = run_config_from(args)
     token = coordinator_token(args.token, args.token_file, Path(args.store))
     _say_token(token, args.listen)
+    transports = (TransportKind.GRPC, TransportKind.P2P) if args.transport == "both" else (TransportKind(args.transport),)
     cfg = CoordinatorConfig(listen=args.listen, http=args.http, token=token.secret, heartbeat_timeout=args.heartbeat_timeout,
-                            store=args.store, settle_s=args.settle, tls=_tls_mode(args))
+                            store=args.store, settle_s=args.settle, tls=_tls_mode(args), transports=transports,
+                            p2p=_p2p_settings(args, COORDINATOR_P2P_LISTEN))
     _event_loop_policy()
     asyncio.run(serve(run, cfg))
     return 0
@@ -304,11 +337,12 @@ def _join(args) -> int:
                      checkpoint_dir=args.checkpoint_dir, data_dir=args.data_dir, init_from=args.init_from,
                      progress=not args.quiet, threads=args.threads, transport=TransportKind(args.transport),
                      tls=_tls_mode(args), coordinator_fingerprint=args.coordinator_fingerprint,
-                     emulation=LinkEmulation.parse(args.emulate_rtt, args.emulate_rate, args.emulate_link))
+                     emulation=LinkEmulation.parse(args.emulate_rtt, args.emulate_rate, args.emulate_link),
+                     p2p=_p2p_settings(args, NODE_P2P_LISTEN))
     _event_loop_policy()
     try:
         return asyncio.run(run_node(cfg))
-    except (CoordinatorError, DeviceUnavailable) as exc:
+    except (CoordinatorError, DeviceUnavailable, P2PError) as exc:
         print(f"tahnode join: {exc}", file=sys.stderr)
         return 1
 

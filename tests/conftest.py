@@ -1,8 +1,12 @@
-"""Shared pytest setup: Triton runs in its CPU interpreter where there is no GPU, and hypothesis
-gets a CI profile sized for 2 cores."""
+"""Shared pytest setup: Triton runs in its CPU interpreter where there is no GPU, hypothesis gets a
+CI profile sized for 2 cores, and after the whole session no p2p daemon (`p2pd`) the tests started
+may still run: each must end with the process that started it."""
 
 import os
+import time
+from pathlib import Path
 
+import pytest
 import torch
 
 if not torch.cuda.is_available():
@@ -12,3 +16,25 @@ from hypothesis import HealthCheck, settings  # noqa: E402
 
 settings.register_profile("ci", max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+def p2p_daemons() -> set[int]:
+    """Pids of the running p2pd processes (hivemind's libp2p daemon)."""
+    found = set()
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and (entry / "comm").read_text().strip() == "p2pd":
+                found.add(int(entry.name))
+        except OSError:
+            continue
+    return found
+
+
+@pytest.fixture(scope="session", autouse=True)
+def no_p2p_daemon_outlives_its_process():
+    before = p2p_daemons()
+    yield
+    deadline = time.monotonic() + 15  # a daemon's watcher takes up to 3 s after its process ended
+    while (left := p2p_daemons() - before) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not left, f"p2p daemons still running after the tests: {sorted(left)}"

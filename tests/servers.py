@@ -11,6 +11,7 @@ import torch
 from tahnode.config import RunConfig
 from tahnode.coordinator.registry import SwarmRegistry
 from tahnode.coordinator.server import control_plane
+from tahnode.coordinator.service import CoordinatorServicer
 from tahnode.net.auth import Sealer, SwarmKey
 from tahnode.net.freshness import COORDINATOR
 from tahnode.net.identity import NodeKey
@@ -58,7 +59,7 @@ class Servers:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(30)
 
     async def _start(self) -> tuple[str, str]:
-        self.server = control_plane(self.registry)  # as `tahnode coordinator` builds it
+        self.server = control_plane(CoordinatorServicer(self.registry))  # as `tahnode coordinator` builds it
         port = self.server.add_insecure_port("127.0.0.1:0")
         await self.server.start()
 

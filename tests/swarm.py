@@ -42,7 +42,9 @@ class Swarm:
 
     def join(self, name: str, stage: int | str, *extra: str, prefix: list[str] | None = None, coordinator: str | None = None,
              env: dict | None = None) -> subprocess.Popen:
-        return self.spawn(name, ["join", "--coordinator", coordinator or self.coordinator, "--stage", str(stage), "--listen", "127.0.0.1:0",
+        """`coordinator`: None for this swarm's, "" for none (the node finds it through --initial-peers)."""
+        told = ["--coordinator", self.coordinator if coordinator is None else coordinator] if coordinator != "" else []
+        return self.spawn(name, ["join", *told, "--stage", str(stage), "--listen", "127.0.0.1:0",
                                  "--node-id", name, "--checkpoint-dir", str(self.workdir / "ck" / name),
                                  "--device", "cpu", *extra], prefix=prefix, env=env)
 
@@ -100,3 +102,28 @@ class Swarm:
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()
+
+
+def processes_mentioning(text: str) -> list[tuple[int, str]]:
+    """(pid, command line) of every live process whose command line contains `text` (a test's
+    work folder: its daemons, their p2pd, whose identity file lies there, and their DHT processes)."""
+    out = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        if text in cmdline and stat.rsplit(")", 1)[1].split()[0] != "Z":
+            out.append((int(entry.name), cmdline))
+    return out
+
+
+def wait_gone(text: str, timeout: float = 15) -> list[tuple[int, str]]:
+    """Wait until no process mentions `text`; what is left after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while (left := processes_mentioning(text)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return left

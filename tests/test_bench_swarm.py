@@ -1,6 +1,7 @@
-"""`tahnode bench swarm`, short: one shaped rate and the unshaped baseline, two codec pairs, two
+"""`tahnode bench swarm`, short: one shaped rate, two codec pairs on gRPC and on p2p links, two
 steps each. It writes its table (exactly the documented columns) into the doc, its PNG plots
-beside it, and its rows as JSON; a second run replaces its section instead of adding one."""
+beside it, and its rows as JSON. A section written again replaces itself; limits (link or
+compute, from the unshaped rows) are checked on rows made by hand."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ import sys
 
 import pytest
 
-from tahnode.tools.bench_swarm import COLUMNS, CodecPair
+from tahnode.tools.bench_report import write_section
+from tahnode.tools.bench_swarm import COLUMNS, CodecPair, Row, with_limits
 from test_swarm import root_reason
 
 pytestmark = pytest.mark.slow
@@ -26,34 +28,59 @@ def test_codec_pairs_parse_with_parameters_and_refuse_unknown_ones():
             CodecPair.parse(bad)
 
 
+def test_limits_are_the_smaller_of_link_and_compute_per_stages_pair_and_transport():
+    rows = [Row(0, 0, 3, "none/none", "grpc", tokens_per_s=1000), Row(0, 0, 3, "none/none", "p2p", tokens_per_s=800),
+            Row(20, 0, 3, "none/none", "grpc", tokens_per_s=300, busiest_bytes_per_step=4096 * 20e6 / 8 / 500),
+            Row(20, 0, 3, "none/none", "p2p", tokens_per_s=700, busiest_bytes_per_step=4096 * 20e6 / 8 / 5000)]
+    with_limits(rows, 4096)
+    assert [(r.limit, round(r.limit_tokens_per_s), round(r.share, 2)) for r in rows] == [
+        ("compute", 1000, 1.0), ("compute", 800, 1.0), ("link", 500, 0.6), ("compute", 800, 0.88)]
+    assert [r.series for r in rows[:2]] == ["none/none", "none/none over p2p"]
+
+
 def test_a_short_bench_writes_its_table_plots_and_json(tmp_path):
+    """Two codec pairs on gRPC and on p2p links, at one shaped rate."""
     shaper = "tc" if root_reason() is None else "userspace"
     doc, plots = tmp_path / "benchmarks.md", tmp_path / "plots"
     doc.write_text("# Benchmarks\n\nkept as it is\n")
-    args = [sys.executable, "-m", "tahnode.cli", "bench", "swarm", "--rates", "0,20", "--rtts", "0", "--stages", "3",
-            "--pairs", "none/none,tahquant/naive", "--steps", "1", "--unshaped-steps", "1", "--warmup", "1",
+    args = [sys.executable, "-m", "tahnode.cli", "bench", "swarm", "--rates", "20", "--rtts", "0", "--stages", "3",
+            "--pairs", "none/none,tahquant/naive", "--transports", "grpc,p2p", "--steps", "1", "--warmup", "1",
             "--tokens-per-step", "4096", "--seq-len", "64", "--shaper", shaper, "--doc", str(doc), "--plots", str(plots),
             "--workdir", str(tmp_path / "work"), "--prefix", f"tb{os.getpid() % 1000}-", "--json"]
     env = {**os.environ, "TAHNODE_CACHE": str(tmp_path / "cache")}
     r = subprocess.run(args, capture_output=True, text=True, timeout=900, env=env)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     rows = json.loads(r.stdout.strip().splitlines()[-1])
-    assert [(row["rate_mbps"], row["pair"]) for row in rows] == [(0, "none/none"), (0, "tahquant/naive"),
-                                                                  (20, "none/none"), (20, "tahquant/naive")]
+    assert [(row["pair"], row["transport"]) for row in rows] == [("none/none", "grpc"), ("none/none", "p2p"),
+                                                                  ("tahquant/naive", "grpc"), ("tahquant/naive", "p2p")]
     for row in rows:
-        assert row["tokens_per_s"] > 0 and row["limit"] in ("link", "compute") and 0 < row["share"]
-        assert len(row["losses"]) == 2 and row["peak_rss_mb"] > 50
-    shaped = [row for row in rows if row["rate_mbps"]]
-    assert all(row["busiest_bytes_per_step"] > 0 for row in shaped)
-    none, tah = shaped
-    assert none["busiest_bytes_per_step"] > 4 * tah["busiest_bytes_per_step"]  # 32 bits vs ~4.4 forward, 6 back
-    assert none["losses"][0] == pytest.approx(tah["losses"][0], rel=0.05)  # the same training
+        assert row["tokens_per_s"] > 0 and row["limit"] == "link" and 0 < row["share"]
+        assert len(row["losses"]) == 2 and row["peak_rss_mb"] > 50 and row["busiest_bytes_per_step"] > 0
+    none_grpc, none_p2p, tah_grpc, tah_p2p = rows
+    assert none_grpc["busiest_bytes_per_step"] > 4 * tah_grpc["busiest_bytes_per_step"]  # 32 bits vs ~4.4 forward, 6 back
+    for grpc_row, p2p_row in ((none_grpc, none_p2p), (tah_grpc, tah_p2p)):  # the same envelopes, framed by either carrier
+        assert p2p_row["busiest_bytes_per_step"] == pytest.approx(grpc_row["busiest_bytes_per_step"], rel=0.15)
+        assert p2p_row["losses"][0] == pytest.approx(grpc_row["losses"][0], rel=1e-3)
+    assert none_grpc["losses"][0] == pytest.approx(tah_grpc["losses"][0], rel=0.05)  # the same training
     text = doc.read_text()
     assert text.startswith("# Benchmarks\n\nkept as it is\n")
-    assert "| " + " | ".join(COLUMNS) + " |" in text and text.count("| unshaped |") == 2
+    assert "| " + " | ".join(COLUMNS) + " |" in text and text.count("| p2p |") == 2
     assert "Machine:" in text and "Command: `tahnode bench swarm" in text
     for name in ("swarm-throughput.png", "swarm-loss.png"):
         assert (plots / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
         assert f"(plots/{name})" in text
-    r = subprocess.run(args, capture_output=True, text=True, timeout=900, env=env)
-    assert r.returncode == 0 and doc.read_text().count("<!-- bench-swarm:swarm:begin -->") == 1
+
+
+def test_a_section_written_again_replaces_itself_and_keeps_the_rest(tmp_path):
+    doc, plot = tmp_path / "benchmarks.md", tmp_path / "plots" / "a.png"
+    doc.write_text("# Benchmarks\n\nkept as it is\n")
+    write_section(doc, "swarm", "Swarm", ["first table"], [plot])
+    with doc.open("a") as f:
+        f.write("\na note after the section\n")
+    write_section(doc, "swarm", "Swarm", ["second table"], [plot])
+    write_section(doc, "nat", "NAT", ["nat table"], [])
+    text = doc.read_text()
+    assert text.startswith("# Benchmarks\n\nkept as it is\n\n## Swarm\n")
+    assert text.count("<!-- bench-swarm:swarm:begin -->") == 1 and "first table" not in text and "second table" in text
+    assert text.index("second table") < text.index("a note after the section") < text.index("## NAT") < text.index("nat table")
+    assert "![a](plots/a.png)" in text and "Machine: " in text

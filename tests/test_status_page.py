@@ -33,18 +33,20 @@ LINKS = [
     LinkInfo("node-d", "node-b", 181.3, None),
     LinkInfo("node-b", "node-c", 19.6, 1.9),
 ]
+P2P_MADDR = "/ip4/10.79.0.1/tcp/7001/p2p/QmTyedzTAa5UGo2wHDCZDpeNT2phPS6dPv6Jhp1P8H5neS"
 EVENT_WITH_MARKUP = "12:00:03 odd id </script><img src=x onerror=alert(1)> & more"
 
 
 def make_view(step: int = 40, late: bool = False) -> SwarmView:
     nodes = list(NODES) + ([NodeInfo("node-late", -1, "10.77.0.15:7100", "joining", "cpu")] if late else [])
-    links = list(LINKS) + ([LinkInfo("node-late", "node-a", 55.55, 0.7)] if late else [])
+    links = list(LINKS) + ([{"src": "node-late", "dst": "node-a", "mbps": 55.55, "rtt_ms": 0.7, "transport": "p2p"}] if late else [])
     history = [(s, 5.5 - 2.5 * s / max(step, 1) + 0.05 * (s % 3)) for s in range(1, step + 1)]
     return SwarmView(
         nodes=nodes, links=links,
         training=TrainingInfo(step=step, loss=history[-1][1], tokens_per_s=1234.5, bits_per_element=4.31),
         loss_history=history, events=["12:00:00 coordinator listening", "12:00:01 node-a assigned stage 0",
-                                      EVENT_WITH_MARKUP], stages=3, extra={"epoch": 2})
+                                      EVENT_WITH_MARKUP], stages=3,
+        extra={"epoch": 2, **({"p2p_maddrs": [P2P_MADDR]} if late else {})})
 
 
 class Provider:
@@ -308,9 +310,12 @@ def test_page_in_headless_chromium(chromium, tmp_path):
         assert row["stage"] == (str(n.stage) if n.stage >= 0 else "standby")
         assert row["status"] == n.status and row["address"] == n.address and row["device"] == n.device
     # Every link with its measured Mbit/s.
-    assert set(index.links) == {(link.src, link.dst) for link in expected.links}
-    for link in expected.links:
-        assert index.links[(link.src, link.dst)]["mbps"] == f"{link.mbps:.1f}"
+    links = [link if isinstance(link, dict) else {"src": link.src, "dst": link.dst, "mbps": link.mbps} for link in expected.links]
+    assert set(index.links) == {(link["src"], link["dst"]) for link in links}
+    for link in links:
+        row = index.links[(link["src"], link["dst"])]
+        assert row["mbps"] == f"{link['mbps']:.1f}" and row["transport"] == link.get("transport", "")
+    assert index.by_id["p2p-maddrs"] == P2P_MADDR  # where volunteers behind NAT join
     # The chain graph names the stage holders and carries the chain links' Mbit/s.
     svg = " ".join(index.svg_texts)
     for node_id in ("node-a", "node-b", "node-d", "node-c", "node-late"):

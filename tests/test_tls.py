@@ -28,7 +28,7 @@ from tahnode.net.tls import (
     fetch_certificate,
     fingerprint,
     is_loopback,
-    open_channel,
+    open_grpc_channel,
     wants_tls,
 )
 from tahnode.proto import tahnode_pb2 as pb
@@ -95,7 +95,7 @@ class Server:
 
     def ping(self, pinned: bytes) -> grpc.StatusCode:
         async def ping():
-            async with open_channel(self.address, pinned, []) as channel:
+            async with open_grpc_channel(self.address, pinned, []) as channel:
                 try:
                     await pb_grpc.StageServiceStub(channel).Ping(pb.PingRequest(nonce=b"n"), timeout=3)
                     return grpc.StatusCode.OK

@@ -8,15 +8,20 @@ from enum import Enum
 
 from .emulation import LinkEmulation
 
-__all__ = ["TransportKind", "TlsMode", "NodeConfig", "CoordinatorConfig", "AUTO_STAGE"]
+__all__ = ["TransportKind", "TlsMode", "P2PSettings", "NodeConfig", "CoordinatorConfig", "AUTO_STAGE", "DEFAULT_COORDINATOR",
+           "NODE_P2P_LISTEN", "COORDINATOR_P2P_LISTEN"]
 
 AUTO_STAGE = -1                       # --stage auto: the coordinator chooses
+DEFAULT_COORDINATOR = "127.0.0.1:7000"  # where a node looks for the coordinator when told nothing
+NODE_P2P_LISTEN = "/ip4/0.0.0.0/tcp/0"            # a node's p2p daemon: any port
+COORDINATOR_P2P_LISTEN = "/ip4/0.0.0.0/tcp/7001"  # the coordinator's: a fixed port, so its multiaddr stays the same
 
 
 class TransportKind(Enum):
     """How a node's data plane reaches its neighbours."""
 
     GRPC = "grpc"  # direct gRPC streams: every node must be reachable at its advertised address
+    P2P = "p2p"    # libp2p streams through hivemind (tahnode.net.p2p_host): reachable behind NAT, through relays
 
     def __str__(self) -> str:
         return self.value
@@ -34,10 +39,22 @@ class TlsMode(Enum):
 
 
 @dataclass
+class P2PSettings:
+    """The libp2p side of a process (`--transport p2p`, the coordinator's `--transport p2p|both`);
+    hivemind's defaults where it has one."""
+
+    listen: list[str] = field(default_factory=lambda: [NODE_P2P_LISTEN])  # multiaddrs the p2p daemon listens on
+    announce: list[str] = field(default_factory=list)       # public multiaddrs to announce instead of the seen ones
+    initial_peers: list[str] = field(default_factory=list)  # multiaddrs of peers already in the swarm's DHT
+    use_relay: bool = True          # may reach (and be reached) through circuit relays
+    use_auto_relay: bool = False    # behind NAT: reserve a slot on a relay so that others can dial in
+
+
+@dataclass
 class NodeConfig:
     """`tahnode join`: where the coordinator is, which stage to hold, how to serve the data plane."""
 
-    coordinator: str = "127.0.0.1:7000"
+    coordinator: str = ""           # HOST:PORT or multiaddr; "" = through the DHT of --initial-peers, else DEFAULT_COORDINATOR
     stage: int = AUTO_STAGE
     listen: str = "0.0.0.0:0"
     advertise: str = ""
@@ -53,6 +70,7 @@ class NodeConfig:
     tls: TlsMode = TlsMode.AUTO
     coordinator_fingerprint: str = ""  # the coordinator's certificate, pinned ("sha256:..."); "" = trust on first use
     emulation: LinkEmulation = field(default_factory=LinkEmulation)  # test swarms: RTT and rate in user space
+    p2p: P2PSettings = field(default_factory=P2PSettings)
 
 
 @dataclass
@@ -66,3 +84,5 @@ class CoordinatorConfig:
     store: str = "tahnode-store"     # stage checkpoints uploaded by the nodes (for standbys)
     settle_s: float = 3.0            # seconds without joins before --stage auto nodes are placed
     tls: TlsMode = TlsMode.AUTO
+    transports: tuple[TransportKind, ...] = (TransportKind.GRPC,)  # --transport grpc|p2p|both: where nodes reach it
+    p2p: P2PSettings = field(default_factory=lambda: P2PSettings(listen=[COORDINATOR_P2P_LISTEN]))

@@ -1,5 +1,6 @@
-"""`tahnode coordinator`: serves the Coordinator gRPC control plane and the HTTP status side
-(`/`, `/api/v1/state`, `/metrics`, `/api/v1/ledger`), and places nodes, until interrupted."""
+"""`tahnode coordinator`: serves the Coordinator control plane (on gRPC, on libp2p, or both) and
+the HTTP status side (`/`, `/api/v1/state`, `/metrics`, `/api/v1/ledger`), publishes itself and
+the layout in the DHT when it speaks p2p, and places nodes, until interrupted."""
 
 from __future__ import annotations
 
@@ -12,8 +13,11 @@ from pathlib import Path
 import grpc
 from aiohttp import web
 
-from ..config import CoordinatorConfig, RunConfig, TlsMode
+from ..config import CoordinatorConfig, RunConfig, TlsMode, TransportKind
 from ..net.auth import SwarmKey
+from ..net.discovery import COORDINATOR_KIND, LAYOUT_KIND, SwarmDirectory, republish
+from ..net.p2p_host import IDENTITY_FILE, P2PHost, close_process_host, use_swarm_key
+from ..net.p2p_rpc import serve_service
 from ..net.probe import request_measure
 from ..net.tls import TlsCertificate, add_port, is_loopback, wants_tls
 from ..net.unparsable import RefuseUnparsable
@@ -23,24 +27,56 @@ from .registry import SwarmRegistry
 from .service import CoordinatorServicer
 from .state import NodeRecord
 from .status_page import SwarmView, make_app
-from .view import ledger_json, swarm_state
+from .view import latest_on, ledger_json, swarm_state
 
 log = logging.getLogger("tahnode.coordinator")
 
 __all__ = ["serve", "http_app", "control_plane"]
 
 
-def http_app(registry: SwarmRegistry, placement: Placement) -> web.Application:
-    app = make_app(lambda: SwarmView.from_state(swarm_state(registry, placement)))
+def http_app(registry: SwarmRegistry, placement: Placement, p2p_maddrs: list[str] = ()) -> web.Application:
+    app = make_app(lambda: SwarmView.from_state(swarm_state(registry, placement, p2p_maddrs)))
     app.router.add_get("/api/v1/ledger", lambda _r: web.json_response(ledger_json(registry)))
     return app
 
 
-def control_plane(registry: SwarmRegistry) -> grpc.aio.Server:
+def control_plane(servicer: CoordinatorServicer) -> grpc.aio.Server:
     """The Coordinator gRPC service on a server of its own (no port yet)."""
     server = grpc.aio.server(interceptors=[RefuseUnparsable()])
-    pb_grpc.add_CoordinatorServicer_to_server(CoordinatorServicer(registry), server)
+    pb_grpc.add_CoordinatorServicer_to_server(servicer, server)
     return server
+
+
+def grpc_address(listen: str, p2p_maddrs: list[str]) -> str:
+    """Where nodes reach the gRPC control plane: `listen`, its wildcard host replaced by the first
+    routable IPv4 address the p2p daemon sees (the DHT record must name a reachable host)."""
+    host, _, port = listen.rpartition(":")
+    if host not in ("", "0.0.0.0", "[::]"):
+        return listen
+    seen = [m.split("/")[2] for m in p2p_maddrs if m.startswith("/ip4/") and not m.startswith("/ip4/127.")]
+    return f"{seen[0] if seen else '127.0.0.1'}:{port}"
+
+
+def directory_entries(registry: SwarmRegistry, record: dict):
+    """What the coordinator keeps in the DHT: itself, and which node holds each stage (or held it
+    last, once the run is over)."""
+    def entries():
+        layout = {"stages": registry.run.stages, "holders": {}}
+        for stage in range(registry.run.stages):
+            held = latest_on(registry, stage)
+            if held is not None:
+                layout["holders"][str(stage)] = {"node": held.node_id, "address": held.address}
+        return [(COORDINATOR_KIND, "", record), (LAYOUT_KIND, "", layout)]
+
+    return entries
+
+
+async def start_p2p(cfg: CoordinatorConfig, servicer: CoordinatorServicer, key: SwarmKey) -> P2PHost:
+    """The coordinator's p2p daemon and DHT (before any gRPC server: the DHT forks a process), with
+    the control plane on it."""
+    host = await P2PHost.start(cfg.p2p, identity=Path(cfg.store) / IDENTITY_FILE)
+    await serve_service(host, "Coordinator", servicer)
+    return host
 
 
 def measurer(registry: SwarmRegistry) -> Measure:
@@ -76,25 +112,40 @@ async def until_stopped(work, stop: asyncio.Event) -> bool:
 
 async def serve(run: RunConfig, cfg: CoordinatorConfig) -> None:
     key = SwarmKey(cfg.token)
+    use_swarm_key(key)  # its p2p side relays for nodes behind NAT (when it announces), and reaches them through relays
     registry = SwarmRegistry(run, key, cfg.heartbeat_timeout, store_dir=cfg.store)
     placement = Placement(registry, cfg.settle_s)
     measure = measurer(registry)
-    server = control_plane(registry)
-    tls = TlsCertificate.load_or_create(Path(cfg.store)) if wants_tls(cfg.tls, cfg.listen) else None
-    if add_port(server, cfg.listen, tls) == 0:
-        raise OSError(f"cannot listen on {cfg.listen} for the control plane")
-    await server.start()
-    runner = web.AppRunner(http_app(registry, placement), access_log=None)
+    servicer = CoordinatorServicer(registry)
+    p2p = await start_p2p(cfg, servicer, key) if TransportKind.P2P in cfg.transports else None
+    p2p_maddrs = (await p2p.address()).split(",") if p2p else []
+    server, tls = None, None
+    if TransportKind.GRPC in cfg.transports:
+        server = control_plane(servicer)
+        tls = TlsCertificate.load_or_create(Path(cfg.store)) if wants_tls(cfg.tls, cfg.listen) else None
+        if add_port(server, cfg.listen, tls) == 0:
+            await close_process_host()
+            raise OSError(f"cannot listen on {cfg.listen} for the control plane")
+        await server.start()
+    runner = web.AppRunner(http_app(registry, placement, p2p_maddrs), access_log=None)
     await runner.setup()
     host, _, port = cfg.http.rpartition(":")
     site = web.TCPSite(runner, host or "0.0.0.0", int(port))
     await site.start()
     shown = "127.0.0.1" if host in ("", "0.0.0.0") else host
-    print(f"tahnode coordinator: control plane on {cfg.listen}, status page at http://{shown}:{port}/ "
+    planes = ([cfg.listen] if server else []) + (["p2p"] if p2p else [])
+    print(f"tahnode coordinator: control plane on {' and '.join(planes)}, status page at http://{shown}:{port}/ "
           f"({run.stages} stages of {run.model.n_layers} layers, codecs {run.codec.forward}/{run.codec.backward}; "
           f"checkpoints in {registry.store.dir})", flush=True)
     say_tls(cfg, tls)
     stop = asyncio.Event()
+    publishing = None
+    if p2p:
+        print("tahnode coordinator: p2p at " + " ".join(p2p_maddrs) + "\n  volunteers join with --initial-peers "
+              f"{p2p_maddrs[0]} (behind NAT: also --transport p2p --use-auto-relay)", flush=True)
+        record = {"grpc": grpc_address(cfg.listen, p2p_maddrs) if server else "", "p2p": ",".join(p2p_maddrs),
+                  "fingerprint": tls.fingerprint if tls else ""}
+        publishing = asyncio.ensure_future(republish(SwarmDirectory(p2p.dht, key), directory_entries(registry, record), stop))
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
@@ -107,6 +158,11 @@ async def serve(run: RunConfig, cfg: CoordinatorConfig) -> None:
             except asyncio.TimeoutError:
                 pass
     finally:
-        await server.stop(grace=1.0)
+        stop.set()
+        if publishing is not None:
+            await publishing
+        if server is not None:
+            await server.stop(grace=1.0)
+        await close_process_host()  # its own, or a dial-only one started to probe p2p nodes
         await runner.cleanup()
         log.info("coordinator stopped")

@@ -5,7 +5,7 @@ The page is one self-contained HTML document, status_page.html beside this modul
 and SVG; no external assets): it renders the state embedded in it at load, then fetches
 /api/v1/state every 2 s and re-renders.
 Stable hooks for tests and scrapers: `#nodes tr[data-node-id]` (cells `.stage`, `.status`),
-`#links tr[data-src][data-dst]` (cell `.mbps`), `#chain` (SVG), `#loss-curve` (SVG), `#step`,
+`#links tr[data-src][data-dst]` (cells `.mbps`, `.transport`), `#p2p-maddrs li`, `#chain` (SVG), `#loss-curve` (SVG), `#step`,
 `#loss`, `#tokens-per-s`, `#bits-per-element`, `#events`.
 """
 

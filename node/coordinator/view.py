@@ -3,6 +3,7 @@ history and events (`swarm_state`, the /api/v1/state document), and the ledger o
 
 from __future__ import annotations
 
+from ..net.channels import transport_of
 from ..proto import tahnode_pb2 as pb
 from .placement import Placement
 from .registry import SwarmRegistry
@@ -43,7 +44,8 @@ def training(r: SwarmRegistry) -> dict:
 
 
 def links(r: SwarmRegistry, placement: Placement) -> list[dict]:
-    """Probed links (Mbit/s, RTT), with the rate real traffic achieved where there was some.
+    """Probed links (Mbit/s, RTT), with the rate real traffic achieved where there was some, and
+    the carrier each uses (`transport`: the destination's address says grpc or p2p).
     Traffic time includes waiting on a busy receiver, so it is a lower bound: it raises the
     estimate when it exceeds the probe, never lowers it."""
     observed, sent = {}, {}
@@ -58,12 +60,13 @@ def links(r: SwarmRegistry, placement: Placement) -> list[dict]:
         seen = observed.get(pair)
         mbps = max(x for x in (probed, seen) if x is not None)
         out.append({"src": pair[0], "dst": pair[1], "mbps": mbps, "rtt_ms": rtt, "probed_mbps": probed, "observed_mbps": seen,
-                    "bytes": sent.get(pair, 0)})
+                    "bytes": sent.get(pair, 0), "transport": transport_of(r.nodes[pair[1]].address) if pair[1] in r.nodes else None})
     return out
 
 
-def swarm_state(r: SwarmRegistry, placement: Placement) -> dict:
-    """The /api/v1/state document (after a failure sweep)."""
+def swarm_state(r: SwarmRegistry, placement: Placement, p2p_maddrs: list[str] = ()) -> dict:
+    """The /api/v1/state document (after a failure sweep); `p2p_maddrs`: where volunteers reach the
+    coordinator over p2p (their --initial-peers)."""
     r.sweep()
     return {
         "nodes": [
@@ -79,6 +82,7 @@ def swarm_state(r: SwarmRegistry, placement: Placement) -> dict:
         "epoch": r.epoch,
         "run": r.sealer.run,
         "refused": refused(r),
+        "p2p_maddrs": list(p2p_maddrs),
     }
 
 

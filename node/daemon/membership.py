@@ -11,11 +11,11 @@ import grpc
 
 from ..config.emulation import LinkEmulation
 from ..net.auth import BadMac, Sealer
-from ..net.emulation import interceptors_for
 from ..net.errors import CoordinatorError, NotAuthenticated, NotFresh, Unreachable, from_rpc_error
 from ..net.freshness import COORDINATOR, SealRefused
 from ..net.grpc_transport import DIRECT
-from ..net.tls import CoordinatorTrust, open_channel
+from ..net.channels import open_channel
+from ..net.tls import CoordinatorTrust
 from ..pipeline.checkpoint import ChunkWriter, read_chunks
 from ..proto import tahnode_pb2 as pb
 from ..proto import tahnode_pb2_grpc as pb_grpc
@@ -40,7 +40,7 @@ class CoordinatorClient:
         """Open the channel once: TLS if the coordinator speaks it (its certificate checked first)."""
         if self.channel is None:
             pinned = await self.trust.certificate(self.address) if self.trust else b""
-            self.channel = open_channel(self.address, pinned, DIRECT, interceptors_for(self.emulation))
+            self.channel = open_channel(self.address, pinned, DIRECT, self.emulation)
             self.stub = pb_grpc.CoordinatorStub(self.channel)
 
     async def _call(self, method, request, what: str, timeout: float = 10.0):

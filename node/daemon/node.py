@@ -18,9 +18,12 @@ import torch
 
 from ..config import NodeConfig, RunConfig, TlsMode, TransportKind
 from ..net.auth import Sealer, SwarmKey
+from ..net.discovery import SwarmDirectory, republish
 from ..net.freshness import COORDINATOR
 from ..net.grpc_transport import GrpcTransport
 from ..net.identity import KEY_FILE, NodeKey
+from ..net.p2p_host import P2PHost, close_process_host, use_swarm_key
+from ..net.p2p_transport import P2PTransport
 from ..net.probe import measure_link
 from ..net.tls import PINNED_COORDINATOR_FILE, CoordinatorTrust, TlsCertificate, is_loopback, wants_tls
 from ..net.transport import Transport
@@ -35,6 +38,7 @@ from .device import device_label, device_memory, measure_layer_ms, resolve_devic
 from .follower import AssignmentFollower
 from .heartbeats import Heartbeats
 from .membership import CoordinatorClient
+from .p2p import find_coordinator, needs_p2p, node_entries, start_host
 from .progress import Progress
 
 log = logging.getLogger("tahnode.daemon")
@@ -47,20 +51,23 @@ def state_dir(cfg: NodeConfig, node_id: str) -> Path:
     return Path(cfg.checkpoint_dir) if cfg.checkpoint_dir else Path("tahnode-state") / node_id
 
 
-def make_transport(cfg: NodeConfig, sealer: Sealer, tls: TlsCertificate | None) -> Transport:
-    """The data plane the node's config asks for (served over TLS with `tls`, if given)."""
-    if cfg.transport is TransportKind.GRPC:
-        emulation = cfg.emulation
+def make_transport(cfg: NodeConfig, sealer: Sealer, tls: TlsCertificate | None, host: P2PHost | None) -> Transport:
+    """The data plane the node's config asks for (gRPC served over TLS with `tls`, if given; p2p on `host`)."""
+    emulation = cfg.emulation
 
-        async def measurer(peer: str, target: str, nbytes: int, cert: bytes) -> tuple[float, float]:
-            return await measure_link(sealer, target, peer, nbytes, emulation, pinned=cert)
+    async def measurer(peer: str, target: str, nbytes: int, cert: bytes) -> tuple[float, float]:
+        return await measure_link(sealer, target, peer, nbytes, emulation, pinned=cert)
 
-        return GrpcTransport(sealer, cfg.listen, cfg.advertise, emulation=emulation, measurer=measurer, tls=tls)
-    raise ValueError(f"transport {cfg.transport} is not available")
+    if cfg.transport is TransportKind.P2P:
+        return P2PTransport(sealer, host, emulation=emulation, measurer=measurer)
+    return GrpcTransport(sealer, cfg.listen, cfg.advertise, emulation=emulation, measurer=measurer, tls=tls)
 
 
 def data_plane_tls(cfg: NodeConfig, folder: Path) -> TlsCertificate | None:
-    """The certificate the data plane serves with, if TLS is wanted where peers reach this node."""
+    """The certificate the gRPC data plane serves with, if TLS is wanted where peers reach this node
+    (libp2p encrypts and authenticates p2p links itself)."""
+    if cfg.transport is TransportKind.P2P:
+        return None
     if wants_tls(cfg.tls, cfg.advertise or cfg.listen):
         return TlsCertificate.load_or_create(folder)
     if cfg.tls is TlsMode.OFF and not is_loopback(cfg.advertise or cfg.listen):
@@ -76,6 +83,8 @@ class StageNode:
                  coord: CoordinatorClient):
         self.cfg, self.stop, self.node_id, self.device = cfg, stop, node_id, device
         self.t, self.coord = transport, coord
+        self.publishing: asyncio.Future | None = None  # the node's entry in the DHT, republished until `closing`
+        self.closing = asyncio.Event()
         self.beats: Heartbeats | None = None
         self.sync: CheckpointSync | None = None
         self.worker: StageWorker | None = None
@@ -86,20 +95,28 @@ class StageNode:
     async def create(cls, cfg: NodeConfig, stop: asyncio.Event) -> StageNode:
         """Serve the data plane, join the coordinator, start heartbeats and measure this device."""
         key = SwarmKey(cfg.token)
-        device = resolve_device(cfg.device)
-        if cfg.threads:
-            torch.set_num_threads(cfg.threads)
         node_id = cfg.node_id or f"{socket.gethostname()}-{os.getpid()}"
         # the node's identity lives beside its checkpoints: the same directory, the same node to the coordinator
         folder = state_dir(cfg, node_id)
+        use_swarm_key(key)  # for p2p relays, if it ever needs one
+        host = await start_host(cfg, folder) if needs_p2p(cfg) else None  # first: its DHT forks a process
+        try:
+            coordinator = await find_coordinator(cfg, host, key)
+            device = resolve_device(cfg.device)
+        except BaseException:
+            if host is not None:
+                await host.close()
+            raise
+        if cfg.threads:
+            torch.set_num_threads(cfg.threads)
         identity = NodeKey.load_or_create(folder / KEY_FILE)
         sealer = Sealer(key, node_id, identity=identity)  # one counter and one replay guard for all it sends and receives
         tls = data_plane_tls(cfg, folder)
-        transport = make_transport(cfg, sealer, tls)
-        address = await transport.start()
-        trust = CoordinatorTrust(cfg.tls, cfg.coordinator_fingerprint, folder / PINNED_COORDINATOR_FILE)
-        node = cls(cfg, stop, node_id, device, transport, CoordinatorClient(cfg.coordinator, sealer, cfg.emulation, trust))
+        transport = make_transport(cfg, sealer, tls, host)
+        trust = CoordinatorTrust(cfg.tls, cfg.coordinator_fingerprint or coordinator.fingerprint, folder / PINNED_COORDINATOR_FILE)
+        node = cls(cfg, stop, node_id, device, transport, CoordinatorClient(coordinator.address, sealer, cfg.emulation, trust))
         try:
+            address = await transport.start()
             join = pb.JoinRequest(node_id=node_id, address=address, stage=cfg.stage, device=device_label(device),
                                   memory_bytes=device_memory(device), tls_cert=tls.cert_pem if tls else b"")
             reply = await node.coord.join(join)
@@ -110,6 +127,10 @@ class StageNode:
             node.beats = Heartbeats(node.coord, join, transport)
             node.beats.start()
             node.beats.measured(await asyncio.to_thread(measure_layer_ms, node.run_cfg, device))
+            if host is not None and host.dht is not None:
+                node.publishing = asyncio.ensure_future(republish(SwarmDirectory(host.dht, key),
+                                                                  node_entries(node_id, transport, cfg.transport), node.closing,
+                                                                  volatile=("forward_mbps",)))
         except BaseException:
             await node._close()
             raise
@@ -131,7 +152,7 @@ class StageNode:
         or the run finished while we stood by)."""
         a = self.assignment
         if a.stage < 0:
-            print(f"{self.node_id}: joined {self.cfg.coordinator}, serving on {self.t.address}; waiting for a stage "
+            print(f"{self.node_id}: joined {self.coord.address}, serving on {self.t.address}; waiting for a stage "
                   f"(one layer takes {self.beats.layer_ms:.1f} ms per micro-batch here)", flush=True)
         while a.stage < 0:
             a = await self._until_stop(self.beats.next_assignment())
@@ -148,7 +169,7 @@ class StageNode:
     async def _build_worker(self) -> StageWorker:
         a, run, cfg = self.assignment, self.run_cfg, self.cfg
         self.t.set_stage(a.stage)
-        print(f"{self.node_id}: holds stage {a.stage} of {a.num_stages} (coordinator {cfg.coordinator}), serving on "
+        print(f"{self.node_id}: holds stage {a.stage} of {a.num_stages} (coordinator {self.coord.address}), serving on "
               f"{self.t.address} ({device_label(self.device)})", flush=True)
         store = CheckpointStore(state_dir(cfg, self.node_id))
         self.sync = CheckpointSync(self.coord, self.node_id, store)
@@ -236,8 +257,12 @@ class StageNode:
         await self._close()
 
     async def _close(self) -> None:
+        self.closing.set()
+        if self.publishing is not None:
+            await self.publishing
         await self.coord.close()
         await self.t.close()
+        await close_process_host()  # the node's own p2p daemon, or a dial-only one started to reach a p2p neighbour
         if self.worker is not None:
             self.worker.close()
 

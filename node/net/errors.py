@@ -1,12 +1,14 @@
 """Typed errors of the control plane (node <-> coordinator): each refusal has its own class and
-gRPC status code, so a client tells them apart by type, never by the message's text."""
+gRPC status code, so a client tells them apart by type, never by the message's text; and of the
+libp2p side (P2PError and its kinds)."""
 
 from __future__ import annotations
 
 import grpc
 
 __all__ = ["CoordinatorError", "Unreachable", "Refused", "NotAuthenticated", "NotFresh", "InvalidRequest", "StageTaken",
-           "UnknownNode", "Banned", "UntrustedCoordinator", "CoordinatorTlsMismatch", "from_rpc_error"]
+           "UnknownNode", "Banned", "UntrustedCoordinator", "CoordinatorTlsMismatch", "from_rpc_error", "P2PError",
+           "P2PUnavailable", "P2PStartFailed", "PeerUnreachable", "CoordinatorNotFound"]
 
 
 class CoordinatorError(RuntimeError):
@@ -84,3 +86,24 @@ def from_rpc_error(exc: grpc.aio.AioRpcError, address: str, what: str) -> Coordi
         return Unreachable(f"coordinator {address} cannot be reached: {exc.details()}")
     cls = _BY_CODE.get(exc.code(), Refused)
     return cls(f"coordinator {address} refused the {what}: {exc.details()}")
+
+
+class P2PError(RuntimeError):
+    """The libp2p side (tahnode.net.p2p_host) cannot do what was asked."""
+
+
+class P2PUnavailable(P2PError):
+    """hivemind, which carries tahnode's libp2p transport, is not installed."""
+
+
+class P2PStartFailed(P2PError):
+    """The p2p daemon or the DHT did not start: a taken port, a bad multiaddr, no initial peer answering."""
+
+
+class PeerUnreachable(P2PError, ConnectionError):
+    """No libp2p connection to a peer (at none of its addresses, nor through a relay); a link that
+    meets it fails and tries again, as with any broken connection."""
+
+
+class CoordinatorNotFound(P2PError):
+    """The DHT of the initial peers holds no record of this swarm's coordinator."""

@@ -17,7 +17,8 @@ from .framing import FrameError, FrameNotAuthenticated, FrameNotFresh, FrameTooL
 from .freshness import COORDINATOR, SealRefused
 from .links import LinkedTransport, OutLink
 from .memory import return_freed_memory
-from .tls import TlsCertificate, add_port, open_channel
+from .channels import open_channel
+from .tls import TlsCertificate, add_port
 from .transport import BACKWARD, FORWARD, Direction, Inbound, Measurer
 from .unparsable import RefuseUnparsable
 

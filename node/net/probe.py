@@ -11,9 +11,9 @@ from ..config.emulation import LinkEmulation
 from ..proto import tahnode_pb2 as pb
 from ..proto import tahnode_pb2_grpc as pb_grpc
 from .auth import Sealer
-from .emulation import interceptors_for, pacer_for
+from .emulation import pacer_for
 from .grpc_transport import CHANNEL_OPTIONS, DIRECT
-from .tls import open_channel
+from .channels import open_channel
 
 __all__ = ["probe", "measure_link", "request_measure"]
 
@@ -22,7 +22,7 @@ async def probe(sealer: Sealer, address: str, peer: str, payload_bytes: int, chu
                 emulation: LinkEmulation = LinkEmulation(), pinned: bytes = b"") -> tuple[float, float]:
     """Measure the link to node `peer` at `address` (over TLS pinning `pinned`, if given):
     (throughput Mbit/s over payload_bytes, median RTT ms). Every ping and chunk is sealed for `peer`."""
-    async with open_channel(address, pinned, CHANNEL_OPTIONS, interceptors_for(emulation)) as channel:
+    async with open_channel(address, pinned, CHANNEL_OPTIONS, emulation) as channel:
         stub = pb_grpc.StageServiceStub(channel)
         rtts = []
         for _ in range(5):

@@ -25,10 +25,11 @@ from cryptography.x509.oid import NameOID
 from ..config.node import TlsMode
 from ..config.token import write_secret
 from .errors import CoordinatorTlsMismatch, Unreachable, UntrustedCoordinator
+from .p2p_host import is_p2p_address
 
 log = logging.getLogger("tahnode.tls")
 
-__all__ = ["TlsCertificate", "CoordinatorTrust", "fingerprint", "is_loopback", "wants_tls", "open_channel", "add_port",
+__all__ = ["TlsCertificate", "CoordinatorTrust", "fingerprint", "is_loopback", "wants_tls", "open_grpc_channel", "add_port",
            "fetch_certificate", "NotTls", "TLS_NAME", "CERT_FILE", "KEY_FILE", "PINNED_COORDINATOR_FILE"]
 
 TLS_NAME = "tahnode"                          # the name in every certificate; channels check it, not the address
@@ -106,7 +107,7 @@ def add_port(server: grpc.aio.Server, listen: str, cert: TlsCertificate | None) 
     return server.add_secure_port(listen, cert.server_credentials())
 
 
-def open_channel(address: str, pinned: bytes, options: list, interceptors=None) -> grpc.aio.Channel:
+def open_grpc_channel(address: str, pinned: bytes, options: list, interceptors=None) -> grpc.aio.Channel:
     """A channel to `address`: TLS trusting exactly the certificate `pinned` (PEM), or plain gRPC
     when `pinned` is empty (the peer serves no TLS)."""
     if not pinned:
@@ -147,8 +148,9 @@ class CoordinatorTrust:
         self.mode, self.pin, self.remembered = mode, pin.strip().lower(), remembered
 
     async def certificate(self, address: str) -> bytes:
-        """The PEM to pin for the coordinator at `address`; b"" for plain gRPC."""
-        if self.mode is TlsMode.OFF:
+        """The PEM to pin for the coordinator at `address`; b"" for plain gRPC, and for a p2p address
+        (libp2p authenticates the peer id the address ends in)."""
+        if self.mode is TlsMode.OFF or is_p2p_address(address):
             return b""
         try:
             pem = await asyncio.to_thread(fetch_certificate, address)

@@ -60,16 +60,16 @@ def pyplot_for(out: Path):
 
 
 def plot_throughput(rows, out: Path) -> Path:
-    """tokens/s against link rate per codec pair, its limit dashed; one panel per (stages, RTT)."""
+    """tokens/s against link rate per codec pair (and transport), its limit dashed; one panel per (stages, RTT)."""
     plt = pyplot_for(out)
     panels = sorted({(r.stages, r.rtt_ms) for r in rows})
-    pairs = list(dict.fromkeys(r.pair for r in rows))
+    pairs = list(dict.fromkeys(r.series for r in rows))
     rates = sorted({r.rate_mbps for r in rows if r.rate_mbps}) + ([0.0] if any(not r.rate_mbps for r in rows) else [])
     xs = {rate: k for k, rate in enumerate(rates)}
     fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4.2), squeeze=False)
     for ax, (stages, rtt) in zip(axes[0], panels):
         for k, pair in enumerate(pairs):
-            sel = sorted((r for r in rows if r.pair == pair and (r.stages, r.rtt_ms) == (stages, rtt)), key=lambda r: xs[r.rate_mbps])
+            sel = sorted((r for r in rows if r.series == pair and (r.stages, r.rtt_ms) == (stages, rtt)), key=lambda r: xs[r.rate_mbps])
             if sel:
                 ax.plot([xs[r.rate_mbps] for r in sel], [r.tokens_per_s for r in sel], "o-", color=f"C{k}", label=pair)
                 ax.plot([xs[r.rate_mbps] for r in sel], [r.limit_tokens_per_s or float("nan") for r in sel], "--",
@@ -85,11 +85,11 @@ def plot_throughput(rows, out: Path) -> Path:
 
 
 def plot_losses(rows, out: Path) -> Path:
-    """Loss against step per codec pair (the longest run of each)."""
+    """Loss against step per codec pair and transport (the longest run of each)."""
     plt = pyplot_for(out)
     fig, ax = plt.subplots(figsize=(6.5, 4.2))
-    for k, pair in enumerate(dict.fromkeys(r.pair for r in rows)):
-        runs = [r for r in rows if r.pair == pair and r.losses]
+    for k, pair in enumerate(dict.fromkeys(r.series for r in rows)):
+        runs = [r for r in rows if r.series == pair and r.losses]
         if runs:
             longest = max(runs, key=lambda r: len(r.losses))
             ax.plot(range(len(longest.losses)), longest.losses, color=f"C{k}", label=pair)

@@ -17,7 +17,7 @@ import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from ..config import RunConfig
+from ..config import RunConfig, TransportKind
 from ..config.toml import toml_table
 from . import netns
 from .bench_report import markdown_table, plot_convergence, plot_losses, plot_throughput, write_section
@@ -27,7 +27,7 @@ __all__ = ["CodecPair", "Row", "BenchConfig", "main"]
 
 DEFAULT_PAIRS = "none/none,group/naive,aqsgd/naive,aqsgd/naive:bits=8,amaq/naive,tahquant/naive,tahquant/tahquant"
 MAIN_PAIRS = ("none/none", "tahquant/naive", "tahquant/tahquant")
-COLUMNS = ("link Mbit/s", "RTT ms", "stages", "codec fwd/bwd", "tokens/s", "limit tokens/s", "limit", "share of limit",
+COLUMNS = ("link Mbit/s", "RTT ms", "stages", "codec fwd/bwd", "transport", "tokens/s", "limit tokens/s", "limit", "share of limit",
            "bits/elem fwd/bwd", "busiest direction bytes/step", "final loss", "peak RSS MB")
 CONVERGENCE_COLUMNS = ("codec fwd/bwd", "steps", "final loss (mean of last 10)", "vs none", "bits/elem fwd/bwd", "tokens/s")
 
@@ -67,6 +67,7 @@ class Row:
     rtt_ms: float
     stages: int
     pair: str
+    transport: str = "grpc"   # the nodes' data plane: grpc or p2p
     tokens_per_s: float = 0.0
     limit_tokens_per_s: float = 0.0
     limit: str = ""           # "link" or "compute"
@@ -81,10 +82,15 @@ class Row:
 
     def cells(self) -> list[str]:
         link = "unshaped" if not self.rate_mbps else f"{self.rate_mbps:g}"
-        return [link, f"{self.rtt_ms:g}", str(self.stages), self.pair, f"{self.tokens_per_s:,.0f}",
+        return [link, f"{self.rtt_ms:g}", str(self.stages), self.pair, self.transport, f"{self.tokens_per_s:,.0f}",
                 f"{self.limit_tokens_per_s:,.0f}", self.limit, f"{100 * self.share:.0f}%",
                 f"{self.bits_fwd:.2f} / {self.bits_bwd:.2f}", f"{self.busiest_bytes_per_step:,.0f}", f"{self.final_loss:.4f}",
                 f"{self.peak_rss_mb:,.0f}"]
+
+    @property
+    def series(self) -> str:
+        """What a plot's legend calls the row's line: its codec pair, and its transport if not gRPC."""
+        return self.pair if self.transport == "grpc" else f"{self.pair} over {self.transport}"
 
 
 @dataclass
@@ -135,14 +141,15 @@ def data_links(stages: int) -> list[tuple[str, str]]:
     return out
 
 
-def measure(cfg: BenchConfig, rate: float, rtt: float, stages: int, pair: CodecPair) -> Row:
+def measure(cfg: BenchConfig, rate: float, rtt: float, stages: int, pair: CodecPair, transport: TransportKind) -> Row:
     """One row: a swarm up, the training, its numbers, the swarm down."""
     steps = cfg.warmup + (cfg.steps if rate else cfg.unshaped_steps)
-    row_dir = cfg.workdir / f"{stages}st-{rate:g}mbit-{rtt:g}ms-{pair.label.replace('/', '_').replace(':', '-').replace(',', '-')}"
+    row_dir = cfg.workdir / (f"{stages}st-{rate:g}mbit-{rtt:g}ms-{pair.label.replace('/', '_').replace(':', '-').replace(',', '-')}"
+                             + ("" if transport is TransportKind.GRPC else f"-{transport}"))
     row_dir.mkdir(parents=True, exist_ok=True)
     (row_dir / "run.toml").write_text(cfg.run_toml(pair, steps))
     spec = SwarmSpec(nodes=stages, bandwidth_bps=rate * 1e6, rtt_s=rtt / 1e3, shaper=cfg.shaper, prefix=cfg.prefix,
-                     workdir=row_dir, run_flags=["--model", cfg.model, "--config", str(row_dir / "run.toml")])
+                     workdir=row_dir, run_flags=["--model", cfg.model, "--config", str(row_dir / "run.toml")], transport=transport)
     swarm = LocalSwarm.up(spec)
     try:
         timeout = 600 + 60 * steps
@@ -156,7 +163,7 @@ def measure(cfg: BenchConfig, rate: float, rtt: float, stages: int, pair: CodecP
         LocalSwarm.down(spec.prefix, row_dir)
     t = state["training"]
     measured = [p["seconds"] for p in ledger[cfg.warmup:]]
-    return Row(rate, rtt, stages, pair.label, tokens_per_s=cfg.tokens_per_step / statistics.median(measured),
+    return Row(rate, rtt, stages, pair.label, transport.value, tokens_per_s=cfg.tokens_per_step / statistics.median(measured),
                bits_fwd=t["bits_per_element"], bits_bwd=t["backward_bits_per_element"],
                busiest_bytes_per_step=max(sent.values(), default=0) / steps, final_loss=ledger[-1]["loss"],
                peak_rss_mb=t.get("peak_rss_bytes", 0) / 2**20, step_seconds=[p["seconds"] for p in ledger],
@@ -165,14 +172,14 @@ def measure(cfg: BenchConfig, rate: float, rtt: float, stages: int, pair: CodecP
 
 def with_limits(rows: list[Row], tokens_per_step: int) -> None:
     """Fill each row's limit and share: the smaller of its link limit and the compute limit of the
-    unshaped RTT-0 row of the same stages and codec pair (where the matrix has it)."""
-    compute = {(r.stages, r.pair): r.tokens_per_s for r in rows if not r.rate_mbps and not r.rtt_ms}
+    unshaped RTT-0 row of the same stages, codec pair and transport (where the matrix has it)."""
+    compute = {(r.stages, r.pair, r.transport): r.tokens_per_s for r in rows if not r.rate_mbps and not r.rtt_ms}
     for r in rows:
         limits = {}
         if r.rate_mbps and r.busiest_bytes_per_step:
             limits["link"] = tokens_per_step * r.rate_mbps * 1e6 / (8 * r.busiest_bytes_per_step)
-        if (r.stages, r.pair) in compute:
-            limits["compute"] = compute[(r.stages, r.pair)]
+        if (r.stages, r.pair, r.transport) in compute:
+            limits["compute"] = compute[(r.stages, r.pair, r.transport)]
         if limits:
             r.limit = min(limits, key=limits.get)
             r.limit_tokens_per_s = limits[r.limit]
@@ -199,6 +206,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--pipeline-micro-batches", type=int, default=0,
                     help="micro-batches the pipeline cuts a step into (default 0: auto, tahnode.pipeline.schedule)")
     ap.add_argument("--model", default="llama-thin", help="model preset or TOML (default llama-thin: dim 64, so links dominate)")
+    ap.add_argument("--transports", default="grpc", help="the nodes' data planes to compare, comma-separated: grpc, p2p "
+                    "(p2p needs pip install 'tahnode[p2p]'; default grpc)")
     ap.add_argument("--shaper", default=Shaper.TC.value, choices=[s.value for s in Shaper], help="tc (root; default) or userspace")
     ap.add_argument("--name", default="swarm", help="the doc section and plot names (default swarm)")
     ap.add_argument("--doc", default="docs/benchmarks.md", help="where the table goes (default docs/benchmarks.md)")
@@ -212,11 +221,12 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
-def plan(args, pairs: list[CodecPair]) -> list[tuple[float, float, int, CodecPair]]:
+def plan(args, pairs: list[CodecPair]) -> list[tuple[float, float, int, CodecPair, TransportKind]]:
     """The rows to run, unshaped ones first (they give the compute limits)."""
     rates = sorted((float(x) for x in args.rates.split(",")), key=lambda r: (r != 0, r))
     rtts = [float(x) for x in args.rtts.split(",")]
     stages = [int(x) for x in args.stages.split(",")]
+    transports = [TransportKind(x.strip()) for x in args.transports.split(",") if x.strip()]
     rows = []
     for s in stages:
         for rate in rates:
@@ -224,11 +234,11 @@ def plan(args, pairs: list[CodecPair]) -> list[tuple[float, float, int, CodecPai
                 for pair in pairs:
                     if s > 3 and not args.all_pairs_at_4_stages and pair.label not in MAIN_PAIRS:
                         continue
-                    rows.append((rate, rtt, s, pair))
+                    rows += [(rate, rtt, s, pair, transport) for transport in transports]
     return rows
 
 
-def run_rows(cfg: BenchConfig, todo: list[tuple[float, float, int, CodecPair]]) -> list[Row]:
+def run_rows(cfg: BenchConfig, todo: list[tuple[float, float, int, CodecPair, TransportKind]]) -> list[Row]:
     """Measure every row, with a progress bar; a row that fails is reported and skipped."""
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -236,13 +246,14 @@ def run_rows(cfg: BenchConfig, todo: list[tuple[float, float, int, CodecPair]]) 
     with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total} rows"),
                   TimeElapsedColumn(), transient=False) as bar:
         task = bar.add_task("bench swarm", total=len(todo))
-        for rate, rtt, stages, pair in todo:
+        for rate, rtt, stages, pair, transport in todo:
             link = f"{rate:g} Mbit/s" if rate else "unshaped"
-            bar.update(task, description=f"{stages} stages, {link}, RTT {rtt:g} ms, {pair.label}")
+            what = f"{stages} stages, {link}, RTT {rtt:g} ms, {pair.label}, {transport}"
+            bar.update(task, description=what)
             try:
-                rows.append(measure(cfg, rate, rtt, stages, pair))
+                rows.append(measure(cfg, rate, rtt, stages, pair, transport))
             except SwarmError as exc:
-                bar.console.print(f"[red]row {stages} stages, {link}, RTT {rtt:g} ms, {pair.label} failed:[/red] {exc}")
+                bar.console.print(f"[red]row {what} failed:[/red] {exc}")
             bar.advance(task)
     return rows
 
@@ -285,7 +296,7 @@ def main(argv: list[str] | None = None) -> int:
             cfg = BenchConfig(pairs=pairs, steps=0, unshaped_steps=args.convergence, warmup=0, tokens_per_step=1024,
                               seq_len=64, model="llama-tiny", shaper=Shaper(args.shaper), prefix=args.prefix,
                               workdir=Path(args.workdir), lr_warmup_steps=10).validate()
-            todo = [(0.0, 0.0, 3, pair) for pair in pairs]
+            todo = [(0.0, 0.0, 3, pair, TransportKind.GRPC) for pair in pairs]
         else:
             cfg = BenchConfig(pairs=pairs, steps=args.steps, unshaped_steps=args.unshaped_steps, warmup=args.warmup,
                               tokens_per_step=args.tokens_per_step, seq_len=args.seq_len, micro_batches=args.micro_batches,

@@ -1,0 +1,74 @@
+"""A daemon's libp2p side: whether it needs a p2p daemon at all, starting it (before CUDA and gRPC:
+the DHT forks a process), finding the coordinator through the DHT when no --coordinator was given,
+and what the node keeps published there about itself."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..config import DEFAULT_COORDINATOR, NodeConfig, TransportKind
+from ..config.node import P2PSettings
+from ..net.auth import SwarmKey
+from ..net.discovery import NODE_KIND, SwarmDirectory
+from ..net.p2p_host import IDENTITY_FILE, P2PAddress, P2PHost, is_p2p_address
+from ..net.transport import FORWARD, Transport
+
+log = logging.getLogger("tahnode.daemon")
+
+__all__ = ["needs_p2p", "start_host", "find_coordinator", "CoordinatorAddress", "node_entries", "RELAY_WAIT_S", "FIND_WAIT_S"]
+
+RELAY_WAIT_S = 30.0   # how long a node behind NAT waits for a relay reservation before it joins anyway
+FIND_WAIT_S = 60.0    # how long a node looks for the coordinator's entry in the DHT
+
+
+def needs_p2p(cfg: NodeConfig) -> bool:
+    """A p2p daemon from the start: p2p data plane, initial peers to find the swarm by, or a
+    coordinator reached over p2p. (A gRPC node gets a dial-only one later if a neighbour is p2p.)"""
+    return cfg.transport is TransportKind.P2P or bool(cfg.p2p.initial_peers) or is_p2p_address(cfg.coordinator)
+
+
+async def start_host(cfg: NodeConfig, folder: Path) -> P2PHost:
+    """The node's p2p daemon with its peer id kept in `folder`; it joins the DHT of its initial peers
+    (given, or the coordinator's own multiaddrs), as a client only when it sits behind NAT."""
+    peers = cfg.p2p.initial_peers or (list(P2PAddress.parse(cfg.coordinator).maddrs) if is_p2p_address(cfg.coordinator) else [])
+    if cfg.p2p.use_auto_relay and not peers:
+        raise ValueError("--use-auto-relay needs --initial-peers (public peers, such as the coordinator, that relay for nodes behind NAT)")
+    settings = P2PSettings(listen=cfg.p2p.listen, announce=cfg.p2p.announce, initial_peers=peers,
+                           use_relay=cfg.p2p.use_relay, use_auto_relay=cfg.p2p.use_auto_relay)
+    host = await P2PHost.start(settings, identity=folder / IDENTITY_FILE, dht=bool(peers), dht_client=cfg.p2p.use_auto_relay)
+    if cfg.p2p.use_auto_relay and not await host.wait_for_relay(RELAY_WAIT_S):
+        log.warning("no relay reservation after %.0f s: peers outside this network may not reach this node", RELAY_WAIT_S)
+    return host
+
+
+@dataclass
+class CoordinatorAddress:
+    address: str
+    fingerprint: str = ""   # its TLS certificate, as the DHT entry (made with the swarm token) names it
+    found_in_dht: bool = False
+
+
+async def find_coordinator(cfg: NodeConfig, host: P2PHost | None, key: SwarmKey) -> CoordinatorAddress:
+    """--coordinator if given; else the coordinator's entry in the DHT (its p2p address for a p2p
+    node, its gRPC one for a gRPC node, whichever it has); else DEFAULT_COORDINATOR."""
+    if cfg.coordinator:
+        return CoordinatorAddress(cfg.coordinator)
+    if host is None or host.dht is None:
+        return CoordinatorAddress(DEFAULT_COORDINATOR)
+    record = await SwarmDirectory(host.dht, key).coordinator(FIND_WAIT_S)
+    address = record.address_for(p2p=cfg.transport is TransportKind.P2P)
+    log.info("found the coordinator through the DHT at %s", address)
+    return CoordinatorAddress(address, "" if is_p2p_address(address) else record.fingerprint, True)
+
+
+def node_entries(node_id: str, transport: Transport, kind: TransportKind):
+    """What a node keeps in the DHT: its stage, address, transport and the rate its forward link achieved."""
+    def entries():
+        sent = transport.counters(FORWARD) if transport.links else None
+        mbps = sent.bytes * 8 / sent.seconds / 1e6 if sent and sent.seconds > 0 else None
+        return [(NODE_KIND, node_id, {"stage": transport.stage, "address": transport.address, "transport": kind.value,
+                                      "forward_mbps": mbps})]
+
+    return entries

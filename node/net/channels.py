@@ -1,0 +1,26 @@
+"""Channels to another tahnode process, whichever carrier its address names: gRPC over HTTP/2 for
+HOST:PORT (TLS pinning a certificate, where it has one), libp2p streams for a p2p address
+(tahnode.net.p2p_rpc). Generated stubs work on either."""
+
+from __future__ import annotations
+
+from ..config.emulation import LinkEmulation
+from .emulation import interceptors_for
+from .p2p_host import is_p2p_address
+from .p2p_rpc import P2PChannel
+from .tls import open_grpc_channel
+
+__all__ = ["open_channel", "transport_of"]
+
+
+def open_channel(address: str, pinned: bytes, options: list, emulation: LinkEmulation | None = None):
+    """A channel to `address`; `pinned`: the TLS certificate (PEM) a gRPC peer must present (b"":
+    plain gRPC); `emulation` delays unary calls by its round trip (test swarms)."""
+    if is_p2p_address(address):
+        return P2PChannel(address, emulation.delay_s if emulation and emulation.rtt_s > 0 else 0.0)
+    return open_grpc_channel(address, pinned, options, interceptors_for(emulation) if emulation else None)
+
+
+def transport_of(address: str) -> str:
+    """"p2p" or "grpc": the carrier a peer at `address` is reached over (the status page's links)."""
+    return "p2p" if is_p2p_address(address) else "grpc"
