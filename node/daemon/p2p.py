@@ -39,7 +39,8 @@ async def start_host(cfg: NodeConfig, folder: Path) -> P2PHost:
                            use_relay=cfg.p2p.use_relay, use_auto_relay=cfg.p2p.use_auto_relay)
     host = await P2PHost.start(settings, identity=folder / IDENTITY_FILE, dht=bool(peers), dht_client=cfg.p2p.use_auto_relay)
     if cfg.p2p.use_auto_relay and not await host.wait_for_relay(RELAY_WAIT_S):
-        log.warning("no relay reservation after %.0f s: peers outside this network may not reach this node", RELAY_WAIT_S)
+        log.warning("none of the initial peers answered as a relay within %.0f s: peers outside this network may not "
+                    "reach this node", RELAY_WAIT_S)
     return host
 
 
@@ -47,7 +48,6 @@ async def start_host(cfg: NodeConfig, folder: Path) -> P2PHost:
 class CoordinatorAddress:
     address: str
     fingerprint: str = ""   # its TLS certificate, as the DHT entry (made with the swarm token) names it
-    found_in_dht: bool = False
 
 
 async def find_coordinator(cfg: NodeConfig, host: P2PHost | None, key: SwarmKey) -> CoordinatorAddress:
@@ -60,7 +60,7 @@ async def find_coordinator(cfg: NodeConfig, host: P2PHost | None, key: SwarmKey)
     record = await SwarmDirectory(host.dht, key).coordinator(FIND_WAIT_S)
     address = record.address_for(p2p=cfg.transport is TransportKind.P2P)
     log.info("found the coordinator through the DHT at %s", address)
-    return CoordinatorAddress(address, "" if is_p2p_address(address) else record.fingerprint, True)
+    return CoordinatorAddress(address, "" if is_p2p_address(address) else record.fingerprint)
 
 
 def node_entries(node_id: str, transport: Transport, kind: TransportKind):

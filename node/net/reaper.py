@@ -1,7 +1,6 @@
 """Helper processes (the libp2p daemon, the DHT's process) end with the process that started them,
-however it ends: a small watcher holds the read end of a pipe, and when the pipe closes (its parent
-exited, cleanly or killed with SIGKILL: it is no longer the watcher's parent) it terminates every
-pid it was told of."""
+however it ends: a small watcher, told their pids through a pipe, terminates them when its parent
+is gone (exited, cleanly or killed with SIGKILL: the watcher is re-parented) or closes the pipe."""
 
 from __future__ import annotations
 
