@@ -98,7 +98,8 @@ def _add_p2p_flags(p, listen: str, node: bool) -> None:
                    help="a peer already in the swarm's DHT (the coordinator prints its own), repeatable" +
                    ("; without --coordinator the node finds the coordinator through it" if node else ""))
     g.add_argument("--announce", action="append", default=[], metavar="MULTIADDR",
-                   help="public multiaddr to announce instead of the ones the daemon sees (behind port forwarding)")
+                   help="public multiaddr to announce instead of the ones the daemon sees (e.g. behind port forwarding); "
+                   "a process that announces relays for volunteers behind NAT")
     g.add_argument("--use-relay", action=argparse.BooleanOptionalAction, default=True,
                    help="may reach peers (and be reached) through circuit relays (default: yes, as in hivemind)")
     g.add_argument("--use-auto-relay", action="store_true",
