@@ -325,8 +325,10 @@ class StageWorker:
             await self.commit(end)
         elif end.step < st.committed:
             log.debug("stage %d dropped step end %d: already applied (from a sync)", self.stage, end.step)
-        else:
-            raise PipelineError(f"stage {self.stage}: step end {end.step} arrived with gradients of {st.done_backward} micro-batches of step {st.step}")
+        else:  # ahead of this stage: it missed steps (restarted behind the others, its neighbour not yet told): resync
+            reason = f"step end {end.step} arrived with gradients of {st.done_backward} micro-batches of step {st.step}"
+            log.warning("stage %d: %s; the step will be replayed", self.stage, reason)
+            self.replay_step(reason, tell=True)
 
     # -- running -------------------------------------------------------------------------------
     async def run(self, steps: int) -> None:
