@@ -71,7 +71,7 @@ def directory_entries(registry: SwarmRegistry, record: dict):
     return entries
 
 
-async def start_p2p(cfg: CoordinatorConfig, servicer: CoordinatorServicer, key: SwarmKey) -> P2PHost:
+async def start_p2p(cfg: CoordinatorConfig, servicer: CoordinatorServicer) -> P2PHost:
     """The coordinator's p2p daemon and DHT (before any gRPC server: the DHT forks a process), with
     the control plane on it."""
     host = await P2PHost.start(cfg.p2p, identity=Path(cfg.store) / IDENTITY_FILE)
@@ -117,7 +117,7 @@ async def serve(run: RunConfig, cfg: CoordinatorConfig) -> None:
     placement = Placement(registry, cfg.settle_s)
     measure = measurer(registry)
     servicer = CoordinatorServicer(registry)
-    p2p = await start_p2p(cfg, servicer, key) if TransportKind.P2P in cfg.transports else None
+    p2p = await start_p2p(cfg, servicer) if TransportKind.P2P in cfg.transports else None
     p2p_maddrs = (await p2p.address()).split(",") if p2p else []
     server, tls = None, None
     if TransportKind.GRPC in cfg.transports:

@@ -4,12 +4,12 @@ and what the node keeps published there about itself."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 from pathlib import Path
 
 from ..config import DEFAULT_COORDINATOR, NodeConfig, TransportKind
-from ..config.node import P2PSettings
 from ..net.auth import SwarmKey
 from ..net.discovery import NODE_KIND, SwarmDirectory
 from ..net.p2p_host import IDENTITY_FILE, P2PAddress, P2PHost, is_p2p_address
@@ -35,9 +35,7 @@ async def start_host(cfg: NodeConfig, folder: Path) -> P2PHost:
     peers = cfg.p2p.initial_peers or (list(P2PAddress.parse(cfg.coordinator).maddrs) if is_p2p_address(cfg.coordinator) else [])
     if cfg.p2p.use_auto_relay and not peers:
         raise ValueError("--use-auto-relay needs --initial-peers (public peers, such as the coordinator, that relay for nodes behind NAT)")
-    settings = P2PSettings(listen=cfg.p2p.listen, announce=cfg.p2p.announce, initial_peers=peers,
-                           use_relay=cfg.p2p.use_relay, use_auto_relay=cfg.p2p.use_auto_relay)
-    host = await P2PHost.start(settings, identity=folder / IDENTITY_FILE, dht=bool(peers), dht_client=cfg.p2p.use_auto_relay)
+    host = await P2PHost.start(dataclasses.replace(cfg.p2p, initial_peers=peers), identity=folder / IDENTITY_FILE, dht=bool(peers), dht_client=cfg.p2p.use_auto_relay)
     if cfg.p2p.use_auto_relay and not await host.wait_for_relay(RELAY_WAIT_S):
         log.warning("none of the initial peers answered as a relay within %.0f s: peers outside this network may not "
                     "reach this node", RELAY_WAIT_S)

@@ -56,24 +56,16 @@ def require_hivemind():
     return StaticRelayP2P
 
 
-def _uvarint(n: int) -> bytes:
-    out = bytearray()
-    while True:
-        low, n = n & 0x7F, n >> 7
-        out.append(low | (0x80 if n else 0))
-        if not n:
-            return bytes(out)
-
-
-P2P_PROTOCOL_CODE = 421  # /p2p/ in the multiaddr table
-
-
 def to_multiaddr(text: str):
     """hivemind's Multiaddr of `text`, with each /p2p/<id> inside it encoded as the daemon reads it:
     hivemind's own encoder writes peer ids as CIDv1, which p2pd refuses in the middle of an address
     (a relay's id in /p2p/RELAY/p2p-circuit: "length greater than remaining number of bytes")."""
     import base58
+    import varint
     from hivemind.utils.multiaddr import Multiaddr
+    from hivemind.utils.multiaddr.protocols import protocol_with_name
+
+    p2p_code = protocol_with_name("p2p").vcode
 
     parts = re.split(r"/p2p/([^/]+)", text)
     encoded = b""
@@ -82,7 +74,7 @@ def to_multiaddr(text: str):
             encoded += Multiaddr(part).to_bytes() if part else b""
         else:
             digest = base58.b58decode(part)
-            encoded += _uvarint(P2P_PROTOCOL_CODE) + _uvarint(len(digest)) + digest
+            encoded += p2p_code + varint.encode(len(digest)) + digest
     return Multiaddr(encoded)
 
 

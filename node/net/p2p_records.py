@@ -5,9 +5,12 @@ and relay requests (tahnode.net.p2p_relay) speak them."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Iterator
+from contextlib import contextmanager
 from enum import IntEnum
 
-__all__ = ["RecordKind", "RecordTooLarge", "MAX_RECORD_BYTES", "PROTOCOL_PREFIX", "protocol_name", "write_record", "read_record"]
+__all__ = ["RecordKind", "RecordTooLarge", "MAX_RECORD_BYTES", "PROTOCOL_PREFIX", "protocol_name", "write_record", "read_record",
+           "StreamsPerPeer"]
 
 MAX_RECORD_BYTES = (4 << 20) + 4096   # gRPC's message limit here (grpc_transport.MAX_MESSAGE_BYTES), plus headroom
 PROTOCOL_PREFIX = "/tahnode/1"
@@ -48,3 +51,22 @@ async def read_record(reader: asyncio.StreamReader) -> tuple[RecordKind, bytes]:
     if size > MAX_RECORD_BYTES:
         raise RecordTooLarge(f"a record of {size} bytes is above the limit of {MAX_RECORD_BYTES}")
     return kind, (await reader.readexactly(size) if size else b"")
+
+
+class StreamsPerPeer:
+    """How many streams each remote peer has open with a handler now (what bounds the memory one
+    peer can hold there)."""
+
+    def __init__(self):
+        self.open: dict[str, int] = {}
+
+    @contextmanager
+    def holding(self, peer: str) -> Iterator[int]:
+        """Count one more stream of `peer` while inside; yields how many it has open, this one included."""
+        self.open[peer] = self.open.get(peer, 0) + 1
+        try:
+            yield self.open[peer]
+        finally:
+            self.open[peer] -= 1
+            if not self.open[peer]:
+                del self.open[peer]

@@ -20,7 +20,7 @@ from google.protobuf.message import DecodeError
 
 from ..proto import tahnode_pb2 as pb
 from .errors import PeerUnreachable
-from .p2p_records import PROTOCOL_PREFIX, RecordKind, read_record, write_record
+from .p2p_records import PROTOCOL_PREFIX, RecordKind, StreamsPerPeer, read_record, write_record
 
 log = logging.getLogger("tahnode.p2p")
 
@@ -51,17 +51,13 @@ async def _copy(src: asyncio.StreamReader, dst: asyncio.StreamWriter, host) -> N
 
 async def serve_relay(host, key) -> None:
     """Relay streams for callers holding the swarm key `key` (tahnode.net.auth.SwarmKey) on `host`."""
-    relayed: dict[str, int] = {}
+    relayed = StreamsPerPeer()
 
     async def handle(stream_info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        caller = str(stream_info.peer_id)
-        relayed[caller] = relayed.get(caller, 0) + 1
         try:
-            await _relay(host, key, reader, writer, relayed[caller] > RELAYED_PER_PEER)
+            with relayed.holding(str(stream_info.peer_id)) as streams_of_caller:
+                await _relay(host, key, reader, writer, streams_of_caller > RELAYED_PER_PEER)
         finally:
-            relayed[caller] -= 1
-            if not relayed[caller]:
-                del relayed[caller]
             writer.close()
 
     await host.handle(RELAY_PROTOCOL, handle)

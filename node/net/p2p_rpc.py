@@ -20,7 +20,7 @@ from google.protobuf.message import DecodeError
 from ..proto import tahnode_pb2 as pb
 from .errors import P2PError
 from .p2p_host import process_host
-from .p2p_records import RecordKind, RecordTooLarge, protocol_name, read_record, write_record
+from .p2p_records import RecordKind, RecordTooLarge, StreamsPerPeer, protocol_name, read_record, write_record
 
 log = logging.getLogger("tahnode.p2p")
 
@@ -68,19 +68,14 @@ async def _requests(reader: asyncio.StreamReader, message_type) -> AsyncIterator
                              f"the request does not parse as a {message_type.DESCRIPTOR.full_name} message") from None
 
 
-def _handler(behaviour: Callable, method, input_type, open_calls: dict[str, int]) -> Callable:
+def _handler(behaviour: Callable, method, input_type, open_calls: StreamsPerPeer) -> Callable:
     """The libp2p stream handler that runs one method of a servicer; `open_calls` counts each
     peer's calls in progress on every method of the service."""
 
     async def handle(stream_info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         peer = str(stream_info.peer_id)
-        open_calls[peer] = open_calls.get(peer, 0) + 1
-        try:
-            await _run_call(behaviour, method, input_type, P2PServicerContext(peer), reader, writer, open_calls[peer])
-        finally:
-            open_calls[peer] -= 1
-            if not open_calls[peer]:
-                del open_calls[peer]
+        with open_calls.holding(peer) as calls_of_peer:
+            await _run_call(behaviour, method, input_type, P2PServicerContext(peer), reader, writer, calls_of_peer)
 
     return handle
 
@@ -139,7 +134,7 @@ async def serve_service(host, service_name: str, servicer) -> None:
     """Serve every method of the gRPC service `service_name` (as in tahnode.proto) of `servicer`
     on `host` (tahnode.net.p2p_host.P2PHost)."""
     service = pb.DESCRIPTOR.services_by_name[service_name]
-    open_calls: dict[str, int] = {}
+    open_calls = StreamsPerPeer()
     for method in service.methods:
         input_type = getattr(pb, method.input_type.name)
         path = f"/{service.full_name}/{method.name}"
@@ -298,12 +293,6 @@ class P2PChannel:
             if request_iterator is not None:
                 c.feed(request_iterator)
             return c
-
-        return call
-
-    def stream_stream(self, method: str, *_a, **_kw):
-        def call(*_args, **_kwargs):
-            raise NotImplementedError(f"{method}: tahnode's services have no bidirectional streams")
 
         return call
 
