@@ -12,8 +12,9 @@ from .codecs import CODECS, CodecError
 from .config.flags import add_run_flags, run_config_from
 from .config.node import COORDINATOR_P2P_LISTEN, NODE_P2P_LISTEN
 from .net.errors import P2PError
+from .net.loop import use_fast_event_loop
 
-BENCHES = ("kernels", "swarm", "soak", "nat")  # `tahnode bench NAME`: tahnode.tools.bench_NAME.main
+BENCHES = ("kernels", "swarm", "soak", "nat", "coordinator")  # `tahnode bench NAME`: tahnode.tools.bench_NAME.main
 
 
 def _add_codec_commands(sub) -> None:
@@ -132,6 +133,12 @@ def _add_swarm_commands(sub) -> None:
     co.add_argument("--heartbeat-timeout", type=float, default=10.0, help="seconds without heartbeats before a node is declared failed")
     co.add_argument("--store", default="tahnode-store", help="directory of the stage checkpoints nodes upload (for standbys)")
     co.add_argument("--settle", type=float, default=3.0, help="seconds without new joins before --stage auto nodes are placed")
+    co.add_argument("--probe-wait", type=float, default=4.0, help="then, before the first chain, at most this many seconds "
+                    "for the nodes' small capacity probes and the full probes of the planned chain's links (default 4)")
+    co.add_argument("--rebalance-every", type=float, default=30.0, help="seconds between rebalancing checks while "
+                    "training: --stage auto nodes move when a fully probed plan is faster by --hysteresis (0 = never; default 30)")
+    co.add_argument("--hysteresis", type=float, default=0.2, help="share by which a new chain must cut the bottleneck "
+                    "to replace the current one (default 0.2)")
     _add_tls_flags(co, "the control plane: TLS with a self-signed certificate kept in --store (`tahnode certs` shows it)")
     _add_p2p_flags(co, COORDINATOR_P2P_LISTEN, node=False)
     add_run_flags(co)
@@ -205,6 +212,9 @@ def _add_swarm_commands(sub) -> None:
     bn = bsub.add_parser("nat", help="probed throughput of relayed and direct p2p links to volunteers behind NAT (root, "
                          "nftables)", add_help=False)
     bn.add_argument("rest", nargs=argparse.REMAINDER)
+    bc = bsub.add_parser("coordinator", help="a real coordinator against --nodes simulated volunteers: time to place them, "
+                         "heartbeat latency, its CPU and memory, probe traffic, HTTP endpoints", add_help=False)
+    bc.add_argument("rest", nargs=argparse.REMAINDER)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -271,15 +281,6 @@ def _setup_logging(level: str = "INFO") -> None:
     logging.getLogger("asyncio").setLevel(logging.WARNING)
 
 
-def _event_loop_policy() -> None:
-    try:
-        import uvloop
-
-        asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
-    except ImportError:  # uvloop is not available on every platform; asyncio's loop works too
-        pass
-
-
 def _say_token(token, listen: str) -> None:
     """Tell the operator about the coordinator's token: a warning for --token, the secret and the
     join command for one it made (or made earlier)."""
@@ -297,19 +298,22 @@ def _say_token(token, listen: str) -> None:
 def _coordinator(args) -> int:
     from pathlib import Path
 
-    from .config import CoordinatorConfig, TransportKind
+    from .config import CoordinatorConfig, PlacementSettings, TransportKind
     from .config.token import coordinator_token
     from .coordinator.server import serve
 
     _setup_logging()
     run = run_config_from(args)
+    placement = PlacementSettings(settle_s=args.settle, probe_wait_s=args.probe_wait, rebalance_s=args.rebalance_every,
+                                  hysteresis=args.hysteresis)  # bad values fail here, before any file is made
     token = coordinator_token(args.token, args.token_file, Path(args.store))
     _say_token(token, args.listen)
     transports = (TransportKind.GRPC, TransportKind.P2P) if args.transport == "both" else (TransportKind(args.transport),)
     cfg = CoordinatorConfig(listen=args.listen, http=args.http, token=token.secret, heartbeat_timeout=args.heartbeat_timeout,
-                            store=args.store, settle_s=args.settle, tls=_tls_mode(args), transports=transports,
+                            store=args.store, tls=_tls_mode(args), transports=transports,
+                            placement=placement,
                             p2p=_p2p_settings(args, COORDINATOR_P2P_LISTEN))
-    _event_loop_policy()
+    use_fast_event_loop()
     asyncio.run(serve(run, cfg))
     return 0
 
@@ -340,7 +344,7 @@ def _join(args) -> int:
                      tls=_tls_mode(args), coordinator_fingerprint=args.coordinator_fingerprint,
                      emulation=LinkEmulation.parse(args.emulate_rtt, args.emulate_rate, args.emulate_link),
                      p2p=_p2p_settings(args, NODE_P2P_LISTEN))
-    _event_loop_policy()
+    use_fast_event_loop()
     try:
         return asyncio.run(run_node(cfg))
     except (CoordinatorError, DeviceUnavailable, P2PError) as exc:

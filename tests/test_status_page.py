@@ -12,6 +12,7 @@ import shutil
 import struct
 import subprocess
 import threading
+import urllib.error
 import urllib.request
 from html.parser import HTMLParser
 
@@ -62,7 +63,7 @@ class Provider:
 
 
 @contextlib.contextmanager
-def serve(provider):
+def serve(provider, link_pages=None):
     """Runs the app with a real aiohttp runner on a free 127.0.0.1 port in a background thread."""
     loop = asyncio.new_event_loop()
     ready, box = threading.Event(), {}
@@ -70,7 +71,7 @@ def serve(provider):
     def run():
         asyncio.set_event_loop(loop)
         try:
-            box["runner"], box["port"] = loop.run_until_complete(start_server(make_app(provider), "127.0.0.1", 0))
+            box["runner"], box["port"] = loop.run_until_complete(start_server(make_app(provider, link_pages), "127.0.0.1", 0))
         except BaseException as e:  # surfaced in the main thread below
             box["error"] = e
             ready.set()
@@ -333,3 +334,25 @@ def test_page_in_headless_chromium(chromium, tmp_path):
     width, height = struct.unpack(">II", data[16:24])
     assert (width, height) == (1280, 900)
     assert len(data) > 20_000, f"screenshot suspiciously small ({len(data)} bytes)"
+
+
+def test_every_link_comes_page_by_page_and_a_bad_page_is_refused():
+    """?links=all replaces the view's few links by a page of every measured link; the page says
+    where the next one starts; offset and limit out of range are a 400 that says why."""
+    every = [LinkInfo(f"n{i}", f"n{i + 1}", float(i)) for i in range(2500)]
+
+    def pages(offset: int, limit: int):
+        return every[offset:offset + limit], len(every)
+
+    with serve(make_view, pages) as base:
+        few = strict_json(get(base + "/api/v1/state")[1])
+        first = strict_json(get(base + "/api/v1/state?links=all")[1])
+        last = strict_json(get(base + "/api/v1/state?links=all&offset=2000&limit=1000")[1])
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            get(base + "/api/v1/state?links=all&limit=5000")
+    assert "links_page" not in few and len(few["links"]) == len(make_view().links)
+    assert len(first["links"]) == 1000 and first["links"][0]["src"] == "n0"
+    assert first["links_page"] == {"offset": 0, "limit": 1000, "total": 2500, "next": 1000}
+    assert [link["mbps"] for link in last["links"]] == [float(i) for i in range(2000, 2500)]
+    assert last["links_page"]["next"] is None and last["nodes"] == first["nodes"]
+    assert refused.value.code == 400 and "limit within 1..1000" in refused.value.read().decode()

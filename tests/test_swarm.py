@@ -83,7 +83,18 @@ def leftovers(prefix: str, marker: str) -> list[str]:
 
 
 def probed_links(state: dict) -> dict:
-    return {(l["src"], l["dst"]): (l["probed_mbps"], l["rtt_ms"]) for l in state["links"] if l["probed_mbps"] is not None}
+    """The links probed in full (the node's own sizing), as the status shows them."""
+    return {(l["src"], l["dst"]): (l["probed_mbps"], l["rtt_ms"]) for l in state["links"] if l["probe"] == "full"}
+
+
+def chain_of(state: dict) -> list[str]:
+    return [n["id"] for n in sorted((n for n in state["nodes"] if n["status"] == "active"), key=lambda n: n["stage"])]
+
+
+def chain_probed(state: dict) -> bool:
+    """Every stage held, and both directions of every link of the chain probed in full."""
+    chain, probed = chain_of(state), probed_links(state)
+    return len(chain) == state["stages"] and all((a, b) in probed and (b, a) in probed for a, b in zip(chain, chain[1:]))
 
 
 @pytest.mark.parametrize("shaper", [pytest.param("tc", marks=[needs_root, pytest.mark.netns]), "userspace"])
@@ -91,12 +102,15 @@ def test_swarm_up_gives_the_asked_rate_and_rtt_and_down_leaves_nothing(tmp_path,
     prefix, workdir = f"tu{os.getpid() % 1000}{shaper[0]}-", tmp_path / "swarm"
     env = {**os.environ, "TAHNODE_CACHE": str(tmp_path / "cache")}
     try:
-        out = swarm_cmd("up", "--nodes", "3", "--bandwidth", "20mbit", "--rtt", "50ms", "--auto", "--shaper", shaper,
-                        "--prefix", prefix, "--workdir", str(workdir), "--steps", "2", env=env).stdout
+        out = swarm_cmd("up", "--nodes", "3", "--bandwidth", "20mbit", "--rtt", "50ms", "--auto", "--shaper", shaper, "--probe-wait", "60",
+                        "--prefix", prefix, "--workdir", str(workdir), "--steps", "200", env=env).stdout
         assert "status page: http://" in out and f"tahnode swarm down --prefix {prefix}" in out
         token = str(workdir / "token")  # the token file: on every command line of the swarm
-        state = wait_state(workdir, lambda s: len(probed_links(s)) == 6, 180, "the six links probed")
-        for (src, dst), (mbps, rtt) in probed_links(state).items():
+        state = wait_state(workdir, chain_probed, 180, "the chain's four links probed in full")
+        chain = chain_of(state)
+        probed = probed_links(state)
+        for src, dst in [pair for a, b in zip(chain, chain[1:]) for pair in ((a, b), (b, a))]:  # probed before training
+            mbps, rtt = probed[(src, dst)]
             assert abs(mbps - 20) <= 0.2 * 20, f"{src}->{dst}: {mbps:.1f} Mbit/s measured on a 20 Mbit/s link"
             assert abs(rtt - 50) <= 0.2 * 50, f"{src}->{dst}: RTT {rtt:.1f} ms measured, 50 ms asked"
         status = swarm_cmd("status", "--prefix", prefix, "--workdir", str(workdir)).stdout
@@ -130,8 +144,8 @@ def test_down_cleans_up_after_a_crash(tmp_path):
 @needs_root
 @pytest.mark.netns
 def test_placement_avoids_the_slow_link_and_a_standby_takes_over(tmp_path):
-    """Four `--stage auto` nodes, 200 Mbit/s links except n2-n3 at 20: the chain avoids n2-n3, the
-    fourth node stands by, and when stage 1's node is killed the standby takes the stage over from
+    """Four `--stage auto` nodes, 200 Mbit/s links except n2-n3 at 20: the chain avoids n2-n3, every
+    link probed in full measures what tc shapes, the fourth node stands by, and when stage 1's node is killed the standby takes the stage over from
     the store; the ledger has every step once with exactly its scheduled samples."""
     prefix, workdir, cache = f"tp{os.getpid() % 1000}-", tmp_path / "swarm", tmp_path / "cache"
     flags = ["--steps", "30", "--checkpoint-every", "5", "--micro-batches", "2", "--batch-size", "8", "--seq-len", "128",
@@ -140,12 +154,11 @@ def test_placement_avoids_the_slow_link_and_a_standby_takes_over(tmp_path):
         swarm_cmd("up", "--nodes", "4", "--stages", "3", "--bandwidth", "200mbit", "--slow-link", "n2-n3:20mbit",
                   "--heartbeat-timeout", "5", "--prefix", prefix, "--workdir", str(workdir), *flags,
                   env={**os.environ, "TAHNODE_CACHE": str(cache)})
-        state = wait_state(workdir, lambda s: sum(n["status"] == "active" for n in s["nodes"]) == 3
-                           and len(probed_links(s)) == 12, 240, "placement after probes")
+        state = wait_state(workdir, chain_probed, 240, "placement and full probes of the chain's links")
         for (src, dst), (mbps, _) in probed_links(state).items():
             shaped = 20 if {src, dst} == {"n2", "n3"} else 200
             assert abs(mbps - shaped) <= 0.2 * shaped, f"{src}->{dst}: measured {mbps:.1f}, shaped {shaped}"
-        chain = [n["id"] for n in sorted((n for n in state["nodes"] if n["status"] == "active"), key=lambda n: n["stage"])]
+        chain = chain_of(state)
         assert not any({a, b} == {"n2", "n3"} for a, b in zip(chain, chain[1:])), f"chain {chain} uses the slow link"
         spare = [n["id"] for n in state["nodes"] if n["status"] == "standby"]
         assert len(spare) == 1 and spare[0] not in chain

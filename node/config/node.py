@@ -8,7 +8,7 @@ from enum import Enum
 
 from .emulation import LinkEmulation
 
-__all__ = ["TransportKind", "TlsMode", "P2PSettings", "NodeConfig", "CoordinatorConfig", "AUTO_STAGE", "DEFAULT_COORDINATOR",
+__all__ = ["TransportKind", "TlsMode", "P2PSettings", "PlacementSettings", "NodeConfig", "CoordinatorConfig", "AUTO_STAGE", "DEFAULT_COORDINATOR",
            "NODE_P2P_LISTEN", "COORDINATOR_P2P_LISTEN"]
 
 AUTO_STAGE = -1                       # --stage auto: the coordinator chooses
@@ -74,6 +74,32 @@ class NodeConfig:
 
 
 @dataclass
+class PlacementSettings:
+    """How the coordinator measures links and places `--stage auto` nodes (tahnode.coordinator.placement)."""
+
+    settle_s: float = 3.0                # seconds without joins before waiting nodes are placed
+    probe_wait_s: float = 4.0            # then at most this long for capacity probes and the chain's full probes
+    capacity_samples: int = 2            # small probes each node sends and receives (its upload and download)
+    capacity_probe_bytes: int = 2 << 20  # payload of one capacity probe
+    capacity_probe_timeout_s: float = 15.0
+    concurrent_probes: int = 64          # probes running at once (disjoint pairs: no node is in two)
+    rebalance_s: float = 30.0            # seconds between rebalancing checks while training (0 = never)
+    hysteresis: float = 0.2              # a new chain must cut the bottleneck by this share to replace the current one
+    exact_limit: int = 12                # nodes handed to the search at most (the best-ranked ones): searched exactly
+    budget_s: float = 2.0                # time budget of one assignment search (off the event loop)
+    tick_s: float = 1.0                  # the placement loop's period (failure sweep, placement, rebalancing)
+
+    def __post_init__(self):
+        for name in ("settle_s", "probe_wait_s", "rebalance_s"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"placement: {name} must be >= 0 seconds, got {getattr(self, name)}")
+        if not 0 <= self.hysteresis < 1:
+            raise ValueError(f"placement: the hysteresis is a share of the bottleneck in [0, 1), got {self.hysteresis}")
+        if self.capacity_samples < 1 or self.concurrent_probes < 1:
+            raise ValueError("placement: capacity_samples and concurrent_probes must be at least 1")
+
+
+@dataclass
 class CoordinatorConfig:
     """`tahnode coordinator`: its addresses, the swarm token, failure detection and the store."""
 
@@ -82,7 +108,7 @@ class CoordinatorConfig:
     token: str = ""                  # the swarm secret (tahnode.config.token.coordinator_token)
     heartbeat_timeout: float = 10.0  # seconds without heartbeats before a node is declared failed
     store: str = "tahnode-store"     # stage checkpoints uploaded by the nodes (for standbys)
-    settle_s: float = 3.0            # seconds without joins before --stage auto nodes are placed
+    placement: PlacementSettings = field(default_factory=PlacementSettings)
     tls: TlsMode = TlsMode.AUTO
     transports: tuple[TransportKind, ...] = (TransportKind.GRPC,)  # --transport grpc|p2p|both: where nodes reach it
     p2p: P2PSettings = field(default_factory=lambda: P2PSettings(listen=[COORDINATOR_P2P_LISTEN]))

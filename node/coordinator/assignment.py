@@ -26,6 +26,7 @@ to the smaller node id, so the result is deterministic.
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -52,6 +53,7 @@ class AssignmentProblem:
                     times the stage's layer count. With neither, compute counts as 0.
     default_mbps:   bandwidth of an unmeasured pair.
     exact_limit:    largest node count searched exactly.
+    budget_s:       seconds the heuristic may take: past it, it returns the best chain found so far.
     """
 
     nodes: Sequence[str]
@@ -66,6 +68,7 @@ class AssignmentProblem:
     stage_layers: Sequence[int] | None = None
     default_mbps: float = DEFAULT_MBPS
     exact_limit: int = 12
+    budget_s: float = math.inf
 
 
 @dataclass
@@ -328,13 +331,15 @@ def _score(costs: _Costs, chain: Sequence[str]) -> tuple[float, ...]:
     return tuple(sorted(costs.elements(chain), reverse=True))
 
 
-def _local_search(costs: _Costs, slots: list[str | None], auto: list[str], chain: list[str],
+def _local_search(costs: _Costs, slots: list[str | None], auto: list[str], chain: list[str], deadline: float,
                   max_rounds: int = 200) -> list[str]:
     """Best-improvement search over swaps of two open stages and chain-node/spare exchanges."""
     open_stages = [k for k, s in enumerate(slots) if s is None]
     chain = list(chain)
     score = _score(costs, chain)
     for _ in range(max_rounds):
+        if time.monotonic() > deadline:
+            break
         spares = [n for n in auto if n not in chain]
         best_move, best_score = None, score
         for i, a in enumerate(open_stages):
@@ -356,11 +361,20 @@ def _local_search(costs: _Costs, slots: list[str | None], auto: list[str], chain
     return chain
 
 
-def _heuristic(costs: _Costs, slots: list[str | None], auto: list[str], keep: int = 4) -> list[str]:
+def _heuristic(costs: _Costs, slots: list[str | None], auto: list[str], budget_s: float, keep: int = 4) -> list[str]:
+    """The best of the greedy chains from every stage-0 candidate (as many as the first half of the
+    budget allows), improved by local search."""
+    start = time.monotonic()
     starts: list[str | None] = [None] if slots[0] is not None else list(auto)
-    built = [c for c in (_greedy(costs, slots, auto, s) for s in starts) if c is not None]
+    built = []
+    for s in starts:
+        chain = _greedy(costs, slots, auto, s)
+        if chain is not None:
+            built.append(chain)
+        if built and time.monotonic() - start > budget_s / 2:
+            break
     built.sort(key=lambda c: (_score(costs, c), c))
-    improved = [_local_search(costs, slots, auto, c) for c in built[:keep]]
+    improved = [_local_search(costs, slots, auto, c, start + budget_s) for c in built[:keep]]
     return min(improved, key=lambda c: (_score(costs, c), c))
 
 
@@ -371,7 +385,7 @@ def assign(problem: AssignmentProblem) -> AssignmentResult:
     heuristic), the spare nodes as standbys. Raises ValueError for an impossible problem."""
     slots, auto = _validate(problem)
     costs = _Costs(problem)
-    chain = _heuristic(costs, slots, auto)
+    chain = _heuristic(costs, slots, auto, problem.budget_s)
     method = "heuristic"
     if len(auto) + sum(s is not None for s in slots) <= problem.exact_limit:
         chain = _exact(costs, slots, auto, chain)

@@ -38,6 +38,7 @@ class SwarmDB:
         self.db.execute("PRAGMA journal_mode=WAL")
         self.db.execute("PRAGMA synchronous=FULL")
         self.db.executescript(SCHEMA)
+        self.saved_holders: list | None = None
 
     def ledger(self) -> dict[int, pb.LossPoint]:
         rows = self.db.execute("SELECT step, loss, seconds, sample_ids FROM ledger ORDER BY step")
@@ -69,7 +70,10 @@ class SwarmDB:
         return list(self.db.execute("SELECT stage, node_id, address, device, tls_cert FROM holders ORDER BY stage"))
 
     def set_holders(self, rows: list[tuple[int, str, str, str, bytes]]) -> None:
-        """Replace the saved holders by `rows`, in one transaction."""
+        """Replace the saved holders by `rows`, in one transaction (none if they are those saved last)."""
+        if rows == self.saved_holders:
+            return
+        self.saved_holders = rows
         with self.db:
             self.db.execute("BEGIN")
             self.db.execute("DELETE FROM holders")

@@ -18,13 +18,14 @@ from ..pipeline.checkpoint import CheckpointStore
 from ..proto import tahnode_pb2 as pb
 from .bans import BanPolicy, Bans
 from .durable import SwarmDB
-from .state import STANDBY, NodeRecord, NodeStatus
+from .state import STANDBY, Census, NodeRecord, NodeStatus
 
 log = logging.getLogger("tahnode.coordinator")
 
 __all__ = ["SwarmRegistry", "run_identity", "LOSS_HISTORY"]
 
 LOSS_HISTORY = 2000  # recent steps whose losses stay in memory (the whole ledger is in SQLite)
+HEARTBEATS_PER_S = 300  # the heartbeat rate the coordinator aims at: beyond this many nodes, they beat less often
 
 
 def run_identity(folder: Path) -> str:
@@ -46,11 +47,9 @@ class SwarmRegistry:
     def __init__(self, run: RunConfig, key: SwarmKey, heartbeat_timeout: float = 10.0, store_dir: str | Path = "tahnode-store",
                  bans: Bans | None = None):
         self.run = run
-        self.run_json = run.to_json()
         # one folder per run configuration: a checkpoint of another run is never handed out
-        run_id = hashlib.sha256(self.run_json.encode()).hexdigest()[:12]
+        run_id = hashlib.sha256(run.to_json().encode()).hexdigest()[:12]
         self.store = CheckpointStore(Path(store_dir) / f"run-{run_id}", keep=3)
-        self.key = key
         self.sealer = Sealer(key, COORDINATOR, run_identity(self.store.dir), NodeKey.load_or_create(self.store.dir / "coordinator.key"))
         self.timeout = heartbeat_timeout
         self.bans = bans or Bans(BanPolicy())
@@ -62,6 +61,8 @@ class SwarmRegistry:
         self.losses: dict[int, float] = self.db.losses(LOSS_HISTORY)
         self.identities: dict[str, bytes] = self.db.identities()  # node id -> the public key bound at its first join
         self.events: list[str] = []
+        self.census = Census()
+        self.finished = False  # the last stage reported the run's last step
         for stage, node_id, address, device, cert in self.db.holders():  # presumed alive: heartbeat_timeout to be heard
             self.nodes[node_id] = NodeRecord(node_id, address, stage, device, status=NodeStatus.ACTIVE, tls_cert=cert)
         if self.losses or self.nodes:
@@ -82,6 +83,7 @@ class SwarmRegistry:
     def epoch(self, value: int) -> None:
         """A new epoch: the assignments changed, and who holds which stage is saved with it."""
         self._epoch = value
+        self.census.holders = None
         self.db.put("epoch", value)
         self.db.set_holders([(n.stage, n.node_id, n.address, n.device, n.tls_cert) for n in self.nodes.values()
                              if n.status is NodeStatus.ACTIVE])
@@ -92,10 +94,18 @@ class SwarmRegistry:
         self.events = (self.events + [f"{time.strftime('%H:%M:%S')} {text}"])[-50:]
 
     def holder(self, stage: int) -> NodeRecord | None:
-        for n in self.nodes.values():
-            if n.stage == stage and n.status is NodeStatus.ACTIVE:
-                return n
-        return None
+        if self.census.holders is None:
+            self.census.holders = {}
+            for n in self.nodes.values():
+                if n.status is NodeStatus.ACTIVE:
+                    self.census.holders.setdefault(n.stage, n)
+        return self.census.holders.get(stage)
+
+    def heartbeat_period(self) -> float:
+        """Seconds between a node's heartbeats: 1, longer once the swarm has more live nodes than
+        HEARTBEATS_PER_S (at most a third of the failure timeout: a node is declared failed after
+        three missed heartbeats at the least)."""
+        return min(max(1.0, self.census.live / HEARTBEATS_PER_S), self.timeout / 3)
 
     def live(self) -> list[NodeRecord]:
         return [n for n in self.nodes.values() if n.status.live]
@@ -136,9 +146,12 @@ class SwarmRegistry:
         ckpt = self.store.latest(stage, self.run.stages)
         return ckpt.step if ckpt else 0
 
-    def assignment(self, node: NodeRecord) -> pb.Assignment:
+    def assignment(self, node: NodeRecord, with_config: bool = False) -> pb.Assignment:
+        """What `node` holds and who its neighbours are; the run's configuration with it if asked
+        (join replies: it never changes while the coordinator runs)."""
         stage = node.stage if node.status is NodeStatus.ACTIVE else STANDBY
-        a = pb.Assignment(stage=stage, num_stages=self.run.stages, epoch=self.epoch, run_config=self.run_json, resume_step=node.resume_step)
+        a = pb.Assignment(stage=stage, num_stages=self.run.stages, epoch=self.epoch, resume_step=node.resume_step,
+                          run_config=self.run.to_json() if with_config else "")
         if stage >= 0:
             a.prev.CopyFrom(self._peer(node.stage - 1))
             a.next.CopyFrom(self._peer(node.stage + 1))
@@ -148,6 +161,7 @@ class SwarmRegistry:
         """Make `node` the holder of `stage` (resuming from the store); False if it already was."""
         if node.status is NodeStatus.ACTIVE and node.stage == stage:
             return False
+        self.census.holders = None
         node.stage, node.status = stage, NodeStatus.ACTIVE
         node.resume_step = self.resume_step(stage)
         return True
@@ -156,6 +170,7 @@ class SwarmRegistry:
         """Make `node` a standby; False if it already was."""
         if node.status is NodeStatus.STANDBY:
             return False
+        self.census.holders = None
         node.status, node.stage = NodeStatus.STANDBY, STANDBY
         return True
 
@@ -177,7 +192,8 @@ class SwarmRegistry:
                 raise StageTaken(f"stage {stage} is held by node {held.node_id} ({held.address})")
         rejoin = req.node_id in self.nodes
         node = NodeRecord(req.node_id, req.address, stage, req.device, req.memory_bytes, req.compute_ms,
-                          status=NodeStatus.ACTIVE if stage >= 0 else NodeStatus.JOINING, tls_cert=req.tls_cert)
+                          status=NodeStatus.ACTIVE if stage >= 0 else NodeStatus.JOINING, tls_cert=req.tls_cert,
+                          movable=req.movable or stage < 0)
         if stage >= 0:
             node.resume_step = self.resume_step(stage)
         self.nodes[req.node_id] = node
@@ -185,7 +201,7 @@ class SwarmRegistry:
         self.last_join = time.monotonic()
         where = f"stage {stage}" if stage >= 0 else "waiting for an assignment (--stage auto)"
         self.event(f"{'rejoined' if rejoin else 'joined'}: {req.node_id} at {req.address} ({req.device or '?'}) -> {where}")
-        return pb.JoinReply(assignment=self.assignment(node), swarm="tahnode", run=self.sealer.run,
+        return pb.JoinReply(assignment=self.assignment(node, with_config=True), swarm="tahnode", run=self.sealer.run,
                             coordinator_key=self.sealer.identity.public)
 
     def heartbeat(self, req: pb.HeartbeatRequest) -> pb.HeartbeatReply:
@@ -201,8 +217,10 @@ class SwarmRegistry:
             node.links[link.dst] = (link.bytes, link.seconds)
         self._judge(node, req.stats.offences)
         self._record(list(req.stats.losses))
-        self.sweep()
-        return pb.HeartbeatReply(assignment=self.assignment(node), known=True, run_finished=self.run_finished())
+        if req.stats.finished and node.stage == self.run.stages - 1:
+            self.finished = True
+        return pb.HeartbeatReply(assignment=self.assignment(node), known=True, run_finished=self.finished,
+                                 heartbeat_s=self.heartbeat_period())
 
     def _judge(self, reporter: NodeRecord, offences) -> None:
         """Ban the neighbours of `reporter` whose micro-batches it keeps refusing (only a stage's
@@ -229,11 +247,6 @@ class SwarmRegistry:
         if points:
             self.db.record(points)
 
-    def run_finished(self) -> bool:
-        """A node holding (or last holding) the last stage reported the run's last step trained."""
-        last = self.run.stages - 1
-        return any(n.stage == last and n.stats.finished for n in self.nodes.values())
-
     def leave(self, req: pb.LeaveRequest) -> pb.LeaveReply:
         self.check(req, req.node_id)
         node = self.nodes.get(req.node_id)
@@ -258,8 +271,10 @@ class SwarmRegistry:
             raise InvalidRequest(f"node {node_id} holds stage {node.stage}, not stage {stage}: it may not upload that stage's checkpoints")
 
     def sweep(self) -> None:
-        """Declare nodes that missed their heartbeats for `timeout` seconds failed."""
+        """Declare nodes that missed their heartbeats for `timeout` seconds failed (the coordinator
+        runs it every second, and before a join)."""
         now = time.monotonic()
+        self.census.live = sum(n.status.live for n in self.nodes.values())
         for node in self.nodes.values():
             if node.status.live and now - node.last_seen > self.timeout:
                 held = f"stage {node.stage}" if node.status is NodeStatus.ACTIVE else str(node.status)

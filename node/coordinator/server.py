@@ -5,6 +5,7 @@ the layout in the DHT when it speaks p2p, and places nodes, until interrupted.""
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import signal
 import sys
@@ -15,19 +16,22 @@ from aiohttp import web
 
 from ..config import CoordinatorConfig, RunConfig, TlsMode, TransportKind
 from ..net.auth import SwarmKey
+from ..net.channels import ChannelPool
 from ..net.discovery import COORDINATOR_KIND, LAYOUT_KIND, SwarmDirectory, republish
 from ..net.p2p_host import IDENTITY_FILE, P2PHost, close_process_host, use_swarm_key
+from ..net.grpc_transport import DIRECT
 from ..net.p2p_rpc import serve_service
 from ..net.probe import request_measure
 from ..net.tls import TlsCertificate, add_port, is_loopback, wants_tls
 from ..net.unparsable import RefuseUnparsable
 from ..proto import tahnode_pb2_grpc as pb_grpc
-from .placement import Measure, Placement
+from .placement import Placement
+from .probing import Measure
 from .registry import SwarmRegistry
 from .service import CoordinatorServicer
 from .state import NodeRecord
 from .status_page import SwarmView, make_app
-from .view import latest_on, ledger_json, swarm_state
+from .view import all_links, latest_on, ledger_json, swarm_state
 
 log = logging.getLogger("tahnode.coordinator")
 
@@ -35,7 +39,8 @@ __all__ = ["serve", "http_app", "control_plane"]
 
 
 def http_app(registry: SwarmRegistry, placement: Placement, p2p_maddrs: list[str] = ()) -> web.Application:
-    app = make_app(lambda: SwarmView.from_state(swarm_state(registry, placement, p2p_maddrs)))
+    app = make_app(lambda: SwarmView.from_state(swarm_state(registry, placement, p2p_maddrs)),
+                   lambda offset, limit: all_links(registry, placement, offset, limit))
     app.router.add_get("/api/v1/ledger", lambda _r: web.json_response(ledger_json(registry)))
     return app
 
@@ -79,10 +84,10 @@ async def start_p2p(cfg: CoordinatorConfig, servicer: CoordinatorServicer) -> P2
     return host
 
 
-def measurer(registry: SwarmRegistry) -> Measure:
-    async def measure(a: NodeRecord, b: NodeRecord) -> tuple[float, float]:
+def measurer(registry: SwarmRegistry, pool: ChannelPool) -> Measure:
+    async def measure(a: NodeRecord, b: NodeRecord, payload_bytes: int, timeout: float) -> tuple[float, float]:
         """Ask node a to measure its link to b over a's own data plane."""
-        return await request_measure(registry.sealer, registry.peer(a), registry.peer(b))
+        return await request_measure(registry.sealer, registry.peer(a), registry.peer(b), pool, payload_bytes, timeout)
 
     return measure
 
@@ -107,6 +112,7 @@ async def until_stopped(work, stop: asyncio.Event) -> bool:
         task.result()
         return True
     task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
     return False
 
 
@@ -114,8 +120,8 @@ async def serve(run: RunConfig, cfg: CoordinatorConfig) -> None:
     key = SwarmKey(cfg.token)
     use_swarm_key(key)  # its p2p side relays for nodes behind NAT (when it announces), and reaches them through relays
     registry = SwarmRegistry(run, key, cfg.heartbeat_timeout, store_dir=cfg.store)
-    placement = Placement(registry, cfg.settle_s)
-    measure = measurer(registry)
+    channels = ChannelPool(DIRECT)
+    placement = Placement(registry, cfg.placement, measurer(registry, channels))
     servicer = CoordinatorServicer(registry)
     p2p = await start_p2p(cfg, servicer) if TransportKind.P2P in cfg.transports else None
     p2p_maddrs = (await p2p.address()).split(",") if p2p else []
@@ -130,7 +136,7 @@ async def serve(run: RunConfig, cfg: CoordinatorConfig) -> None:
     runner = web.AppRunner(http_app(registry, placement, p2p_maddrs), access_log=None)
     await runner.setup()
     host, _, port = cfg.http.rpartition(":")
-    site = web.TCPSite(runner, host or "0.0.0.0", int(port))
+    site = web.TCPSite(runner, host or "0.0.0.0", int(port), shutdown_timeout=0.5)  # SIGTERM ends it within 2 s
     await site.start()
     shown = "127.0.0.1" if host in ("", "0.0.0.0") else host
     planes = ([cfg.listen] if server else []) + (["p2p"] if p2p else [])
@@ -146,23 +152,19 @@ async def serve(run: RunConfig, cfg: CoordinatorConfig) -> None:
         record = {"grpc": grpc_address(cfg.listen, p2p_maddrs) if server else "", "p2p": ",".join(p2p_maddrs),
                   "fingerprint": tls.fingerprint if tls else ""}
         publishing = asyncio.ensure_future(republish(SwarmDirectory(p2p.dht, key), directory_entries(registry, record), stop))
+    gc.freeze()  # what start-up made (torch, protobuf, the servers) is never collected: shorter pauses at scale
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     try:
-        while not stop.is_set():
-            if not await until_stopped(placement.round(measure), stop):  # a probe round can take minutes
-                break
-            try:
-                await asyncio.wait_for(stop.wait(), 1.0)
-            except asyncio.TimeoutError:
-                pass
+        await until_stopped(placement.run(stop), stop)  # a failure of placement ends the coordinator, loudly
     finally:
         stop.set()
         if publishing is not None:
             await publishing
         if server is not None:
             await server.stop(grace=1.0)
+        await channels.close()
         await close_process_host()  # its own, or a dial-only one started to probe p2p nodes
         await runner.cleanup()
         log.info("coordinator stopped")

@@ -9,7 +9,7 @@ from enum import Enum
 
 from ..proto import tahnode_pb2 as pb
 
-__all__ = ["NodeStatus", "NodeRecord", "STANDBY"]
+__all__ = ["NodeStatus", "NodeRecord", "Census", "STANDBY"]
 
 STANDBY = -1  # the stage number of a node that holds none
 
@@ -54,3 +54,14 @@ class NodeRecord:
     stats: pb.TrainingStats = field(default_factory=pb.TrainingStats)
     links: dict = field(default_factory=dict)  # dst node id -> (bytes, seconds)
     tls_cert: bytes = b""                      # its data plane's TLS certificate (PEM); b"": plain gRPC
+    movable: bool = False                      # joined with --stage auto: rebalancing may move it
+
+
+@dataclass
+class Census:
+    """Figures the registry derives from its records, kept so a heartbeat needs no pass over every
+    node: who holds each stage (None: to be rebuilt, after any change of assignment) and how many
+    nodes were live at the last failure sweep."""
+
+    holders: dict[int, NodeRecord] | None = None
+    live: int = 0

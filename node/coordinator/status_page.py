@@ -11,12 +11,13 @@ Stable hooks for tests and scrapers: `#nodes tr[data-node-id]` (cells `.stage`, 
 
 from __future__ import annotations
 
+import asyncio
 import importlib.resources
 import inspect
 import json
 import math
 from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import asdict, dataclass, field, is_dataclass
+from dataclasses import asdict, dataclass, field, is_dataclass, replace
 from typing import Any
 
 from aiohttp import web
@@ -106,10 +107,10 @@ class SwarmView:
         training = dict(state.get("training") or {})
         extra = {k: v for k, v in state.items()
                  if k not in ("nodes", "links", "training", "loss_history", "events", "stages")}
-        return cls(
-            nodes=[_pick(n, NODE_KEYS) for n in state.get("nodes", [])],
-            links=[_pick(link, LINK_KEYS) for link in state.get("links", [])],
-            training=_pick(training, TRAINING_KEYS),
+        return cls(  # picked into the schema by to_state_json
+            nodes=list(state.get("nodes", [])),
+            links=list(state.get("links", [])),
+            training=training,
             loss_history=[(int(s), v) for s, v in state.get("loss_history", [])],
             events=list(state.get("events", [])),
             stages=state.get("stages"),
@@ -179,29 +180,64 @@ class _Metrics:
 # -- the app --------------------------------------------------------------------------------------
 
 ViewProvider = Callable[[], "SwarmView | Awaitable[SwarmView]"]
+# (offset, limit) -> (a page of every link, how many there are): GET /api/v1/state?links=all
+LinkPages = Callable[[int, int], "tuple[list[LinkInfo | Mapping[str, Any]], int]"]
+PAGE_LIMIT = 1000  # links per page at most
 
 
-def make_app(view_provider: ViewProvider) -> web.Application:
-    """The status app. `view_provider` is called on every request (it may be a coroutine function)."""
+class BadQuery(ValueError):
+    """A query parameter of the state endpoint that is not a number in range."""
+
+
+def _page(query: Mapping[str, str]) -> tuple[int, int]:
+    try:
+        offset, limit = int(query.get("offset", 0)), int(query.get("limit", PAGE_LIMIT))
+    except ValueError:
+        raise BadQuery("offset and limit must be integers") from None
+    if offset < 0 or not 1 <= limit <= PAGE_LIMIT:
+        raise BadQuery(f"offset must be >= 0 and limit within 1..{PAGE_LIMIT}")
+    return offset, limit
+
+
+def make_app(view_provider: ViewProvider, link_pages: LinkPages | None = None) -> web.Application:
+    """The status app. `view_provider` is called on every request (it may be a coroutine function);
+    `link_pages` serves `?links=all` (else only the view's links exist). Documents are built on the
+    event loop from a fresh view and encoded in a thread."""
     metrics = _Metrics()
+    rendering = asyncio.Lock()  # one scrape at a time renders the shared gauges
     page = importlib.resources.files(__package__).joinpath("status_page.html").read_text(encoding="utf-8")
 
-    async def state() -> dict[str, Any]:
+    async def state(query: Mapping[str, str] | None = None) -> dict[str, Any]:
+        query = query or {}
         view = view_provider()
         if inspect.isawaitable(view):
             view = await view
+        if query.get("links") == "all" and link_pages is not None:
+            offset, limit = _page(query)
+            page, total = link_pages(offset, limit)
+            view = replace(view, links=page, extra={**view.extra, "links_page": {
+                "offset": offset, "limit": limit, "total": total, "next": offset + limit if offset + limit < total else None}})
         return view.to_state_json()
 
     async def index(request: web.Request) -> web.Response:
-        embedded = json.dumps(await state()).replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")
+        doc = await state()
+        embedded = (await asyncio.to_thread(json.dumps, doc)).replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")
         return web.Response(text=page.replace("__STATE__", embedded), content_type="text/html",
                             headers={"Cache-Control": "no-store", "X-Content-Type-Options": "nosniff"})
 
     async def api_state(request: web.Request) -> web.Response:
-        return web.json_response(await state(), headers={"Cache-Control": "no-store"})
+        try:
+            doc = await state(request.query)
+        except BadQuery as exc:
+            return web.json_response({"error": str(exc)}, status=400)
+        return web.Response(text=await asyncio.to_thread(json.dumps, doc), content_type="application/json",
+                            headers={"Cache-Control": "no-store"})
 
     async def prometheus(request: web.Request) -> web.Response:
-        return web.Response(body=metrics.render(await state()), headers={"Content-Type": CONTENT_TYPE_LATEST})
+        doc = await state()
+        async with rendering:
+            body = await asyncio.to_thread(metrics.render, doc)
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     app = web.Application()
     app.router.add_get("/", index)

@@ -3,13 +3,16 @@ history and events (`swarm_state`, the /api/v1/state document), and the ledger o
 
 from __future__ import annotations
 
+import math
+
 from ..net.channels import transport_of
 from ..proto import tahnode_pb2 as pb
-from .placement import Placement
+from .links import ProbeKind
+from .placement import Placement, chain_links
 from .registry import SwarmRegistry
 from .state import NodeRecord, NodeStatus
 
-__all__ = ["swarm_state", "ledger_json"]
+__all__ = ["swarm_state", "ledger_json", "all_links"]
 
 
 def latest_on(r: SwarmRegistry, stage: int) -> NodeRecord | None:
@@ -43,31 +46,57 @@ def training(r: SwarmRegistry) -> dict:
     }
 
 
+def link_row(r: SwarmRegistry, placement: Placement, pair: tuple[str, str]) -> dict:
+    """One directed link: its probe (Mbit/s, RTT, kind), the rate real traffic reached at least (a
+    lower bound: it raises the estimate `mbps`, never lowers it), the bytes it carried, and the
+    carrier (`transport`: the destination's address says grpc or p2p)."""
+    book = placement.book
+    probe, seen = book.probes.get(pair), book.observed.get(pair)
+    src, dst = r.nodes.get(pair[0]), r.nodes.get(pair[1])
+    return {"src": pair[0], "dst": pair[1], "mbps": book.estimate(*pair), "rtt_ms": probe.rtt_ms if probe else None,
+            "probed_mbps": probe.mbps if probe else None, "probe": probe.kind.value if probe else None,
+            "observed_mbps": seen[0] if seen else None, "bytes": src.links.get(pair[1], (0, 0.0))[0] if src else 0,
+            "transport": transport_of(dst.address) if dst else None}
+
+
 def links(r: SwarmRegistry, placement: Placement) -> list[dict]:
-    """Probed links (Mbit/s, RTT), with the rate real traffic achieved where there was some, and
-    the carrier each uses (`transport`: the destination's address says grpc or p2p).
-    Traffic time includes waiting on a busy receiver, so it is a lower bound: it raises the
-    estimate when it exceeds the probe, never lowers it."""
-    observed, sent = {}, {}
-    for n in r.nodes.values():
-        for dst, (nbytes, seconds) in n.links.items():
-            if seconds > 0 and nbytes > 0:
-                observed[(n.node_id, dst)] = nbytes * 8 / seconds / 1e6
-                sent[(n.node_id, dst)] = nbytes
-    out = []
-    for pair in sorted(set(placement.probes) | set(observed)):
-        probed, rtt = placement.probes.get(pair, (None, None))
-        seen = observed.get(pair)
-        mbps = max(x for x in (probed, seen) if x is not None)
-        out.append({"src": pair[0], "dst": pair[1], "mbps": mbps, "rtt_ms": rtt, "probed_mbps": probed, "observed_mbps": seen,
-                    "bytes": sent.get(pair, 0), "transport": transport_of(r.nodes[pair[1]].address) if pair[1] in r.nodes else None})
-    return out
+    """The links worth showing at any swarm size: those of the chain, those probed in full and those
+    that carried traffic (the small capacity probes are in `probes` and under ?links=all)."""
+    book = placement.book
+    chain = placement.current_chain() or []
+    carried = {(n.node_id, dst) for n in r.nodes.values() for dst, (nbytes, _) in n.links.items() if nbytes}
+    shown = set(chain_links(chain)) | carried | {p for p, probe in book.probes.items() if probe.kind is ProbeKind.FULL}
+    return [link_row(r, placement, pair) for pair in sorted(shown)]
+
+
+def all_links(r: SwarmRegistry, placement: Placement, offset: int, limit: int) -> tuple[list[dict], int]:
+    """A page of every measured link (GET /api/v1/state?links=all&offset=..&limit=..), and how many there are."""
+    pairs = placement.book.pairs()
+    return [link_row(r, placement, pair) for pair in pairs[offset:offset + limit]], len(pairs)
+
+
+def plan(placement: Placement) -> dict | None:
+    """The last rebalancing plan (applied or not: it must stand on full probes and beat the chain
+    by the hysteresis share), or None before the first check."""
+    p = placement.proposal
+    if p is None:
+        return None
+    return {"chain": p.chain, "bottleneck_ms": p.bottleneck_s * 1e3 if math.isfinite(p.bottleneck_s) else None,
+            "bottleneck": p.bottleneck}
+
+
+def probes(placement: Placement) -> dict:
+    """How far the probes are: pairs measured, running, failed, and the payload asked for so far."""
+    book, prober = placement.book, placement.prober
+    kinds = [probe.kind for probe in book.probes.values()]
+    return {"pairs": len(book.probes), "full": sum(k is ProbeKind.FULL for k in kinds),
+            "capacity": sum(k is ProbeKind.CAPACITY for k in kinds), "running": len(prober.busy) // 2,
+            "failed": prober.failed, "wanted": len(prober.wanted), "capacity_payload_bytes": prober.probe_bytes}
 
 
 def swarm_state(r: SwarmRegistry, placement: Placement, p2p_maddrs: list[str] = ()) -> dict:
-    """The /api/v1/state document (after a failure sweep); `p2p_maddrs`: where volunteers reach the
-    coordinator over p2p (their --initial-peers)."""
-    r.sweep()
+    """The /api/v1/state document; `p2p_maddrs`: where volunteers reach the coordinator over p2p
+    (their --initial-peers)."""
     return {
         "nodes": [
             {"id": n.node_id, "stage": n.stage, "address": n.address, "status": n.status.value, "device": n.device,
@@ -75,6 +104,8 @@ def swarm_state(r: SwarmRegistry, placement: Placement, p2p_maddrs: list[str] = 
             for n in sorted(r.nodes.values(), key=lambda n: (n.stage if n.stage >= 0 else 1 << 30, n.node_id))
         ],
         "links": links(r, placement),
+        "probes": probes(placement),
+        "rebalance": plan(placement),
         "training": training(r),
         "loss_history": [[step, loss] for step, loss in sorted(r.losses.items())],
         "events": r.events[-20:],
@@ -84,6 +115,7 @@ def swarm_state(r: SwarmRegistry, placement: Placement, p2p_maddrs: list[str] = 
         "refused": refused(r),
         "p2p_maddrs": list(p2p_maddrs),
     }
+
 
 
 def refused(r: SwarmRegistry) -> list[dict]:

@@ -67,6 +67,8 @@ class Heartbeats:
         if self.worker is not None:
             self.worker.stats.reported(sent)
         self.assignment, self.run_finished = hb.assignment, hb.run_finished
+        if hb.heartbeat_s > 0:  # a large swarm asks for fewer heartbeats
+            self.period = hb.heartbeat_s
         self.changed.set()
         return hb
 

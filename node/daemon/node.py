@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from ..config import NodeConfig, RunConfig, TlsMode, TransportKind
+from ..config import AUTO_STAGE, NodeConfig, RunConfig, TlsMode, TransportKind
 from ..net.auth import Sealer, SwarmKey
 from ..net.discovery import SwarmDirectory, republish
 from ..net.freshness import COORDINATOR
@@ -118,7 +118,8 @@ class StageNode:
         try:
             address = await transport.start()
             join = pb.JoinRequest(node_id=node_id, address=address, stage=cfg.stage, device=device_label(device),
-                                  memory_bytes=device_memory(device), tls_cert=tls.cert_pem if tls else b"")
+                                  memory_bytes=device_memory(device), tls_cert=tls.cert_pem if tls else b"",
+                                  movable=cfg.stage == AUTO_STAGE)
             reply = await node.coord.join(join)
             node.assignment = reply.assignment
             transport.peer_keys[COORDINATOR] = reply.coordinator_key  # measure requests must be signed by it

@@ -4,6 +4,8 @@ and frame the node sends carries its signature (`verify_signature`)."""
 
 from __future__ import annotations
 
+import functools
+
 from pathlib import Path
 
 from cryptography.exceptions import InvalidSignature
@@ -46,10 +48,15 @@ class NodeKey:
         return self.private.sign(data)
 
 
+@functools.lru_cache(maxsize=4096)
+def _public_key(public: bytes) -> Ed25519PublicKey:
+    return Ed25519PublicKey.from_public_bytes(public)
+
+
 def verify_signature(public: bytes, signature: bytes, data: bytes) -> bool:
     """True if `signature` is `public`'s Ed25519 signature of `data` (a malformed key: False)."""
     try:
-        Ed25519PublicKey.from_public_bytes(public).verify(signature, data)
+        _public_key(public).verify(signature, data)
         return True
     except (InvalidSignature, ValueError):
         return False

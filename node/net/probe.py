@@ -12,8 +12,8 @@ from ..proto import tahnode_pb2 as pb
 from ..proto import tahnode_pb2_grpc as pb_grpc
 from .auth import Sealer
 from .emulation import pacer_for
-from .grpc_transport import CHANNEL_OPTIONS, DIRECT
-from .channels import open_channel
+from .grpc_transport import CHANNEL_OPTIONS
+from .channels import ChannelPool, open_channel
 
 __all__ = ["probe", "measure_link", "request_measure"]
 
@@ -57,12 +57,12 @@ async def measure_link(sealer: Sealer, target: str, peer: str, nbytes: int, emul
     return await probe(sealer, target, peer, size, emulation=emulation, pinned=pinned)
 
 
-async def request_measure(sealer: Sealer, node: pb.Peer, target: pb.Peer) -> tuple[float, float]:
-    """Ask `node` to measure its link to `target`, over its own data plane (each pinned by its
-    TLS certificate, where it has one)."""
-    async with open_channel(node.address, node.tls_cert, DIRECT) as channel:
-        stub = pb_grpc.StageServiceStub(channel)
-        req = sealer.seal(pb.MeasureRequest(target_id=target.node_id, target_address=target.address, target_cert=target.tls_cert),
-                          node.node_id)
-        reply = await stub.Measure(req, timeout=60)
-        return reply.mbps, reply.rtt_ms
+async def request_measure(sealer: Sealer, node: pb.Peer, target: pb.Peer, pool: ChannelPool, payload_bytes: int = 0,
+                          timeout: float = 60.0) -> tuple[float, float]:
+    """Ask `node` (over a channel of `pool`, pinning its TLS certificate where it has one) to
+    measure its link to `target` over its own data plane, with `payload_bytes` (0: its own
+    sizing), within `timeout` s."""
+    req = sealer.seal(pb.MeasureRequest(target_id=target.node_id, target_address=target.address, target_cert=target.tls_cert,
+                                        payload_bytes=payload_bytes), node.node_id)
+    reply = await pb_grpc.StageServiceStub(pool.get(node.address, node.tls_cert)).Measure(req, timeout=timeout)
+    return reply.mbps, reply.rtt_ms

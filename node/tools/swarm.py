@@ -82,11 +82,15 @@ class SwarmSpec:
     auto: bool = False                    # every node joins with --stage auto (probes, placement)
     workdir: Path | None = None
     transport: TransportKind = TransportKind.GRPC  # the nodes' data plane (the control plane is gRPC)
+    placement_flags: list[str] = field(default_factory=list)  # for the coordinator: --probe-wait, --rebalance-every
+    late: int = 0                         # the last `late` nodes start only with start_late() (a volunteer who comes later)
 
     def __post_init__(self):
         self.stages = self.stages or self.nodes
         if self.nodes < 1 or not 1 <= self.stages <= self.nodes:
             raise SwarmError(f"--nodes {self.nodes} cannot hold --stages {self.stages}")
+        if not 0 <= self.late <= self.nodes - self.stages:
+            raise SwarmError(f"{self.late} late nodes leave fewer than {self.stages} to start with")
         names = set(self.names)
         for pair in self.slow_links:
             if not pair <= names or len(pair) != 2:
@@ -135,7 +139,8 @@ class LocalSwarm:
         swarm = cls(spec, topo)
         try:
             swarm._start_all()
-            swarm.wait(lambda s: len([n for n in s["nodes"] if n["status"] != "failed"]) >= spec.nodes, wait_s, "every node to join")
+            swarm.wait(lambda s: len([n for n in s["nodes"] if n["status"] != "failed"]) >= spec.nodes - spec.late, wait_s,
+                       "every node to join")
         except BaseException:
             cls.down(spec.prefix, spec.workdir)
             raise
@@ -153,20 +158,31 @@ class LocalSwarm:
         token = ["--token-file", str(token_file_of(spec.workdir))]
         self._start("coord", ["coordinator", "--listen", self.coordinator, "--http", listen_http, *token,
                               "--stages", str(spec.stages), "--store", str(spec.workdir / "store"),
-                              "--heartbeat-timeout", f"{spec.heartbeat_timeout:g}", *spec.run_flags])
-        for k, name in enumerate(spec.names):
-            if self.topo:
-                address = f"{self.topo.host(name).address}:{NODE_PORT}"
-                listen = ["--listen", address, "--advertise", address]
-            else:
-                listen = ["--listen", "127.0.0.1:0"]
-            if spec.transport is TransportKind.P2P:
-                host, port = (self.topo.host(name).address, NODE_PORT + 1) if self.topo else ("127.0.0.1", 0)
-                listen += ["--transport", "p2p", "--p2p-listen", f"/ip4/{host}/tcp/{port}"]
-            self._start(name, ["join", "--coordinator", self.coordinator, "--stage", str(k) if spec.pinned else "auto",
-                               "--node-id", name, *token, "--checkpoint-dir", str(spec.workdir / "ck" / name),
-                               "--device", "cpu", "--quiet", "--threads", str(share_of_cores(spec.nodes)), *listen,
-                               *spec.emulation(name).flags()])
+                              "--heartbeat-timeout", f"{spec.heartbeat_timeout:g}", *spec.placement_flags, *spec.run_flags])
+        for k, name in enumerate(spec.names[:spec.nodes - spec.late]):
+            self._start_node(k, name)
+
+    def start_late(self) -> None:
+        """Start the nodes held back at `up` (SwarmSpec.late)."""
+        for k, name in enumerate(self.spec.names):
+            if name not in self.pids:
+                self._start_node(k, name)
+
+    def _start_node(self, k: int, name: str) -> None:
+        spec = self.spec
+        token = ["--token-file", str(token_file_of(spec.workdir))]
+        if self.topo:
+            address = f"{self.topo.host(name).address}:{NODE_PORT}"
+            listen = ["--listen", address, "--advertise", address]
+        else:
+            listen = ["--listen", "127.0.0.1:0"]
+        if spec.transport is TransportKind.P2P:
+            host, port = (self.topo.host(name).address, NODE_PORT + 1) if self.topo else ("127.0.0.1", 0)
+            listen += ["--transport", "p2p", "--p2p-listen", f"/ip4/{host}/tcp/{port}"]
+        self._start(name, ["join", "--coordinator", self.coordinator, "--stage", str(k) if spec.pinned else "auto",
+                           "--node-id", name, *token, "--checkpoint-dir", str(spec.workdir / "ck" / name),
+                           "--device", "cpu", "--quiet", "--threads", str(share_of_cores(spec.nodes)), *listen,
+                           *spec.emulation(name).flags()])
 
     def _start(self, name: str, args: list[str]) -> None:
         prefix = ["ip", "netns", "exec", self.topo.host(name).namespace(self.spec.prefix)] if self.topo else []

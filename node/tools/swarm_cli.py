@@ -42,6 +42,10 @@ def add_parser(sub) -> None:
     up.add_argument("--transport", default="grpc", choices=["grpc", "p2p"],
                     help="the nodes' data plane: gRPC or libp2p (needs pip install 'tahnode[p2p]'; default grpc)")
     up.add_argument("--heartbeat-timeout", type=float, default=10.0, help="the coordinator's failure detection, seconds (default 10)")
+    up.add_argument("--probe-wait", type=float, default=4.0, help="with --auto: the coordinator's longest wait for probes "
+                    "before the first chain, seconds (default 4)")
+    up.add_argument("--rebalance-every", type=float, default=30.0, help="with --auto: seconds between the coordinator's "
+                    "rebalancing checks (0 = never; default 30)")
     up.add_argument("--wait", type=float, default=90.0, help="seconds to wait for every node to join (default 90)")
     up.set_defaults(run_actions=add_run_flags(up))
     for name, text in (("down", "stop every process and remove every namespace, link and qdisc of the swarm (also after a crash)"),
@@ -85,6 +89,7 @@ def main(args) -> int:
                          rtt_s=parse_duration(args.rtt) if args.rtt else 0.0, slow_links=_slow_links(args.slow_link),
                          shaper=Shaper(args.shaper), prefix=args.prefix, workdir=workdir, auto=args.auto,
                          heartbeat_timeout=args.heartbeat_timeout, transport=TransportKind(args.transport),
+                         placement_flags=["--probe-wait", f"{args.probe_wait:g}", "--rebalance-every", f"{args.rebalance_every:g}"],
                          run_flags=run_flag_args(args, args.run_actions, skip=("stages",)))
         if spec.shaper is Shaper.TC:
             netns.check_root()
