@@ -1,5 +1,5 @@
 """The `tahnode` command line: one argparse tree whose subcommands call the modules that do the
-work (codec eval, data prepare, join, coordinator, demo, bench)."""
+work (codec eval, data prepare, join, coordinator, demo, bench, export)."""
 
 from __future__ import annotations
 
@@ -63,6 +63,29 @@ def _add_certs_command(sub) -> None:
     ce.add_argument("--dir", default="tahnode-store", help="the coordinator's --store or a node's --checkpoint-dir "
                     "(default tahnode-store)")
     ce.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def _add_export_command(sub) -> None:
+    ex = sub.add_parser("export", help="write a trained swarm's model as a Hugging Face checkpoint folder",
+                        description="Merge every stage's checkpoint of one step (the newest that every stage has, or "
+                        "--step) from the coordinator's --store (or a folder of stage checkpoints) into OUT: sharded "
+                        "safetensors with their index, config.json, generation_config.json and the run's tokenizer files; "
+                        "transformers' AutoModelForCausalLM.from_pretrained(OUT) loads it.")
+    ex.add_argument("--checkpoint-dir", required=True, help="the coordinator's --store, one of its run-* folders, or a "
+                    "folder of stageK-ofN-stepS.safetensors files")
+    ex.add_argument("--out", required=True, help="the folder to write (must not exist, or be empty)")
+    ex.add_argument("--step", type=int, help="the step to export (default: the newest every stage has)")
+    ex.add_argument("--shard-mb", type=float, default=2048, help="largest safetensors shard in MB (default 2048)")
+
+
+def _export(args) -> int:
+    from .tools.hf_export import export
+
+    done = export(args.checkpoint_dir, args.out, args.step, int(args.shard_mb * 2**20))
+    print(f"exported step {done.step} of {done.stages} stages to {done.out}: {done.tensors} tensors, "
+          f"{done.bytes / 2**20:.1f} MB in {done.shards} shard(s)"
+          + ("; tokenizer files copied" if done.tokenizer else "; no tokenizer files (byte-level data, or not on this machine)"))
+    return 0
 
 
 def _certs(args) -> int:
@@ -158,7 +181,8 @@ def _add_swarm_commands(sub) -> None:
     jo.add_argument("--node-id", default="", help="stable name of this node (default: HOSTNAME-PID)")
     jo.add_argument("--checkpoint-dir", default="", help="where this node saves its stage (default: tahnode-state/NODE_ID)")
     jo.add_argument("--data-dir", default="", help="where stage 0 prepares the built-in corpus (default ~/.cache/tahnode)")
-    jo.add_argument("--init-from", default="", help="local Hugging Face Llama/Qwen2 checkpoint directory to load this stage's weights from")
+    jo.add_argument("--init-from", default="", help="local Hugging Face Llama/Qwen2 checkpoint directory to load this stage's weights from; its "
+                    "config.json must describe the run's model (a field that differs is an error naming it)")
     jo.add_argument("--transport", default=TransportKind.GRPC.value, choices=[k.value for k in TransportKind],
                     help="data-plane transport to the neighbour stages (default grpc: every node reachable at --advertise; "
                     "p2p: libp2p, reachable behind NAT with --use-auto-relay)")
@@ -227,6 +251,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_codec_commands(sub)
     _add_swarm_commands(sub)
     _add_certs_command(sub)
+    _add_export_command(sub)
     from .tools import swarm_cli
 
     swarm_cli.add_parser(sub)
@@ -256,6 +281,8 @@ def main(argv: list[str] | None = None) -> int:
             return demo.main(args, run_config_from(args))
         if args.command == "data":
             return _data_prepare(args)
+        if args.command == "export":
+            return _export(args)
         if args.command == "certs":
             return _certs(args)
         if args.command == "swarm":
@@ -301,9 +328,11 @@ def _coordinator(args) -> int:
     from .config import CoordinatorConfig, PlacementSettings, TransportKind
     from .config.token import coordinator_token
     from .coordinator.server import serve
+    from .train.data import check_run_data
 
     _setup_logging()
     run = run_config_from(args)
+    check_run_data(run, here=False)  # data that does not fit the model: refused before anyone joins
     placement = PlacementSettings(settle_s=args.settle, probe_wait_s=args.probe_wait, rebalance_s=args.rebalance_every,
                                   hysteresis=args.hysteresis)  # bad values fail here, before any file is made
     token = coordinator_token(args.token, args.token_file, Path(args.store))

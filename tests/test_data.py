@@ -226,3 +226,62 @@ def test_default_corpus_finds_stdlib_sources(tmp_path):
     info = prepare(small[:3], tmp_path / "std.bin", progress=False)
     assert info.sources == 3
     assert info.n_tokens == sum(len(p.read_bytes()) + 1 for p in small[:3])
+
+
+def word_tokenizer(tmp_path: Path, name: str = "tokenizer.json", bos: bool = False) -> Path:
+    """A word-level tokenizer.json of the documents; with `bos`, its template starts every document with <s>."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors, trainers
+
+    tok = Tokenizer(models.WordLevel(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.train_from_iterator(DOCS.values(), trainers.WordLevelTrainer(special_tokens=["<unk>", "<s>", "<eos>"]))
+    if bos:
+        tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", tok.token_to_id("<s>"))])
+    path = tmp_path / name
+    tok.save(str(path))
+    return path
+
+
+def test_each_document_gets_the_tokenizers_bos_and_one_eod(corpus, tmp_path):
+    from tokenizers import Tokenizer
+
+    path = word_tokenizer(tmp_path, bos=True)
+    tok = Tokenizer.from_file(str(path))
+    out = tmp_path / "tokens.bin"
+    prepare([corpus], out, tokenizer=path, progress=False)
+    bos, eos = tok.token_to_id("<s>"), tok.token_to_id("<eos>")
+    expected = []
+    for name in sorted(DOCS, key=lambda n: Path(n).parts):
+        expected += [bos] + tok.encode(DOCS[name], add_special_tokens=False).ids + [eos]
+    assert np.fromfile(out, dtype=np.uint16).tolist() == expected
+
+
+def test_outputs_never_overwrite_inputs(corpus, tmp_path):
+    """`--out tokenizer.bin` would write its index over tokenizer.json; `--out` naming an input file
+    would overwrite it: both refused, nothing written."""
+    path = word_tokenizer(tmp_path)
+    before = path.read_bytes()
+    with pytest.raises(ValueError, match="would overwrite the input .*tokenizer.json"):
+        prepare([corpus], tmp_path / "tokenizer.bin", tokenizer=path, progress=False)
+    with pytest.raises(ValueError, match="would overwrite the input .*a.txt"):
+        prepare([corpus], corpus / "a.txt", progress=False)
+    assert path.read_bytes() == before and (corpus / "a.txt").read_text() == DOCS["a.txt"]
+    assert not (tmp_path / "tokenizer.bin").exists()
+
+
+def test_data_of_a_larger_vocabulary_than_the_model_is_refused(corpus, tmp_path):
+    from tahnode.config import RunConfig
+    from tahnode.train.data import check_run_data, open_dataset
+
+    out = tmp_path / "tokens.bin"
+    prepare([corpus], out, progress=False)  # bytes: a vocabulary of 257
+    small = tmp_path / "small.toml"
+    small.write_text("[model]\nvocab_size = 200\ndim = 32\nn_layers = 3\nn_heads = 2\nn_kv_heads = 2\nffn_dim = 64\n"
+                     "max_seq_len = 64\n")
+    run = RunConfig.build(str(small), None, data=str(out))
+    for refuse in (lambda: open_dataset(run), lambda: check_run_data(run, here=False)):
+        with pytest.raises(ValueError, match="vocabulary of 257 .* the model's vocab_size is 200"):
+            refuse()
+    with pytest.raises(ValueError, match="built-in corpus"):
+        check_run_data(RunConfig.build(str(small), None), here=False)
+    check_run_data(RunConfig.build(str(small), None, data=str(tmp_path / "elsewhere.bin")), here=False)  # not here: let pass

@@ -18,7 +18,8 @@ def add_run_flags(p) -> list[argparse.Action]:
 
     return [
         p.add_argument("--model", default="llama-tiny",
-                       help=f"model preset ({', '.join(preset_names())}; shipped with tahnode) or a TOML path (default: llama-tiny)"),
+                       help=f"model preset ({', '.join(preset_names())}; shipped with tahnode), a TOML path, or a Hugging Face "
+                       "config.json or checkpoint directory (default: llama-tiny)"),
         p.add_argument("--stages", type=int, help="number of pipeline stages (default 3)"),
         p.add_argument("--config", help="run TOML with [run], [train] and [codec] tables"),
         p.add_argument("--steps", type=int, help="optimizer steps to train"),

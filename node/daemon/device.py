@@ -42,7 +42,7 @@ def measure_layer_ms(run: RunConfig, device: str) -> float:
     dtype = COMPUTE_DTYPES[t.dtype]
     layer = DecoderLayer(cfg).to(device=device, dtype=dtype)
     x = torch.randn(t.batch_size, t.seq_len, cfg.dim, device=device, dtype=dtype, requires_grad=True)
-    cos, sin = rope_cos_sin(t.seq_len, cfg.head_dim, cfg.rope_theta, x.device, dtype)
+    cos, sin = rope_cos_sin(t.seq_len, cfg.head_dim, cfg.rope_theta, x.device, dtype, cfg.rope_scaling)
     times = []
     for _ in range(4):
         if device.startswith("cuda"):

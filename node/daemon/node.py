@@ -124,6 +124,10 @@ class StageNode:
             node.assignment = reply.assignment
             transport.peer_keys[COORDINATOR] = reply.coordinator_key  # measure requests must be signed by it
             node.run_cfg = RunConfig.from_json(node.assignment.run_config)
+            if cfg.init_from:  # a checkpoint of another model is refused before anything trains
+                from ..train.hf import check_hf_config
+
+                check_hf_config(node.run_cfg.model, cfg.init_from)
             transport.set_envelope_cap(envelope_cap(node.run_cfg))
             node.beats = Heartbeats(node.coord, join, transport)
             node.beats.start()
@@ -172,7 +176,8 @@ class StageNode:
         self.t.set_stage(a.stage)
         print(f"{self.node_id}: holds stage {a.stage} of {a.num_stages} (coordinator {self.coord.address}), serving on "
               f"{self.t.address} ({device_label(self.device)})", flush=True)
-        store = CheckpointStore(state_dir(cfg, self.node_id))
+        # three, as the coordinator's store: a rollback goes back to the newest step every stage has saved
+        store = CheckpointStore(state_dir(cfg, self.node_id), keep=3)
         self.sync = CheckpointSync(self.coord, self.node_id, store)
         if self.sync.needs_fetch(a):
             print(f"{self.node_id}: fetching the checkpoint of stage {a.stage} at step {a.resume_step} from the coordinator", flush=True)

@@ -173,7 +173,8 @@ class _ByteTokenizer:
 
 
 class _HFTokenizer:
-    """A `tokenizers` tokenizer.json; no special tokens are added around documents."""
+    """A `tokenizers` tokenizer.json; each document gets the special tokens the tokenizer's own
+    template adds (a BOS, for Llama 3's), then the end-of-document token (once)."""
 
     def __init__(self, path: Path):
         from tokenizers import Tokenizer
@@ -194,7 +195,10 @@ class _HFTokenizer:
         self.eod = found[0]
 
     def encode(self, text: str) -> np.ndarray:
-        return np.asarray(self.tok.encode(text, add_special_tokens=False).ids, dtype=np.int64)
+        ids = self.tok.encode(text, add_special_tokens=True).ids
+        if ids and ids[-1] == self.eod:  # the template ends documents itself
+            ids = ids[:-1]
+        return np.asarray(ids, dtype=np.int64)
 
 
 def _progress_bar(enabled: bool):
@@ -210,17 +214,28 @@ def _progress_bar(enabled: bool):
                     console=Console(stderr=True))
 
 
+def _refuse_overwrite(out: Path, inputs: list[Path]) -> None:
+    """The token file, its index and the temporary file must not be any of the inputs."""
+    written = {p.resolve(): p for p in (out, index_path(out), out.with_name(out.name + ".tmp"))}
+    for item in inputs:
+        if item.resolve() in written:
+            raise ValueError(f"--out {out} would overwrite the input {item} (the token file and its index "
+                             f"{index_path(out).name} are written there): choose another --out")
+
+
 def prepare(inputs: list[Path], out: Path, tokenizer: Path | None = None, progress: bool = True,
             suffixes: Sequence[str] = DEFAULT_SUFFIXES) -> DatasetInfo:
     """Tokenizes the text files in `inputs` (files, or directories walked for `suffixes`) into
     `out`, a flat array of token ids (uint16, or uint32 for vocabularies over 65536), and writes
-    its index `out.with_suffix('.json')`. Documents are taken in sorted path order, each followed
-    by the end-of-document token; binary and non-UTF-8 files are skipped. Deterministic: the same
+    its index `out.with_suffix('.json')`. Documents are taken in sorted path order, each with the
+    special tokens its tokenizer adds and followed by the end-of-document token; binary and
+    non-UTF-8 files are skipped; an output that is one of the inputs is refused. Deterministic: the same
     files give the same bytes on every machine. Returns the index."""
     out = Path(out)
     if out.suffix == ".json":
         raise ValueError(f"token file {out} must not end in .json (its index takes that name)")
     files = find_text_files(inputs, suffixes)
+    _refuse_overwrite(out, files + ([Path(tokenizer)] if tokenizer is not None else []))
     tok = _HFTokenizer(tokenizer) if tokenizer is not None else _ByteTokenizer()
     dtype = np.uint16 if tok.vocab_size <= 1 << 16 else np.uint32
     eod = np.asarray([tok.eod], dtype=dtype)

@@ -13,9 +13,9 @@ import numpy as np
 import torch
 
 from ..config import RunConfig
-from .corpus import TOKEN_DTYPES, DatasetInfo, default_corpus, file_sha256, index_path, prepare
+from .corpus import BYTE_VOCAB_SIZE, TOKEN_DTYPES, DatasetInfo, default_corpus, file_sha256, index_path, prepare
 
-__all__ = ["TokenDataset", "SampleSchedule", "open_dataset"]
+__all__ = ["TokenDataset", "SampleSchedule", "open_dataset", "check_vocabulary", "check_run_data"]
 
 
 class TokenDataset:
@@ -144,9 +144,29 @@ class SampleSchedule:
         return step * self.samples_per_step / self.num_samples
 
 
+def check_vocabulary(run: RunConfig, vocab_size: int, tokenizer: str, where: str | Path) -> None:
+    """Refuse data tokenized for a larger vocabulary than the model's (it would end in an index
+    error on stage 0's embedding)."""
+    if vocab_size > run.model.vocab_size:
+        raise ValueError(f"the data ({where}) was tokenized with a vocabulary of {vocab_size} ({tokenizer}) "
+                         f"but the model's vocab_size is {run.model.vocab_size}: prepare the data with the model's "
+                         "tokenizer (tahnode data prepare --tokenizer), or train a model of that vocabulary")
+
+
+def check_run_data(run: RunConfig, here: bool = True) -> None:
+    """The run's data fits its model: the built-in corpus (bytes), or the token file's index (read
+    here; with `here` False, a missing index, the data being on another machine, is let pass)."""
+    if not run.data:
+        check_vocabulary(run, BYTE_VOCAB_SIZE, "bytes", "the built-in corpus")
+    elif here or index_path(Path(run.data)).is_file():
+        info = DatasetInfo.read(index_path(Path(run.data)))
+        check_vocabulary(run, info.vocab_size, info.tokenizer, run.data)
+
+
 def open_dataset(run: RunConfig, data_dir: str = "") -> TokenDataset:
     """The run's token file (`run.data`), or the built-in corpus, prepared on first use under
     `data_dir` (default: $TAHNODE_CACHE, else ~/.cache/tahnode)."""
+    check_run_data(run)
     if run.data:
         return TokenDataset(run.data, run.train.seq_len)
     cache = Path(data_dir or os.environ.get("TAHNODE_CACHE", Path.home() / ".cache" / "tahnode"))

@@ -3,14 +3,16 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
 import torch
 
+from ..config.model import ModelConfig
 from .model import StageModel
 
-__all__ = ["load_stage_from_hf"]
+__all__ = ["load_stage_from_hf", "check_hf_config"]
 
 
 def _checkpoint_index(directory: Path) -> dict[str, Path]:
@@ -33,6 +35,21 @@ def _checkpoint_index(directory: Path) -> dict[str, Path]:
             for name in f.keys():
                 where.setdefault(name, file)
     return where
+
+
+def check_hf_config(model: ModelConfig, directory: str | Path) -> None:
+    """Refuse a checkpoint made for another model: its config.json must give exactly the run's
+    model (layers, sizes, heads, vocabulary, rope, norm eps, biases, tied head, positions). A
+    ValueError names every field that differs, or the field tahnode cannot honour."""
+    directory = Path(directory)
+    if not (directory / "config.json").is_file():
+        raise FileNotFoundError(f"--init-from {directory}: no config.json there (a Hugging Face checkpoint directory has one)")
+    theirs = ModelConfig.from_hf_config(directory)
+    differ = [f"{f.name} is {getattr(theirs, f.name)!r} there but {getattr(model, f.name)!r} in the run"
+              for f in dataclasses.fields(ModelConfig) if getattr(theirs, f.name) != getattr(model, f.name)]
+    if differ:
+        raise ValueError(f"--init-from {directory} holds another model than the run's: {'; '.join(differ)} "
+                         f"(start the coordinator with --model {directory} to train that model)")
 
 
 @torch.no_grad()

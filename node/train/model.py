@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..config.model import ModelConfig
+from ..config.model import ModelConfig, RopeScaling
 
 __all__ = [
     "ModelConfig",
@@ -54,12 +54,26 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
 
-def rope_cos_sin(seq_len: int, head_dim: int, theta: float, device, dtype):
+def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None, device) -> torch.Tensor:
+    """The rotary frequencies, (head_dim/2,) fp32: theta^(-2j/head_dim), then Llama 3's scaling if
+    given: wavelengths 2*pi/f longer than original / low_freq_factor divided by `factor`, those
+    shorter than original / high_freq_factor kept, and between them a blend whose weight on the
+    kept frequency rises linearly with original / wavelength from low to high_freq_factor."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device).float() / head_dim)
+    if scaling is None:
+        return inv_freq
+    wavelen = 2 * math.pi / inv_freq
+    kept = scaling.original_max_positions / wavelen  # in [low, high] between the two regimes
+    smooth = ((kept - scaling.low_freq_factor) / (scaling.high_freq_factor - scaling.low_freq_factor)).clamp(0.0, 1.0)
+    return (1 - smooth) * inv_freq / scaling.factor + smooth * inv_freq
+
+
+def rope_cos_sin(seq_len: int, head_dim: int, theta: float, device, dtype, scaling: RopeScaling | None = None):
     """cos and sin of the rotary angles, (seq_len, head_dim) each, for positions 0..seq_len-1.
 
-    Frequency j (of head_dim/2) is theta^(-2j/head_dim); the angles are repeated over the two
-    halves of the head (the HF "rotate_half" layout, not interleaved pairs). Computed in fp32."""
-    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device).float() / head_dim)
+    Frequencies from rope_inv_freq; the angles are repeated over the two halves of the head (the
+    HF "rotate_half" layout, not interleaved pairs). Computed in fp32."""
+    inv_freq = rope_inv_freq(head_dim, theta, scaling, device)
     positions = torch.arange(seq_len, device=device).float()
     angles = torch.outer(positions, inv_freq)  # (S, head_dim/2)
     angles = torch.cat((angles, angles), dim=-1)  # (S, head_dim)
@@ -203,7 +217,7 @@ class StageModel(nn.Module):
         if seq_len > self.cfg.max_seq_len:
             raise ValueError(f"sequence length {seq_len} exceeds max_seq_len "
                              f"{self.cfg.max_seq_len}")
-        cos, sin = rope_cos_sin(seq_len, self.cfg.head_dim, self.cfg.rope_theta, x.device, x.dtype)
+        cos, sin = rope_cos_sin(seq_len, self.cfg.head_dim, self.cfg.rope_theta, x.device, x.dtype, self.cfg.rope_scaling)
         for layer in self.model.layers.values():
             x = layer(x, cos, sin)
         if self.is_last:
