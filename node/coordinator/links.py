@@ -10,9 +10,8 @@ N^2, for placement to rank them; full probes then check the few pairs placement 
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import Enum
 
 __all__ = ["ProbeKind", "LinkProbe", "LinkBook", "EstimatedMbps"]
@@ -36,7 +35,6 @@ class LinkProbe:
     mbps: float
     rtt_ms: float
     kind: ProbeKind
-    at: float = field(default_factory=time.monotonic)
 
 
 class LinkBook:

@@ -46,7 +46,6 @@ class Prober:
         self.attempts: dict[tuple[str, str], int] = {}
         self.failures: dict[str, int] = {}  # failed probes a node took part in
         self.probe_bytes = 0             # payload asked for by capacity probes (full ones size themselves)
-        self.done = 0
         self.failed = 0
         self._wake = asyncio.Event()
         self._rng = random.Random(0)
@@ -159,7 +158,6 @@ class Prober:
             self.busy.difference_update((job.src, job.dst))
             self.running.discard((job.src, job.dst))
             self._wake.set()
-        self.done += 1
         self.book.record(job.src, job.dst, mbps, rtt, job.kind)
         if job.kind is ProbeKind.FULL:
             self.r.event(f"link {job.src} -> {job.dst} measured at {mbps:.1f} Mbit/s, RTT {rtt:.1f} ms")

@@ -100,9 +100,9 @@ def merge(folder: Path, stages: int, step: int) -> tuple[RunConfig, dict[str, to
     return run, weights
 
 
-def write_shards(weights: dict[str, torch.Tensor], out: Path, shard_bytes: int) -> int:
+def write_shards(weights: dict[str, torch.Tensor], out: Path, shard_bytes: int) -> tuple[int, int]:
     """model-0000K-of-0000N.safetensors files of at most `shard_bytes` (one tensor may exceed it)
-    and their model.safetensors.index.json; returns the number of shards."""
+    and their model.safetensors.index.json; returns (shards, bytes of all the tensors)."""
     shards: list[list[str]] = [[]]
     size = 0
     for name in sorted(weights):
@@ -119,7 +119,7 @@ def write_shards(weights: dict[str, torch.Tensor], out: Path, shard_bytes: int) 
         weight_map.update(dict.fromkeys(names, file))
     total = sum(t.numel() * t.element_size() for t in weights.values())
     (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
-    return len(shards)
+    return len(shards), total
 
 
 def copy_tokenizer(run: RunConfig, out: Path) -> DatasetInfo | None:
@@ -149,7 +149,7 @@ def export(checkpoint_dir: str | Path, out: str | Path, step: int | None = None,
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     try:
-        shards = write_shards(weights, tmp, shard_bytes)
+        shards, total = write_shards(weights, tmp, shard_bytes)
         config = run.model.to_hf_config()
         config["torch_dtype"] = str(next(iter(weights.values())).dtype).removeprefix("torch.")
         info = copy_tokenizer(run, tmp)
@@ -164,5 +164,4 @@ def export(checkpoint_dir: str | Path, out: str | Path, step: int | None = None,
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return Exported(out, step, stages, len(weights), sum(t.numel() * t.element_size() for t in weights.values()), shards,
-                    (out / "tokenizer.json").is_file())
+    return Exported(out, step, stages, len(weights), total, shards, (out / "tokenizer.json").is_file())
