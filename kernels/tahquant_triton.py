@@ -46,6 +46,10 @@ from .wire import CodecError, PayloadReader
 __all__ = ["encode", "decode", "entropies", "rank_low", "entropy_slack", "SEQ_MAX", "NSLOT"]
 
 SEQ_MAX = 8192  # longest sequence the in-kernel allocation ranks (one program holds all its entropies)
+# values per program (ROWS x G) and warps per program of the encode and decode kernels on a GPU:
+# measured on an H100 (docs/benchmarks.md, "Kernel block sizes"); 2048 values in 4 warps spilled registers
+GPU_ENCODE_BLOCK = (1024, 8)
+GPU_DECODE_BLOCK = (1024, 4)
 NSLOT = 64      # uncertain tokens per sequence the refine kernel recomputes in float64
 
 
@@ -609,18 +613,19 @@ def _decode_kernel(
 # Python side: block sizes, the allocation, and the launches
 
 
-def _launch_config(params: TahQuantParams, lay: Layout) -> tuple[dict, tuple[int]]:
-    """Constexprs and grid of the encode/decode kernels. On a GPU a block is ROWS tokens x one tile
-    column (2048 values; tl.dot gets M = 32 rows): the tiles of an outlier channel are flagged down
-    a whole column, so the other blocks mostly skip the Hadamard. The interpreter's cost is per
-    program, so there a block spans up to 32768 values over several columns."""
+def _launch_config(params: TahQuantParams, lay: Layout, block: tuple[int, int] = GPU_DECODE_BLOCK) -> tuple[dict, tuple[int], int]:
+    """Constexprs, grid and warps per program of the encode/decode kernels. On a GPU a block is ROWS
+    tokens x one tile column, `block` = (values, warps) (1024 values: tl.dot gets M = 16 rows): the
+    tiles of an outlier channel are flagged down a whole column, so the other blocks mostly skip the
+    Hadamard. The interpreter's cost is per program, so there a block spans up to 32768 values over
+    several columns."""
     g, t = params.group_size, lay.tiles_per_token
     if _interpreting():
         rows = min(triton.next_power_of_2(lay.tokens), max(16, 32768 // g))
         tc = min(triton.next_power_of_2(t), max(1, 32768 // (g * rows)))
         rows = max(rows, 16 // tc)
-    else:  # 2048 values (1024 for G = 8, whose Hadamard is a (ROWS, 8, 8) broadcast product)
-        rows, tc = (128 if g == 8 else max(8, 2048 // g)), 1
+    else:  # block[0] values (at most 1024 for G = 8, whose Hadamard is a (ROWS, 8, 8) broadcast product)
+        rows, tc = (min(128, block[0] // 8) if g == 8 else max(8, block[0] // g)), 1
     widths = set(plane_widths(params.bits_high)) | set(plane_widths(params.bits_low))
     cx = dict(
         G=g,
@@ -637,7 +642,7 @@ def _launch_config(params: TahQuantParams, lay: Layout) -> tuple[dict, tuple[int
         RSQRT=1.0 / math.sqrt(g),
         POW4=(g.bit_length() - 1) % 2 == 0,
     )
-    return cx, (triton.cdiv(lay.tokens, rows) * triton.cdiv(t, tc),)
+    return cx, (triton.cdiv(lay.tokens, rows) * triton.cdiv(t, tc),), 1 if _interpreting() else block[1]
 
 
 def _pivot_planes(params: TahQuantParams) -> dict:
@@ -861,13 +866,13 @@ def _encode(x: torch.Tensor, params: TahQuantParams) -> torch.Tensor:
     codes = out[head + piv_max :]
     zs = torch.empty(4 * nt, dtype=torch.uint8, device=dev)
     compact = torch.empty(nt, dtype=torch.uint8, device=dev)
-    cx, grid = _launch_config(params, lay)
+    cx, grid, warps = _launch_config(params, lay, GPU_ENCODE_BLOCK)
     blk = _byte_block()
 
     def quantize(low: torch.Tensor, off: torch.Tensor) -> list[int]:
         _encode_kernel[grid](
             x2, x2.stride(0), lay.tokens, lay.channels, t, flag, piv, cum, low, off, codes, codes.numel(),
-            zs[: 2 * nt].view(torch.float16), zs[2 * nt :].view(torch.float16), compact, status, **cx,
+            zs[: 2 * nt].view(torch.float16), zs[2 * nt :].view(torch.float16), compact, status, **cx, num_warps=warps,
         )
         _assemble_kernel[(triton.cdiv(head + piv_max, blk),)](
             out, low, flag, zs, compact, cum, status, n_entries, nt, bm_a, bm_f, head, piv_max,
@@ -918,10 +923,10 @@ def _decode(payload: torch.Tensor, shape: tuple[int, ...], params: TahQuantParam
     _bitcount_kernel[(triton.cdiv(bm_a + bm_f, blk),)](payload, pc, status, bm_a + bm_f, bm_a, n_alloc, nt, BLK=blk)
     cum = torch.cumsum(pc, 0, dtype=torch.int32)
     out = torch.empty(lay.tokens, lay.channels, dtype=dtype, device=dev)
-    cx, grid = _launch_config(params, lay)
+    cx, grid, warps = _launch_config(params, lay, GPU_DECODE_BLOCK)
     _decode_kernel[grid](
         payload, payload.numel(), cum, status, out, out.stride(0), lay.tokens, lay.channels, t, nt, bm_a, bm_f, head,
-        OUT_BF16=dtype == torch.bfloat16, **cx, **_pivot_planes(params),
+        OUT_BF16=dtype == torch.bfloat16, **cx, **_pivot_planes(params), num_warps=warps,
     )
     pads, zs_bad, piv_pad, n_low, n_flag = status.tolist()[:5]  # the one synchronization
 

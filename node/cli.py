@@ -212,6 +212,9 @@ def _add_swarm_commands(sub) -> None:
     de.add_argument("--http-port", type=int, default=8080, help="status page port (default 8080; 0 = any free port)")
     de.add_argument("--workdir", default="", help="logs and checkpoints go here (default: a new temporary directory)")
     de.add_argument("--json", action="store_true", help="print the summary as one JSON object on the last line")
+    de.add_argument("--device", default="cpu",
+                    help="where every stage computes: cpu (default), cuda or cuda:N (the stages share that GPU; "
+                    "activations and gradients are quantized there by the Triton kernels)")
 
     da = sub.add_parser("data", help="prepare training data")
     dsub = da.add_subparsers(dest="data_cmd", required=True)

@@ -46,7 +46,7 @@ def test_a_short_bench_writes_its_table_plots_and_json(tmp_path):
     args = [sys.executable, "-m", "tahnode.cli", "bench", "swarm", "--rates", "20", "--rtts", "0", "--stages", "3",
             "--pairs", "none/none,tahquant/naive", "--transports", "grpc,p2p", "--steps", "1", "--warmup", "1",
             "--tokens-per-step", "4096", "--seq-len", "64", "--shaper", shaper, "--doc", str(doc), "--plots", str(plots),
-            "--workdir", str(tmp_path / "work"), "--prefix", f"tb{os.getpid() % 1000}-", "--json"]
+            "--workdir", str(tmp_path / "work"), "--prefix", f"tb{os.getpid() % 1000}-", "--json", "--device", "cpu"]
     env = {**os.environ, "TAHNODE_CACHE": str(tmp_path / "cache")}
     r = subprocess.run(args, capture_output=True, text=True, timeout=900, env=env)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
@@ -66,6 +66,7 @@ def test_a_short_bench_writes_its_table_plots_and_json(tmp_path):
     assert text.startswith("# Benchmarks\n\nkept as it is\n")
     assert "| " + " | ".join(COLUMNS) + " |" in text and text.count("| p2p |") == 2
     assert "Machine:" in text and "Command: `tahnode bench swarm" in text
+    assert "stages on cpu." in text and "no GPU used" in text
     for name in ("swarm-throughput.png", "swarm-loss.png"):
         assert (plots / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
         assert f"(plots/{name})" in text

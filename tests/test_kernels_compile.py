@@ -58,9 +58,9 @@ def _cases():
         ("fp32", TahQuantParams(group_size=256, bits_high=7, bits_low=6)),
     ]
     for dt, p in configs:
-        cx, _ = tq._launch_config(p, Layout.of((2, 64, 4096), p.group_size))
+        cx, _, _ = tq._launch_config(p, Layout.of((2, 64, 4096), p.group_size), tq.GPU_ENCODE_BLOCK)
         assert cx["TC"] == 1, "compile the GPU launch configuration"
-        const = {k: v for k, v in cx.items()}
+        const = dict(cx, num_warps=tq.GPU_ENCODE_BLOCK[1])
         sig = dict(x_ptr=PTR[dt], stride_x="i32", n_tokens="i32", n_chan="i32", n_tpt="i32", flag_ptr="*u8", piv_ptr="*u8",
                    cum_ptr="*i32", low_ptr="*u8", off_ptr="*i64", codes_ptr="*u8", n_codes="i64", zero_ptr="*fp16",
                    scale_ptr="*fp16", compact_ptr="*u8", status_ptr="*i32")
@@ -74,7 +74,8 @@ def _cases():
         out.append((f"tahquant assemble {p}", tq._assemble_kernel, sig, aconst))
         sig = dict(pay_ptr="*u8", n_pay="i64", cum_ptr="*i32", status_ptr="*i32", out_ptr=PTR[dt], stride_out="i32",
                    n_tokens="i32", n_chan="i32", n_tpt="i32", nt="i32", bm_a="i32", bm_f="i32", head="i32")
-        dconst = dict(const, OUT_BF16=dt == "bf16", **planes)
+        dcx, _, _ = tq._launch_config(p, Layout.of((2, 64, 4096), p.group_size), tq.GPU_DECODE_BLOCK)
+        dconst = dict(dcx, OUT_BF16=dt == "bf16", num_warps=tq.GPU_DECODE_BLOCK[1], **planes)
         sig.update({k: "constexpr" for k in dconst})
         out.append((f"tahquant decode {dt} {p}", tq._decode_kernel, sig, dconst))
     sig = dict(pay_ptr="*u8", pc_ptr="*i32", status_ptr="*i32", n_bytes="i32", bm_a="i32", n_alloc="i32", nt="i32", BLK="constexpr")
@@ -111,8 +112,10 @@ def compile_all(verbose: bool = True) -> int:
     n = 0
     for name, kernel, sig, const in _cases():
         t0 = time.time()
+        warps = const.pop("num_warps", 4)  # a launch option, not a constexpr
+        sig = {k: v for k, v in sig.items() if k != "num_warps"}
         src = triton.compiler.ASTSource(fn=kernel, signature=sig, constexprs=const)
-        compiled = triton.compile(src, target=target)
+        compiled = triton.compile(src, target=target, options=dict(num_warps=warps))
         asm = compiled.asm
         assert "ptx" in asm and ".target sm_90" in asm["ptx"], name
         assert len(asm.get("cubin", b"")) > 0, f"{name}: no cubin"

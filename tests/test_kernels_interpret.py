@@ -32,6 +32,8 @@ from tahnode.kernels.tahquant_ref import Layout, TahQuantParams as P  # noqa: E4
 from tahnode.kernels.wire import CodecError  # noqa: E402
 from helpers import activations  # noqa: E402
 
+pytestmark = pytest.mark.gpu  # on a GPU machine these run on CUDA tensors (`pytest -m gpu`)
+
 DEVICE = "cpu" if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0") else "cuda"
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
 ZS_RATE = 1e-2    # flagged tiles whose fp16 zero-point or scale may differ (fp32 min/range moved by an ulp)

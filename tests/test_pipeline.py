@@ -200,10 +200,29 @@ def test_demo_runs_the_whole_swarm_and_prints_a_json_summary(tmp_path, cache):
     assert set(summary) >= {"steps", "loss_first", "loss_last", "tokens_per_s", "forward_bits_per_element",
                             "backward_bits_per_element", "wire_bytes", "uncompressed_bytes"}
     assert summary["steps"] == 8 and summary["loss_last"] < summary["loss_first"]
+    assert len(summary["losses"]) == 8 and summary["losses"][0] == summary["loss_first"] and summary["losses"][-1] == summary["loss_last"]
+    assert 0.0 < summary["codec_share"] < 1.0  # tahquant encode/decode on the CPU: a real share of each step
+    assert "of a stage's step in encode + decode" in " ".join(r.stderr.split())  # the summary line (rich wraps it)
     assert 4.3 < summary["forward_bits_per_element"] < 4.5 and summary["wire_bytes"] * 4 < summary["uncompressed_bytes"]
     assert "status page: http://127.0.0.1:" in r.stderr
     assert sorted(p.name for p in (tmp_path / "demo" / "checkpoints").glob("*/*.safetensors")) == [
         "stage0-of3-step8.safetensors", "stage1-of3-step8.safetensors", "stage2-of3-step8.safetensors"]
+
+
+def test_the_demo_codec_share_counts_from_the_state_after_warm_up():
+    """The largest share of a stage's step time in encode + decode, over the steps after `warm`
+    (the first steps compile kernels); from the start when no heartbeat came since."""
+    from tahnode.tools.demo import codec_share
+
+    def state(*nodes):
+        return {"nodes": [dict(id=i, stage=st, codec_seconds=c, step_seconds=t) for i, st, c, t in nodes]}
+
+    end = state(("a", 0, 3.0, 10.0), ("b", 1, 1.0, 10.0), ("s", -1, 0.0, 0.0))
+    warm = state(("a", 0, 2.0, 4.0), ("b", 1, 0.5, 4.0))
+    assert codec_share(end, None) == pytest.approx(0.3)
+    assert codec_share(end, warm) == pytest.approx(1.0 / 6.0)  # a: 1 s of 6 s; b: 0.5 s of 6 s
+    assert codec_share(end, end) == pytest.approx(0.3)  # nothing new since: the whole run
+    assert codec_share(state(("s", -1, 0.0, 0.0)), None) == 0.0
 
 
 def _processes_with(marker: str) -> list[int]:

@@ -407,3 +407,14 @@ def test_gradients_of_codecs_without_fp16_side_info_are_sent_as_they_are():
     for codec, params in (("none", {}), ("naive", {"bits": 6})):
         run = build_run(1, **{"codec.backward": codec, "codec.backward_params": params})
         assert codec_streams(run, 1).encode_gradient(torch.full((2, 4, 64), 1e-9), [0, 1])[2] == 0
+
+
+def test_each_stage_counts_its_codec_time_within_its_step_time(dataset):
+    """What `tahnode demo` reports as the share of a step spent in encode + decode: every stage
+    times its codec calls, the time lies within the steps' wall time, and heartbeats carry both."""
+    run = build_run(3, **{"codec.forward": "tahquant", "codec.backward": "naive"})
+    swarm = asyncio.run(train(Swarm(run, dataset), 3))
+    for w in swarm.workers:
+        report = w.stats.report(w.committed, 0)
+        assert 0.0 < report.codec_seconds < report.step_seconds
+        assert report.step_seconds == pytest.approx(sum(w.stats.step_times))

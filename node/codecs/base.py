@@ -52,6 +52,9 @@ class Codec:
     # per-group fp16 zero/scale and no shared exponent: values around 1e-7 and below underflow, so
     # the pipeline scales gradients by a power of two before encoding (tahnode.pipeline.streams)
     needs_prescale: ClassVar[bool] = False
+    # a codec with only its pure-torch reference computes on the CPU whatever the tensor's device:
+    # torch's CUDA arithmetic (fused multiply-adds) makes other bytes than the specification's
+    on_cpu: ClassVar[bool] = False
 
     def __init__(self, **params: Any):
         try:
@@ -80,7 +83,7 @@ class Codec:
     def encode(self, x: torch.Tensor, ctx: CodecContext | None = None) -> pb.EncodedTensor:
         ctx = ctx if ctx is not None else CodecContext()
         _check_input(x, self.name)
-        payload, extra = self.encode_payload(x, ctx)
+        payload, extra = self.encode_payload(x.cpu() if self.on_cpu else x, ctx)
         data = payload.cpu().numpy().tobytes()
         msg = pb.EncodedTensor(codec=self.name, version=self.version, shape=list(x.shape), dtype=DTYPES[x.dtype], payload=data)
         for key, value in {**self.header_params(), **extra}.items():
@@ -98,6 +101,8 @@ class Codec:
         if checksum(msg) != msg.crc32:
             raise CodecError(f"{self.name} message checksum mismatch: the message was corrupted in transit")
         payload = torch.frombuffer(bytearray(msg.payload), dtype=torch.uint8) if msg.payload else torch.empty(0, dtype=torch.uint8)
+        if self.on_cpu:
+            return self.decode_payload(payload, shape, dtype, dict(msg.params), ctx).to(device)
         return self.decode_payload(payload.to(device), shape, dtype, dict(msg.params), ctx)
 
     @classmethod

@@ -66,6 +66,7 @@ class GroupCodec(Codec):
 
     name = "group"
     Params = group_ref.GroupParams
+    on_cpu = True
 
     def encode_payload(self, x, ctx):
         return group_ref.encode(x.detach(), self.params), {}
@@ -96,6 +97,7 @@ class AqsgdCodec(Codec):
     name = "aqsgd"
     Params = aqsgd_ref.AqsgdParams
     keeps_stream_state = True
+    on_cpu = True  # its per-sample caches live in host memory on both ends
 
     def _ids(self, n: int, ctx: CodecContext) -> list[int]:
         if ctx.sample_ids is None:

@@ -43,7 +43,15 @@ def training(r: SwarmRegistry) -> dict:
         "aqsgd_cache_bytes": sum(n.stats.aqsgd_cache_bytes for n in r.nodes.values() if n.status is NodeStatus.ACTIVE),
         "peak_rss_bytes": max((n.stats.peak_rss_bytes for n in r.nodes.values() if n.stage >= 0), default=0),
         "steps_total": r.run.train.steps,
+        "codec_share": codec_share(r),
     }
+
+
+def codec_share(r: SwarmRegistry) -> float:
+    """The largest share of a stage's step time spent encoding and decoding (0 before any step)."""
+    shares = [n.stats.codec_seconds / n.stats.step_seconds for n in r.nodes.values()
+              if n.stage >= 0 and n.stats.step_seconds > 0]
+    return max(shares, default=0.0)
 
 
 def link_row(r: SwarmRegistry, placement: Placement, pair: tuple[str, str]) -> dict:
@@ -100,7 +108,7 @@ def swarm_state(r: SwarmRegistry, placement: Placement, p2p_maddrs: list[str] = 
     return {
         "nodes": [
             {"id": n.node_id, "stage": n.stage, "address": n.address, "status": n.status.value, "device": n.device,
-             "finished": n.stats.finished}
+             "finished": n.stats.finished, "codec_seconds": n.stats.codec_seconds, "step_seconds": n.stats.step_seconds}
             for n in sorted(r.nodes.values(), key=lambda n: (n.stage if n.stage >= 0 else 1 << 30, n.node_id))
         ],
         "links": links(r, placement),

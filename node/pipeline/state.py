@@ -97,6 +97,7 @@ class Stats:
     losses: list[StepRecord] = field(default_factory=list)  # last stage: the committed steps
     outbox: list[StepRecord] = field(default_factory=list)  # the same, not yet reported to the coordinator
     step_times: list = field(default_factory=list)  # wall time of each committed step
+    codec_seconds: float = 0.0  # wall time spent encoding and decoding tensors (device copies included)
     step_started: float = field(default_factory=time.perf_counter)
     tokens_per_step: int = 0
     finished: bool = False
@@ -110,7 +111,8 @@ class Stats:
         stats = pb.TrainingStats(
             step=committed, tokens_per_s=self.tokens_per_s(), forward_bits_per_element=self.bits_per_element(FORWARD),
             backward_bits_per_element=self.bits_per_element(BACKWARD), uncompressed_bytes=self.uncompressed_bytes,
-            finished=self.finished, replays=self.replays, aqsgd_cache_bytes=cache_bytes)
+            finished=self.finished, replays=self.replays, aqsgd_cache_bytes=cache_bytes,
+            codec_seconds=self.codec_seconds, step_seconds=sum(self.step_times))
         if self.losses:
             stats.loss, stats.loss_first = self.losses[-1].loss, self.losses[0].loss
         for r in self.outbox:

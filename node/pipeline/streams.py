@@ -4,6 +4,7 @@ sends, decode what it receives. A new stream (the link reconnected) starts its s
 from __future__ import annotations
 
 import math
+import time
 
 import torch
 
@@ -54,7 +55,9 @@ class CodecStreams:
         gen = self.t.generation(direction)
         ctx = self._context(self.sending, direction, gen, self.states[direction].new_context)
         ctx.sample_ids = sample_ids
-        msg = self.codecs[direction].encode(tensor.detach(), ctx)
+        started = self._clock()
+        msg = self.codecs[direction].encode(tensor.detach(), ctx)  # ends with the payload's bytes on the host
+        self.stats.codec_seconds += time.perf_counter() - started
         self.stats.counted(direction, msg.ByteSize(), tensor)
         return msg, gen
 
@@ -69,8 +72,18 @@ class CodecStreams:
     def decode(self, direction: Direction, stream: int, mb: pb.MicroBatch, dtype: torch.dtype) -> torch.Tensor:
         ctx = self._context(self.receiving, direction, stream, CodecContext)
         ctx.sample_ids = list(mb.sample_ids)
+        started = self._clock()
         x = codecs.decode(mb.tensor, ctx, self.device)
-        return (x * 2.0 ** -mb.scale_log2 if mb.scale_log2 else x).to(dtype)
+        x = (x * 2.0 ** -mb.scale_log2 if mb.scale_log2 else x).to(dtype)
+        self.stats.codec_seconds += self._clock() - started
+        return x
+
+    def _clock(self) -> float:
+        """time.perf_counter() once the device's queued work is done: on a GPU, codec_seconds counts
+        the codec's kernels and copies, not the compute queued before them."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
 
     def discard(self, direction: Direction, stream: int, mb: pb.MicroBatch) -> None:
         """A received message the pipeline drops: a codec with per-stream state still decodes it,

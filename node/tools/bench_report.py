@@ -13,8 +13,8 @@ __all__ = ["machine", "markdown_table", "write_section", "pyplot_for", "plot_thr
 BEGIN, END = "<!-- bench-swarm:{name}:begin -->", "<!-- bench-swarm:{name}:end -->"
 
 
-def machine() -> str:
-    """CPU, memory, Python and torch of this machine, in one line."""
+def machine(device: str = "cpu") -> str:
+    """CPU, memory, the GPU where `device` is one, Python, torch (and triton on a GPU), in one line."""
     import torch
 
     try:
@@ -25,8 +25,13 @@ def machine() -> str:
         mem = int(next(line.split()[1] for line in open("/proc/meminfo") if line.startswith("MemTotal"))) / 2**20
     except (OSError, StopIteration):
         mem = 0
-    return (f"{os.cpu_count()} CPU cores ({model}), {mem:.0f} GiB, no GPU used; Python {platform.python_version()}, "
-            f"torch {torch.__version__}")
+    gpu, triton = "no GPU used", ""
+    if device.startswith("cuda") and torch.cuda.is_available():
+        import triton as triton_module
+
+        gpu, triton = f"GPU {torch.cuda.get_device_name(torch.device(device))}", f", triton {triton_module.__version__}"
+    return (f"{os.cpu_count()} CPU cores ({model}), {mem:.0f} GiB, {gpu}; Python {platform.python_version()}, "
+            f"torch {torch.__version__}{triton}")
 
 
 def markdown_table(columns: tuple[str, ...], rows: list[list[str]]) -> str:
@@ -34,12 +39,12 @@ def markdown_table(columns: tuple[str, ...], rows: list[list[str]]) -> str:
     return "\n".join(lines + ["| " + " | ".join(cells) + " |" for cells in rows])
 
 
-def write_section(doc: Path, name: str, title: str, body: list[str], plots: list[Path]) -> None:
+def write_section(doc: Path, name: str, title: str, body: list[str], plots: list[Path], device: str = "cpu") -> None:
     """Replace (or add at the end) the section `name` of the doc: `body` lines, then a line naming the
     machine and the date, then the plots (linked relative to the doc)."""
     begin, end = BEGIN.format(name=name), END.format(name=name)
     links = [f"![{p.stem}]({os.path.relpath(p, doc.parent)})" for p in plots]
-    section = "\n".join([begin, *body, "", f"Machine: {machine()}. Date: {datetime.date.today().isoformat()}.", "", *links, end])
+    section = "\n".join([begin, *body, "", f"Machine: {machine(device)}. Date: {datetime.date.today().isoformat()}.", "", *links, end])
     text = doc.read_text() if doc.exists() else "# Benchmarks\n"
     if begin in text and end in text:
         text = text[:text.index(begin)] + section + text[text.index(end) + len(end):]

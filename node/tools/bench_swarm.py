@@ -111,6 +111,7 @@ class BenchConfig:
     workdir: Path = Path("bench-swarm")
     seed: int = 0
     lr_warmup_steps: int = 1   # short runs: the learning rate reaches its peak after one step
+    device: str = "cpu"        # the nodes' --device (cuda: every stage on this machine's GPU)
 
     def run_toml(self, pair: CodecPair, steps: int) -> str:
         samples = self.tokens_per_step // self.seq_len
@@ -149,7 +150,8 @@ def measure(cfg: BenchConfig, rate: float, rtt: float, stages: int, pair: CodecP
     row_dir.mkdir(parents=True, exist_ok=True)
     (row_dir / "run.toml").write_text(cfg.run_toml(pair, steps))
     spec = SwarmSpec(nodes=stages, bandwidth_bps=rate * 1e6, rtt_s=rtt / 1e3, shaper=cfg.shaper, prefix=cfg.prefix,
-                     workdir=row_dir, run_flags=["--model", cfg.model, "--config", str(row_dir / "run.toml")], transport=transport)
+                     workdir=row_dir, run_flags=["--model", cfg.model, "--config", str(row_dir / "run.toml")], transport=transport,
+                     device=cfg.device)
     swarm = LocalSwarm.up(spec)
     try:
         timeout = 600 + 60 * steps
@@ -209,6 +211,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--transports", default="grpc", help="the nodes' data planes to compare, comma-separated: grpc, p2p "
                     "(p2p needs pip install 'tahnode[p2p]'; default grpc)")
     ap.add_argument("--shaper", default=Shaper.TC.value, choices=[s.value for s in Shaper], help="tc (root; default) or userspace")
+    ap.add_argument("--device", default="cpu", help="where the stages compute: cpu (default) or cuda[:N] (they share the GPU)")
     ap.add_argument("--name", default="swarm", help="the doc section and plot names (default swarm)")
     ap.add_argument("--doc", default="docs/benchmarks.md", help="where the table goes (default docs/benchmarks.md)")
     ap.add_argument("--plots", default="docs/plots", help="where the PNG plots go (default docs/plots)")
@@ -271,7 +274,8 @@ def report_matrix(rows: list[Row], cfg: BenchConfig, args, command: str) -> str:
     write_section(Path(args.doc), args.name, f"Swarm on shaped links: {args.name}", [
         text, "", f"Model: {cfg.model}, {cfg.tokens_per_step} tokens per step ({cfg.seq_len} tokens per sample); "
         f"{cfg.warmup} warm-up steps (the pipeline tries its cuts there), then {cfg.steps} measured steps per shaped row and "
-        f"{cfg.unshaped_steps} per unshaped row (median step time); {cfg.shaper} shaper.", "", f"Command: `{command}`"], plots)
+        f"{cfg.unshaped_steps} per unshaped row (median step time); {cfg.shaper} shaper; stages on {cfg.device}.", "",
+        f"Command: `{command}`"], plots, cfg.device)
     return text
 
 
@@ -301,7 +305,7 @@ def main(argv: list[str] | None = None) -> int:
             cfg = BenchConfig(pairs=pairs, steps=args.steps, unshaped_steps=args.unshaped_steps, warmup=args.warmup,
                               tokens_per_step=args.tokens_per_step, seq_len=args.seq_len, micro_batches=args.micro_batches,
                               pipeline_micro_batches=args.pipeline_micro_batches, model=args.model, shaper=Shaper(args.shaper),
-                              prefix=args.prefix, workdir=Path(args.workdir)).validate()
+                              prefix=args.prefix, workdir=Path(args.workdir), device=args.device).validate()
             todo = plan(args, pairs)
         if cfg.shaper is Shaper.TC:
             netns.check_root()

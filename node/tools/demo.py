@@ -20,6 +20,8 @@ from ..config import RunConfig
 from ..config.token import new_token_file
 from .swarm import fetch, free_port, share_of_cores
 
+WARM_STEPS = 2  # steps that compile kernels and fill caches; the codec share counts after them
+
 
 def port_free(port: int) -> bool:
     with socket.socket() as s:
@@ -30,7 +32,23 @@ def port_free(port: int) -> bool:
             return False
 
 
-def summary_of(state: dict, elapsed: float) -> dict:
+def codec_share(state: dict, since: dict | None) -> float:
+    """The largest share of a stage's step time spent in encode + decode between two states of the
+    swarm (from the start when `since` is None): the first steps, which compile kernels, can be left out."""
+    before = {n["id"]: n for n in (since or {}).get("nodes", [])}
+    shares = []
+    for n in state["nodes"]:
+        b = before.get(n["id"], {})
+        step = n.get("step_seconds", 0.0) - b.get("step_seconds", 0.0)
+        if n["stage"] >= 0 and step > 0:
+            shares.append((n.get("codec_seconds", 0.0) - b.get("codec_seconds", 0.0)) / step)
+    if not shares and since is not None:  # no heartbeat since `since` (a short run): from the start then
+        return codec_share(state, None)
+    return max(shares, default=0.0)
+
+
+def summary_of(state: dict, elapsed: float, warm: dict | None = None) -> dict:
+    """The demo's result; `warm`: the state after its first steps (the codec share counts from there)."""
     t = state["training"]
     return {
         "steps": t["step"],
@@ -42,7 +60,9 @@ def summary_of(state: dict, elapsed: float) -> dict:
         "wire_bytes": t["wire_bytes"],
         "uncompressed_bytes": t["uncompressed_bytes"],
         "replays": t.get("replays", 0),
+        "codec_share": codec_share(state, warm),
         "seconds": round(elapsed, 1),
+        "losses": [loss for _, loss in state.get("loss_history", [])],
     }
 
 
@@ -108,12 +128,12 @@ def main(args, run: RunConfig) -> int:
         for stage in range(run.stages):
             swarm.start(f"stage{stage}", ["join", "--coordinator", f"127.0.0.1:{grpc_port}", "--stage", str(stage),
                                           "--listen", "127.0.0.1:0", "--node-id", f"demo-stage{stage}", "--token-file", str(token),
-                                          "--checkpoint-dir", str(workdir / "checkpoints" / f"stage{stage}"), "--device", "cpu",
+                                          "--checkpoint-dir", str(workdir / "checkpoints" / f"stage{stage}"), "--device", args.device,
                                           "--threads", str(share_of_cores(run.stages))])
         console.print(f"tahnode demo: coordinator + {run.stages} stage daemons on 127.0.0.1, {run.model.n_layers}-layer model, "
-                      f"codecs {run.codec.forward}/{run.codec.backward}, {run.train.steps} steps")
+                      f"codecs {run.codec.forward}/{run.codec.backward}, {run.train.steps} steps, device {args.device}")
         console.print(f"status page: http://127.0.0.1:{http_port}/   logs and checkpoints: {workdir}")
-        state = None
+        state = warm = None
         with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total} steps"),
                       TextColumn("{task.fields[info]}"), TimeElapsedColumn(), console=console) as bar:
             task = bar.add_task("training", total=run.train.steps, info="starting (stage 0 prepares the corpus)")
@@ -131,9 +151,11 @@ def main(args, run: RunConfig) -> int:
                 t = state["training"]
                 info = f"loss {t['loss']:.3f}  {t['tokens_per_s']:.0f} tok/s  {t['bits_per_element']:.2f} bits/el" if t["loss"] is not None else "warming up"
                 bar.update(task, completed=t["step"], info=info)
+                if warm is None and t["step"] >= min(WARM_STEPS, run.train.steps - 1) > 0:
+                    warm = state
                 if t["finished"] and t["step"] >= run.train.steps:
                     break
-        summary = summary_of(state, time.monotonic() - started)
+        summary = summary_of(state, time.monotonic() - started, warm)
     except KeyboardInterrupt:
         console.print("interrupted: stopping the swarm (each stage saves its checkpoint)")
         swarm.stop()
@@ -143,7 +165,8 @@ def main(args, run: RunConfig) -> int:
     ratio = summary["uncompressed_bytes"] / max(1, summary["wire_bytes"])
     console.print(
         f"done: {summary['steps']} steps in {summary['seconds']} s; loss {summary['loss_first']:.3f} -> {summary['loss_last']:.3f}; "
-        f"{summary['tokens_per_s']:.0f} tokens/s; activations {summary['forward_bits_per_element']:.2f} bits/element, "
+        f"{summary['tokens_per_s']:.0f} tokens/s ({100 * summary['codec_share']:.1f}% of a stage's step in encode + decode); "
+        f"activations {summary['forward_bits_per_element']:.2f} bits/element, "
         f"gradients {summary['backward_bits_per_element']:.2f}; {summary['wire_bytes'] / 2**20:.1f} MB on the wire vs "
         f"{summary['uncompressed_bytes'] / 2**20:.1f} MB uncompressed ({ratio:.1f}x less)"
     )

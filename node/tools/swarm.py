@@ -84,6 +84,7 @@ class SwarmSpec:
     transport: TransportKind = TransportKind.GRPC  # the nodes' data plane (the control plane is gRPC)
     placement_flags: list[str] = field(default_factory=list)  # for the coordinator: --probe-wait, --rebalance-every
     late: int = 0                         # the last `late` nodes start only with start_late() (a volunteer who comes later)
+    device: str = "cpu"                   # the nodes' --device (cuda: they share this machine's GPU)
 
     def __post_init__(self):
         self.stages = self.stages or self.nodes
@@ -181,7 +182,7 @@ class LocalSwarm:
             listen += ["--transport", "p2p", "--p2p-listen", f"/ip4/{host}/tcp/{port}"]
         self._start(name, ["join", "--coordinator", self.coordinator, "--stage", str(k) if spec.pinned else "auto",
                            "--node-id", name, *token, "--checkpoint-dir", str(spec.workdir / "ck" / name),
-                           "--device", "cpu", "--quiet", "--threads", str(share_of_cores(spec.nodes)), *listen,
+                           "--device", spec.device, "--quiet", "--threads", str(share_of_cores(spec.nodes)), *listen,
                            *spec.emulation(name).flags()])
 
     def _start(self, name: str, args: list[str]) -> None:

@@ -1,0 +1,79 @@
+"""The codecs on a CUDA GPU (`pytest -m gpu`; skipped without one): the Triton kernels against their
+specifications at the sizes real stages send, in every dtype, and every codec's messages made and
+read on the GPU against the same messages made and read on the CPU.
+
+TAH-Quant's bounded Hadamard rounding difference (docs/wire-format.md) is checked as in
+test_kernels_interpret; everything else must be equal byte for byte and bit for bit."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tahnode import codecs
+from tahnode.codecs import CodecContext
+from tahnode.kernels import naive_ref, naive_triton, tahquant_ref, tahquant_triton
+from tahnode.kernels.tahquant_ref import TahQuantParams as P
+from helpers import activations
+from test_kernels_interpret import check_decode, check_payload
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+STAGE_SHAPES = [(1, 1024, 1600), (4, 2048, 4096), (8, 4096, 8192)]
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal dtype, shape and bit patterns (-0.0 is not +0.0)."""
+    view = torch.int16 if a.element_size() == 2 else torch.int32
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.cpu().view(view), b.cpu().view(view))
+
+
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+@pytest.mark.parametrize("shape", STAGE_SHAPES, ids=[str(s) for s in STAGE_SHAPES])
+def test_kernels_match_the_references_at_stage_sizes(shape, dtype):
+    x = activations(shape, dtype, seed=shape[-1])  # made on the CPU: the reference reads it there
+    xg = x.cuda()
+    p = P()
+    pr = tahquant_ref.encode(x, p)
+    stats = check_payload(tahquant_triton.encode(xg, p), pr, shape, p)
+    assert stats["flagged"] > 0  # the outlier path (pivot swap + Hadamard) ran
+    check_decode(tahquant_triton.decode(pr.cuda(), shape, p, dtype), tahquant_ref.decode(pr, shape, p, dtype), pr, shape, p)
+    del pr
+    nv = naive_ref.NaiveParams()
+    (nk, ek), (nr, er) = naive_triton.encode(xg, nv), naive_ref.encode(x, nv)
+    assert ek == er and torch.equal(nk.cpu(), nr)
+    assert same_bits(naive_triton.decode(nr.cuda(), shape, nv, er, dtype), naive_ref.decode(nr, shape, nv, er, dtype))
+    torch.cuda.empty_cache()
+
+
+def contexts(codec, dim: int, device: str, ids: list[int]) -> tuple[CodecContext, CodecContext]:
+    """A sender's context (with the codec's sender state on `device`) and a receiver's."""
+    send = codec.sender_state(dim, torch.device(device)).new_context()
+    send.sample_ids = ids
+    return send, CodecContext(sample_ids=ids)
+
+
+@pytest.mark.parametrize("name", sorted(codecs.CODECS))
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+def test_every_codec_sends_the_same_bytes_from_the_gpu(name, dtype):
+    """Two messages per stream (aqsgd's second one is a delta against its cache), made from a CUDA
+    tensor and from the same tensor on the CPU: the same payload, and each side's decode of the
+    other's message gives the same values."""
+    shape, ids = (4, 256, 1024), [3, 1, 4, 5]
+    codec = codecs.get_codec(name)
+    on = {dev: contexts(codec, shape[-1], dev, ids) for dev in ("cpu", "cuda")}
+    for k in range(2):
+        x = activations(shape, dtype, seed=k + 7)
+        msgs = {dev: codec.encode(x.to(dev), on[dev][0]) for dev in ("cpu", "cuda")}
+        pg, pc = (torch.frombuffer(bytearray(msgs[d].payload), dtype=torch.uint8) for d in ("cuda", "cpu"))
+        if name == "tahquant":
+            check_payload(pg, pc, shape, codec.params)
+        else:
+            assert torch.equal(pg, pc), (name, k)
+        got = {dev: codecs.decode(msgs["cpu"], on[dev][1], dev) for dev in ("cpu", "cuda")}
+        assert got["cuda"].is_cuda and got["cuda"].dtype == dtype
+        if name == "tahquant":
+            check_decode(got["cuda"], got["cpu"], pc, shape, codec.params)
+        else:
+            assert same_bits(got["cuda"], got["cpu"]), (name, k)
