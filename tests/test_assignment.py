@@ -261,3 +261,16 @@ def test_auto_subset_leaves_the_others_as_standbys():
     p = AssignmentProblem(nodes=ids, num_stages=2, auto=["c", "d"], mbps=full_mesh(ids))
     res = assign(p)
     assert sorted(res.chain) == ["c", "d"] and res.standbys == ["a", "b"]
+
+
+def test_a_ring_counts_the_link_that_closes_it():
+    """A tied model (RunConfig.ring): the last stage also sends to stage 0, so that link can be the
+    bottleneck and is named as such."""
+    mbps = {(a, b): 100.0 for a in "abc" for b in "abc" if a != b}
+    mbps[("c", "a")] = mbps[("a", "c")] = 1.0
+    chain = ["a", "b", "c"]
+    line = AssignmentProblem(nodes=chain, num_stages=3, pinned={"a": 0, "b": 1, "c": 2}, mbps=mbps, activation_bytes=1e6)
+    ring = dataclasses.replace(line, ring=True)
+    assert chain_bottleneck(line, chain)[0] == pytest.approx(0.08)
+    seconds, what = chain_bottleneck(ring, chain)
+    assert seconds == pytest.approx(8.0) and what == "link c->a at 1 Mbit/s (activations)"

@@ -23,22 +23,28 @@ LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "hi
 
 def tiny_llama(tmp_path, **overrides):
     """A random LlamaForCausalLM saved with save_pretrained; (its directory, the model)."""
-    cfg = transformers.LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=112, num_hidden_layers=4,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                                   rope_theta=500000.0, rms_norm_eps=1e-5, tie_word_embeddings=False, **overrides)
+    fields = dict(vocab_size=96, hidden_size=64, intermediate_size=112, num_hidden_layers=4, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=256, rope_theta=500000.0, rms_norm_eps=1e-5,
+                  tie_word_embeddings=False)
+    cfg = transformers.LlamaConfig(**{**fields, **overrides})
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(cfg).eval()
     model.save_pretrained(tmp_path / "ckpt")
     return tmp_path / "ckpt", model
 
 
+def chain_logits(stages: list, tokens: torch.Tensor) -> torch.Tensor:
+    """Logits of the stages run in turn; a tied model's last hidden states go back to stage 0's head."""
+    x = tokens
+    for s in stages:
+        x = s(x)
+    return stages[0].head(x) if stages[0].ring else x
+
+
 def stage_logits(directory, tokens: torch.Tensor, stages: int) -> torch.Tensor:
     cfg = ModelConfig.from_name(directory)
-    x = tokens
     with torch.no_grad():
-        for k in range(stages):
-            x = load_stage_from_hf(build_stage(cfg, k, stages), directory)(x)
-    return x
+        return chain_logits([load_stage_from_hf(build_stage(cfg, k, stages), directory) for k in range(stages)], tokens)
 
 
 @pytest.mark.parametrize("stages", [1, 3])
@@ -51,6 +57,19 @@ def test_a_llama3_checkpoint_with_rope_scaling_and_gqa_matches_transformers(tmp_
         want = reference(tokens).logits
     got = stage_logits(directory, tokens, stages)
     assert (got - want).abs().max().item() < 1e-5
+
+
+@pytest.mark.parametrize("stages", [1, 2, 3])
+def test_a_tied_checkpoint_matches_transformers_with_the_head_on_stage_0(tmp_path, stages):
+    """tie_word_embeddings (Llama 3.2 1B, small Qwen2.5): the checkpoint has no lm_head.weight; over
+    several stages stage 0 holds the embedding and the head that is it."""
+    directory, reference = tiny_llama(tmp_path, tie_word_embeddings=True)
+    cfg = ModelConfig.from_name(directory)
+    assert cfg.tie_embeddings and RunConfig.build(str(directory), None, stages=stages).ring == (stages > 1)
+    tokens = torch.randint(0, 96, (2, 50))
+    with torch.no_grad():
+        want = reference(tokens).logits
+    assert (stage_logits(directory, tokens, stages) - want).abs().max().item() < 1e-5
 
 
 def test_the_scaling_changes_the_model_and_survives_the_run_config(tmp_path):
@@ -104,7 +123,7 @@ def tiny_qwen2(tmp_path):
     return tmp_path / "ckpt", model
 
 
-@pytest.mark.parametrize("kind", ["llama3", "qwen2"])
+@pytest.mark.parametrize("kind", ["llama3", "llama-tied", "qwen2"])
 def test_trained_stages_export_to_a_folder_transformers_loads_with_the_same_logits(tmp_path, kind):
     """Three stages loaded from a checkpoint (`--model DIR`, weights per stage), a few AdamW steps
     through the chain, each stage saved as the daemons save it; `tahnode export` merges them, and
@@ -114,16 +133,16 @@ def test_trained_stages_export_to_a_folder_transformers_loads_with_the_same_logi
 
     from tahnode.pipeline.checkpoint import CheckpointStore
 
-    directory, _ = tiny_llama(tmp_path, rope_scaling=dict(LLAMA3_ROPE)) if kind == "llama3" else tiny_qwen2(tmp_path)
+    if kind == "qwen2":
+        directory, _ = tiny_qwen2(tmp_path)
+    else:
+        directory, _ = tiny_llama(tmp_path, rope_scaling=dict(LLAMA3_ROPE), tie_word_embeddings=kind == "llama-tied")
     run = RunConfig.build(str(directory), None, stages=3)
     stages = [load_stage_from_hf(build_stage(run.model, k, 3), directory) for k in range(3)]
     optimizers = [torch.optim.AdamW(s.parameters(), lr=1e-3) for s in stages]
     tokens = torch.randint(0, 96, (2, 80))
     for _ in range(3):
-        x = tokens[:, :-1]
-        for s in stages:
-            x = s(x)
-        loss = stages[-1].loss(x, tokens[:, 1:])
+        loss = stages[-1].loss(chain_logits(stages, tokens[:, :-1]), tokens[:, 1:])
         loss.backward()
         for opt in optimizers:
             opt.step()
@@ -139,12 +158,11 @@ def test_trained_stages_export_to_a_folder_transformers_loads_with_the_same_logi
     index = json.loads((out / "model.safetensors.index.json").read_text())
     assert len(set(index["weight_map"].values())) > 1  # sharded
     exported = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
-    assert type(exported).__name__ == ("LlamaForCausalLM" if kind == "llama3" else "Qwen2ForCausalLM")
+    assert type(exported).__name__ == ("Qwen2ForCausalLM" if kind == "qwen2" else "LlamaForCausalLM")
+    assert exported.lm_head.weight.data_ptr() == exported.model.embed_tokens.weight.data_ptr() or kind != "llama-tied"
     probe = torch.randint(0, 96, (1, 120))
     with torch.no_grad():
-        want = probe
-        for s in stages:
-            want = s(want)
+        want = chain_logits(stages, probe)
         got = exported(probe).logits
     assert (got - want).abs().max().item() < 1e-5
     assert ModelConfig.from_name(out) == run.model

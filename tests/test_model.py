@@ -215,9 +215,18 @@ def test_tied_embeddings():
     whole = full_model(cfg, seed=2)
     assert whole.lm_head.weight is whole.model.embed_tokens.weight
     assert param_count(cfg) == sum(p.numel() for p in whole.parameters())
-    # the last stage of a split starts with a copy of the embedding
-    last = build_stage(cfg, 2, 3, seed=2)
-    assert torch.equal(last.lm_head.weight, whole.model.embed_tokens.weight)
+    # split: stage 0 holds the embedding and the head that is it; the last stage ends with the norm
+    first, last = build_stage(cfg, 0, 3, seed=2), build_stage(cfg, 2, 3, seed=2)
+    assert first.lm_head.weight is first.model.embed_tokens.weight and last.lm_head is None
+    assert torch.equal(first.model.embed_tokens.weight, whole.model.embed_tokens.weight)
+    assert sum(param_count(cfg, k, 3) for k in range(3)) == param_count(cfg)
+    for k, stage in ((0, first), (2, last)):
+        assert param_count(cfg, k, 3) == sum(p.numel() for p in stage.parameters())
+    tokens = torch.randint(0, cfg.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
+    middle = build_stage(cfg, 1, 3, seed=2)
+    assert torch.allclose(first.head(last(middle(first(tokens)))), whole(tokens), atol=1e-5)
+    with pytest.raises(ValueError, match="no separate head"):
+        last.head(torch.zeros(1, 2, cfg.dim))
 
 
 def test_load_stage_from_hf_single_file(tmp_path):
@@ -251,8 +260,11 @@ def test_load_tied_head_from_embedding(tmp_path):
     cfg = replace(TINY, tie_embeddings=True)
     sd = {k: v for k, v in full_model(cfg, seed=1).state_dict().items() if k != "lm_head.weight"}
     save_file(sd, tmp_path / "model.safetensors")
+    first = load_stage_from_hf(build_stage(cfg, 0, 3), tmp_path)  # split: the head is stage 0's embedding
+    assert first.lm_head.weight is first.model.embed_tokens.weight
+    assert torch.equal(first.lm_head.weight, sd["model.embed_tokens.weight"])
     last = load_stage_from_hf(build_stage(cfg, 2, 3), tmp_path)
-    assert torch.equal(last.lm_head.weight, sd["model.embed_tokens.weight"])
+    assert last.lm_head is None and torch.equal(last.model.norm.weight, sd["model.norm.weight"])
 
 
 def test_load_attention_biases(tmp_path):

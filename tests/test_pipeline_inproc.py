@@ -6,6 +6,7 @@ seconds each; the same behaviour over real gRPC between processes is in test_pip
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from pathlib import Path
 
@@ -57,10 +58,10 @@ class Swarm:
         for k, t in enumerate(self.transports):
             store = CheckpointStore(self.store_dir / f"n{k}") if self.store_dir else None
             self.workers.append(StageWorker(self.run, k, t, "cpu", store, self.dataset if k == 0 else None, **self.worker_args))
-            if k + 1 < self.run.stages:
-                t.set_peer(FORWARD, f"n{k + 1}", f"n{k + 1}")
-            if k > 0:
-                t.set_peer(BACKWARD, f"n{k - 1}", f"n{k - 1}")
+            for direction, offset in ((FORWARD, 1), (BACKWARD, -1)):  # around the ring when the run is one
+                other = self.run.neighbour(k, offset)
+                if other is not None:
+                    t.set_peer(direction, f"n{other}", f"n{other}")
 
     async def close(self) -> None:
         for w, t in zip(self.workers, self.transports):
@@ -68,10 +69,10 @@ class Swarm:
             w.close()
 
     def losses(self) -> list[float]:
-        return [r.loss for r in self.workers[-1].stats.losses]
+        return [r.loss for r in self.workers[self.run.loss_stage].stats.losses]
 
     def steps(self) -> list[int]:
-        return [r.step for r in self.workers[-1].stats.losses]
+        return [r.step for r in self.workers[self.run.loss_stage].stats.losses]
 
 
 async def train(swarm: Swarm, steps: int) -> Swarm:
@@ -418,3 +419,21 @@ def test_each_stage_counts_its_codec_time_within_its_step_time(dataset):
         report = w.stats.report(w.committed, 0)
         assert 0.0 < report.codec_seconds < report.step_seconds
         assert report.step_seconds == pytest.approx(sum(w.stats.step_times))
+
+
+@pytest.mark.parametrize("stages", [2, 3])
+def test_tied_embeddings_train_around_the_ring_as_one_process_does(dataset, stages):
+    """A tied model over several stages: stage 0 holds the embedding and the head that is it, the
+    last stage sends its final hidden states back; with none in fp32 the losses are single-process
+    training's, and the tied weight stays one tensor on stage 0."""
+    run = build_run(5, **NONE, stages=stages, **{"train.seed": 2})
+    run.model = dataclasses.replace(run.model, tie_embeddings=True)
+    assert run.validate().ring and run.loss_stage == 0
+    swarm = asyncio.run(train(Swarm(run, dataset), 5))
+    reference = train_local(run, dataset)
+    assert swarm.steps() == list(range(5))
+    assert swarm.losses() == pytest.approx(reference, abs=1e-5)
+    assert reference[-1] < reference[0]
+    first, last = swarm.workers[0].model, swarm.workers[-1].model
+    assert first.lm_head.weight is first.model.embed_tokens.weight and last.lm_head is None
+    assert not swarm.workers[-1].stats.losses  # the losses are stage 0's

@@ -88,12 +88,28 @@ class RunConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     codec: CodecConfig = field(default_factory=CodecConfig)
 
+    @property
+    def ring(self) -> bool:
+        """A tied model over several stages: stage 0 holds the embedding and the head that shares it,
+        the last stage sends its final hidden states back to stage 0 (docs/architecture.md)."""
+        return self.model.tie_embeddings and self.stages > 1
+
+    @property
+    def loss_stage(self) -> int:
+        """The stage that computes the loss (and reports the losses): 0 in a ring, else the last."""
+        return 0 if self.ring else self.stages - 1
+
+    def neighbour(self, stage: int, offset: int) -> int | None:
+        """The stage `offset` (+1 next, -1 previous) from `stage`: around the ring in a ring, else
+        None past either end."""
+        other = stage + offset
+        if self.ring:
+            return other % self.stages
+        return other if 0 <= other < self.stages else None
+
     def validate(self) -> "RunConfig":
         if not 1 <= self.stages <= self.model.n_layers:
             raise ValueError(f"stages must be in 1..{self.model.n_layers} (the model's layers), got {self.stages}")
-        if self.model.tie_embeddings and self.stages > 1:
-            raise ValueError("a model with tied embeddings cannot be split into stages yet (the embedding and the head "
-                             "would live on different machines); use tie_embeddings = false or one stage")
         if self.train.seq_len > self.model.max_seq_len:
             raise ValueError(f"train.seq_len {self.train.seq_len} exceeds the model's max_seq_len {self.model.max_seq_len}")
         self.train.validate()

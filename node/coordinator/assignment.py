@@ -69,6 +69,7 @@ class AssignmentProblem:
     default_mbps: float = DEFAULT_MBPS
     exact_limit: int = 12
     budget_s: float = math.inf
+    ring: bool = False  # a tied model: the last stage also sends to stage 0 (RunConfig.ring)
 
 
 @dataclass
@@ -126,9 +127,11 @@ class _Costs:
 
     def elements(self, chain: Sequence[str]) -> list[float]:
         """Every cost of the chain: one per stage (compute) and one per link."""
-        out = [self.compute(n, k) for k, n in enumerate(chain)]
-        out += [self.link(a, b) for a, b in zip(chain, chain[1:])]
-        return out
+        return [self.compute(n, k) for k, n in enumerate(chain)] + [self.link(a, b) for a, b in self.pairs(chain)]
+
+    def pairs(self, chain: Sequence[str]) -> list[tuple[str, str]]:
+        """The chain's links (a sends forward to b), with the one closing a ring."""
+        return list(zip(chain, chain[1:])) + ([(chain[-1], chain[0])] if self.p.ring and len(chain) > 1 else [])
 
     def bottleneck(self, chain: Sequence[str]) -> float:
         return max(self.elements(chain))
@@ -136,12 +139,13 @@ class _Costs:
     def describe(self, chain: Sequence[str]) -> str:
         """Names the cost that sets the bottleneck (the first one in stage order on a tie)."""
         worst, text = -1.0, ""
+        links = dict(self.pairs(chain))
         for k, n in enumerate(chain):
             c = self.compute(n, k)
             if c > worst:
                 worst, text = c, f"compute of {n} on stage {k} ({c * 1e3:.3g} ms)"
-            if k + 1 < len(chain):
-                b = chain[k + 1]
+            if n in links:
+                b = links[n]
                 fwd = self.transfer(self.p.activation_bytes, n, b)
                 bwd = self.transfer(self.grad_bytes, b, n)
                 if fwd > worst:

@@ -194,7 +194,7 @@ class Placement:
         return AssignmentProblem(
             nodes=sorted(list(holders) + auto), num_stages=run.stages, pinned=holders, auto=sorted(auto),
             mbps=estimates, activation_bytes=fw, gradient_bytes=bw, layer_ms=layer_ms, stage_layers=layers,
-            exact_limit=self.s.exact_limit, budget_s=self.s.budget_s)
+            exact_limit=self.s.exact_limit, budget_s=self.s.budget_s, ring=run.ring)
 
     def shortlist(self, free: list[NodeRecord], open_count: int, nbytes: float, layers: list[int],
                   estimates: EstimatedMbps) -> list[str]:

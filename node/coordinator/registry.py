@@ -153,8 +153,9 @@ class SwarmRegistry:
         a = pb.Assignment(stage=stage, num_stages=self.run.stages, epoch=self.epoch, resume_step=node.resume_step,
                           run_config=self.run.to_json() if with_config else "")
         if stage >= 0:
-            a.prev.CopyFrom(self._peer(node.stage - 1))
-            a.next.CopyFrom(self._peer(node.stage + 1))
+            for field, offset in (("prev", -1), ("next", 1)):  # around the ring for a tied model (RunConfig.ring)
+                other = self.run.neighbour(node.stage, offset)
+                getattr(a, field).CopyFrom(self._peer(node.stage + offset if other is None else other))
         return a
 
     def place(self, node: NodeRecord, stage: int) -> bool:
@@ -227,7 +228,8 @@ class SwarmRegistry:
         neighbours receive its micro-batches, so only their reports count)."""
         if not offences or reporter.status is not NodeStatus.ACTIVE:
             return
-        neighbours = {n.node_id for n in self.nodes.values() if n.status is NodeStatus.ACTIVE and abs(n.stage - reporter.stage) == 1}
+        near = {self.run.neighbour(reporter.stage, -1), self.run.neighbour(reporter.stage, 1)} - {None}
+        neighbours = {n.node_id for n in self.nodes.values() if n.status is NodeStatus.ACTIVE and n.stage in near}
         for sender in self.bans.report(reporter.node_id, {s: c for s, c in offences.items() if s in neighbours}):
             node = self.nodes[sender]
             node.status = NodeStatus.BANNED

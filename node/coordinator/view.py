@@ -25,7 +25,7 @@ def latest_on(r: SwarmRegistry, stage: int) -> NodeRecord | None:
 
 
 def training(r: SwarmRegistry) -> dict:
-    last = latest_on(r, r.run.stages - 1)
+    last = latest_on(r, r.run.loss_stage)  # the stage with the losses (stage 0 of a ring)
     senders = [n for n in r.nodes.values() if n.stage >= 0 and n.stats.forward_bits_per_element > 0]
     fw = sum(n.stats.forward_bits_per_element for n in senders) / len(senders) if senders else 0.0
     s = last.stats if last else pb.TrainingStats()

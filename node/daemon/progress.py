@@ -21,7 +21,7 @@ class Progress:
         self.console = Console(highlight=False, width=None if sys.stdout.isatty() else 200)
 
     def __call__(self, worker: StageWorker) -> None:
-        if not (self.enabled and worker.last and worker.stats.losses):
+        if not (self.enabled and worker.computes_loss and worker.stats.losses):
             return
         s = worker.stats
         last = s.losses[-1]

@@ -188,7 +188,8 @@ class CheckpointStore:
         `unreported`: the last stage's committed steps the coordinator has not heard of yet, as
         [step, loss, sample ids, seconds] (kept in the metadata, so a kill -9 loses none)."""
         self.dir.mkdir(parents=True, exist_ok=True)
-        tensors = {f"model/{k}": v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
+        aliases = tied_aliases(model)
+        tensors = {f"model/{k}": v.detach().contiguous().cpu() for k, v in model.state_dict().items() if k not in aliases}
         names = {id(p): n for n, p in model.named_parameters()}
         opt_steps = {}
         for group in optimizer.param_groups:
@@ -214,6 +215,20 @@ class CheckpointStore:
         return path
 
 
+def tied_aliases(model: torch.nn.Module) -> dict[str, str]:
+    """State-dict names that are another name's tensor (a tied lm_head: the embedding), each to the
+    first name of its tensor; a checkpoint stores that tensor once."""
+    first: dict[int, str] = {}
+    aliases = {}
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        key = id(tensor)
+        if key in first:
+            aliases[name] = first[key]
+        else:
+            first[key] = name
+    return aliases
+
+
 def load(ckpt: Checkpoint, model: torch.nn.Module, optimizer: torch.optim.Optimizer, run_json: str) -> dict[str, torch.Tensor]:
     """Restore weights and optimizer state in place; returns the extra tensors. Nothing changes
     when it raises: CorruptCheckpoint for a damaged file, ForeignCheckpoint for a checkpoint of
@@ -225,6 +240,9 @@ def load(ckpt: Checkpoint, model: torch.nn.Module, optimizer: torch.optim.Optimi
         if saved.get(key) != ours.get(key):
             raise ForeignCheckpoint(f"checkpoint {ckpt.path} belongs to another run ({key} differs); move it away or use another --checkpoint-dir")
     state = {k[len("model/"):]: v for k, v in tensors.items() if k.startswith("model/")}
+    for alias, name in tied_aliases(model).items():  # a tied head is stored once, as the embedding
+        if name in state:
+            state.setdefault(alias, state[name])
     missing, unexpected = model.load_state_dict(state, strict=False)
     if missing or unexpected:
         raise ForeignCheckpoint(f"checkpoint {ckpt.path} does not fit stage {ckpt.stage}: missing {missing[:3]}, unexpected {unexpected[:3]}")

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from ..config import TrainConfig
-from ..net.transport import BACKWARD, FORWARD, MAX_IN_FLIGHT, ByteBudget, Inbound
+from ..net.transport import BACKWARD, FORWARD, MAX_IN_FLIGHT, ByteBudget, Direction, Inbound
 
 log = logging.getLogger("tahnode.pipeline")
 
@@ -123,10 +123,13 @@ class InboxOrder:
     gradient's backward pass frees its saved activations and feeds the backward links, which drain
     last at the end of a step), each direction in the order it arrived. It takes from the inbox
     only what it may hold (the inbox's own bound), so a flooding peer still meets backpressure; an
-    envelope's bytes go back to the transport's `budget` when the stage takes it up."""
+    envelope's bytes go back to the transport's `budget` when the stage takes it up. `prefer`:
+    the direction taken first (stage 0 of a ring prefers the final hidden states coming forward:
+    its head starts every micro-batch's backward pass)."""
 
-    def __init__(self, inbox: asyncio.Queue, budget: ByteBudget | None = None):
+    def __init__(self, inbox: asyncio.Queue, budget: ByteBudget | None = None, prefer: Direction = BACKWARD):
         self.inbox, self.budget = inbox, budget
+        self.order = (prefer, FORWARD if prefer is BACKWARD else BACKWARD)
         self.limit = max(1, inbox.maxsize)
         self.waiting = {FORWARD: deque(), BACKWARD: deque()}
 
@@ -141,7 +144,7 @@ class InboxOrder:
             item = await self.inbox.get()
             self.waiting[item.direction].append(item)
             self._take_ready()
-        item = (self.waiting[BACKWARD] or self.waiting[FORWARD]).popleft()
+        item = (self.waiting[self.order[0]] or self.waiting[self.order[1]]).popleft()
         if self.budget is not None:
             self.budget.release(item.nbytes)
         return item

@@ -38,7 +38,7 @@ class CodecStreams:
         c = run.codec
         self.codecs = {FORWARD: codecs.get_codec(c.forward, **c.forward_params),
                        BACKWARD: codecs.get_codec(c.backward, **c.backward_params)}
-        sends = {FORWARD: stage < run.stages - 1, BACKWARD: stage > 0}
+        sends = {FORWARD: run.neighbour(stage, 1) is not None, BACKWARD: run.neighbour(stage, -1) is not None}
         self.states: dict[Direction, CodecState] = {
             d: self.codecs[d].sender_state(run.model.dim, device) if sends[d] else CodecState() for d in (FORWARD, BACKWARD)}
         self.t, self.device, self.stats = transport, device, stats

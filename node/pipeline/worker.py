@@ -79,6 +79,11 @@ class StageWorker:
         return self.stage == self.run_cfg.stages - 1
 
     @property
+    def computes_loss(self) -> bool:
+        """The stage with the head: the last, or stage 0 in a ring (RunConfig.ring)."""
+        return self.stage == self.run_cfg.loss_stage
+
+    @property
     def dtype(self) -> torch.dtype:
         return COMPUTE_DTYPES[self.train.dtype]
 
@@ -183,28 +188,38 @@ class StageWorker:
         if not st.current(mb.step, mb.attempt):
             return self._stale(item, mb)
         self.admission.header(mb)
-        labels = self.admission.labels(mb) if self.last else None
+        labels = self.admission.labels(mb) if self.computes_loss else None
         x = self._decode(item, mb)
         self.admission.activations(mb, x)
         if mb.count:  # stage 0 cuts every step anew (tahnode.pipeline.schedule)
             st.micro_batches = mb.count
-        out = self.model(x.requires_grad_(True))
+        x.requires_grad_(True)
         ids = list(mb.sample_ids)
-        if self.last:
-            labels = torch.from_numpy(labels.copy()).long().to(self.device)
-            loss = self.model.loss(out, labels)
-            (loss * (len(ids) / st.samples_per_step)).backward()  # the step's loss: the mean over all its tokens
-            st.loss_sum += float(loss.detach()) * len(ids)
-            st.samples.extend(ids)
+        if self.first and self.run_cfg.ring:  # the last stage's final hidden states, for the head that is the embedding
+            self._loss_backward(self.model.head(x), labels, ids)
+            extras = {"grad_sumsq": 0.0}  # the tied weight counts once, with stage 0's own parameters at the commit
+        elif self.computes_loss:
+            self._loss_backward(self.model(x), labels, ids)
             st.done_backward += 1
             extras = {"grad_sumsq": grad_sumsq(self.opt.params)} if st.all_backward else {}
+        if self.computes_loss:
             enc, gen, k = self.codecs.encode_gradient(x.grad, ids)
             return BACKWARD, pb.MicroBatch(step=mb.step, index=mb.index, sample_ids=ids, tensor=enc, attempt=mb.attempt, extras=extras,
                                            count=mb.count, scale_log2=k), gen
+        out = self.model(x)
         st.pending[mb.index] = Pending(x, self.codecs.sent(out), ids)
         enc, gen = self.codecs.encode(FORWARD, out, ids)
         return FORWARD, pb.MicroBatch(step=mb.step, index=mb.index, sample_ids=ids, labels=mb.labels, tensor=enc, attempt=mb.attempt,
                                       count=mb.count), gen
+
+    def _loss_backward(self, logits: torch.Tensor, labels, ids: list[int]) -> None:
+        """The loss of one micro-batch and its backward pass, weighted so that the step's loss is the
+        mean over all its tokens."""
+        st = self.state
+        loss = self.model.loss(logits, torch.from_numpy(labels.copy()).long().to(self.device))
+        (loss * (len(ids) / st.samples_per_step)).backward()
+        st.loss_sum += float(loss.detach()) * len(ids)
+        st.samples.extend(ids)
 
     def _backward(self, item: Inbound, mb: pb.MicroBatch):
         st = self.state
@@ -245,7 +260,7 @@ class StageWorker:
         loss, samples = await self.compute(self._apply, end.step, end.grad_sumsq)
         self.state.last_commit = end
         seconds = self.stats.step_done()
-        if self.last:
+        if self.computes_loss:
             record = StepRecord(end.step, loss, samples, seconds)
             self.stats.losses.append(record)
             self.stats.outbox.append(record)
@@ -261,7 +276,7 @@ class StageWorker:
     async def serve(self) -> None:
         """Handle envelopes, gradients first (InboxOrder), until a Shutdown went through (or stop()
         was called)."""
-        order = InboxOrder(self.t.inbox, self.t.inbox_bytes)
+        order = InboxOrder(self.t.inbox, self.t.inbox_bytes, FORWARD if self.first else BACKWARD)
         while not self.shutdown.is_set():
             getter = asyncio.ensure_future(order.next())
             stopper = asyncio.ensure_future(self.shutdown.wait())

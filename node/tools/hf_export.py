@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import save_file
 
 from ..config import RunConfig
-from ..pipeline.checkpoint import NAME, read_verified
+from ..pipeline.checkpoint import NAME, read_verified, tied_aliases
 from ..train.corpus import DatasetInfo, index_path
 from ..train.model import StageModel
 
@@ -91,12 +91,12 @@ def merge(folder: Path, stages: int, step: int) -> tuple[RunConfig, dict[str, to
         raise ExportError(f"the stages' checkpoints at step {step} belong to different runs")
     run = RunConfig.from_json(runs.pop())
     with torch.device("meta"):
-        expected = set(StageModel(run.model, 0, 1).state_dict())
+        whole = StageModel(run.model, 0, 1)
+        expected = set(whole.state_dict()) - set(tied_aliases(whole))  # a tied head: only the embedding
+    weights = {k: v for k, v in weights.items() if k not in tied_aliases(whole)}  # older files stored it twice
     if set(weights) != expected:
         missing, extra = sorted(expected - set(weights)), sorted(set(weights) - expected)
         raise ExportError(f"the stages at step {step} do not make the whole model: missing {missing[:5]}, unexpected {extra[:5]}")
-    if run.model.tie_embeddings:
-        weights.pop("lm_head.weight")  # transformers ties it to the embedding
     return run, weights
 
 

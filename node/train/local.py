@@ -6,16 +6,21 @@ from __future__ import annotations
 
 from ..config import RunConfig
 from .data import SampleSchedule, TokenDataset
+from .hf import load_stage_from_hf
 from .model import COMPUTE_DTYPES, full_model
 from .optim import StageOptimizer, grad_sumsq
 
 
-def train_local(run: RunConfig, dataset: TokenDataset, steps: int | None = None, device: str = "cpu") -> list[float]:
-    """Train `steps` steps (default run.train.steps) exactly as the pipeline does; return the mean
-    loss of each step."""
+def train_local(run: RunConfig, dataset: TokenDataset, steps: int | None = None, device: str = "cpu",
+                init_from: str = "") -> list[float]:
+    """Train `steps` steps (default run.train.steps) exactly as the pipeline does, from the weights of
+    the Hugging Face checkpoint folder `init_from` if given; return the mean loss of each step."""
     t = run.train
     dtype = COMPUTE_DTYPES[t.dtype]
-    model = full_model(run.model, seed=t.seed, dtype=dtype).to(device)
+    model = full_model(run.model, seed=t.seed, dtype=dtype)
+    if init_from:
+        load_stage_from_hf(model, init_from)
+    model = model.to(device)
     opt = StageOptimizer(model.parameters(), t)
     schedule = SampleSchedule(len(dataset), t.batch_size, t.micro_batches, seed=t.seed)
     losses = []

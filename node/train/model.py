@@ -187,9 +187,9 @@ class StageModel(nn.Module):
     (`model.layers.{i}.self_attn.q_proj.weight`, ...), so a stage's checkpoint is a slice of a
     whole-model one.
 
-    With `tie_embeddings`, a 1-stage model's lm_head *is* the embedding; a multi-stage model's
-    last stage holds its own lm_head initialized equal to the embedding, and keeping the two in
-    sync during training (summing their gradients) is the pipeline's job, not this module's."""
+    With `tie_embeddings` the lm_head *is* the embedding, on stage 0: over several stages the last
+    stage ends with the final norm and returns hidden states, which the pipeline sends back to stage
+    0 for `head` (the ring of RunConfig.ring). The tied weight is one parameter in one place."""
 
     def __init__(self, cfg: ModelConfig, stage: int, num_stages: int):
         super().__init__()
@@ -197,14 +197,17 @@ class StageModel(nn.Module):
         self.stage, self.num_stages = stage, num_stages
         self.layer_ids = stage_layers(cfg.n_layers, num_stages, stage)
         self.is_first, self.is_last = stage == 0, stage == num_stages - 1
+        self.ring = cfg.tie_embeddings and num_stages > 1
         self.model = _Backbone(cfg, self.layer_ids, self.is_first, self.is_last)
-        self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False) if self.is_last else None
-        if self.is_first and self.is_last and cfg.tie_embeddings:
+        holds_head = self.is_first if self.ring else self.is_last
+        self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False) if holds_head else None
+        if self.is_first and cfg.tie_embeddings and holds_head:
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Stage 0: token ids (B, S) int64; later stages: hidden states (B, S, dim).
-        Returns hidden states (B, S, dim), or logits (B, S, vocab_size) on the last stage."""
+        Returns hidden states (B, S, dim), or logits (B, S, vocab_size) on the last stage (in a
+        ring: its final hidden states, normalized, for stage 0's `head`)."""
         if self.is_first:
             if x.dim() != 2 or x.dtype not in (torch.int64, torch.int32):
                 raise ValueError(f"stage 0 takes token ids (B, S) of int64, got {tuple(x.shape)} "
@@ -221,8 +224,16 @@ class StageModel(nn.Module):
         for layer in self.model.layers.values():
             x = layer(x, cos, sin)
         if self.is_last:
-            x = self.lm_head(self.model.norm(x))
+            x = self.model.norm(x)
+            if not self.ring:
+                x = self.lm_head(x)
         return x
+
+    def head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Stage 0 of a ring: logits (B, S, vocab_size) of the last stage's final hidden states."""
+        if not (self.ring and self.is_first):
+            raise ValueError(f"stage {self.stage} of {self.num_stages} holds no separate head")
+        return self.lm_head(hidden)
 
     @staticmethod
     def loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -277,7 +288,7 @@ def full_model(cfg: ModelConfig, seed: int = 0, dtype: torch.dtype = torch.float
 
 def param_count(cfg: ModelConfig, stage: int = 0, num_stages: int = 1) -> int:
     """Number of parameters of a stage (default: the whole model), computed without building it.
-    A tied head counts once in a 1-stage model, and again on the last stage of a split."""
+    A tied head counts once, with the embedding on stage 0."""
     d, kv = cfg.dim, cfg.n_kv_heads * cfg.head_dim
     attn = d * d + 2 * d * kv + d * d + (d + 2 * kv if cfg.attention_bias else 0)
     layer = attn + 3 * d * cfg.ffn_dim + 2 * d
@@ -288,6 +299,6 @@ def param_count(cfg: ModelConfig, stage: int = 0, num_stages: int = 1) -> int:
         total += cfg.vocab_size * d
     if last:
         total += d  # final norm
-        if not (first and cfg.tie_embeddings):
+        if not cfg.tie_embeddings:
             total += cfg.vocab_size * d
     return total
