@@ -1,5 +1,5 @@
 """The `tahnode` command line: one argparse tree whose subcommands call the modules that do the
-work (codec eval, data prepare, join, coordinator, demo, bench, export)."""
+work (codec eval, data prepare, join, coordinator, demo, bench, export, compose)."""
 
 from __future__ import annotations
 
@@ -256,8 +256,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_certs_command(sub)
     _add_export_command(sub)
     from .tools import swarm_cli
-
     swarm_cli.add_parser(sub)
+    sub.add_parser("compose", add_help=False, help="the docker compose swarm on this machine: up, down, base, wheels "
+                   "(tahnode compose --help)")
     return parser
 
 
@@ -265,14 +266,15 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["bench"] and len(argv) > 1 and argv[1] in BENCHES:  # each its own parser (REMAINDER drops leading --flags)
         import importlib
-
         return importlib.import_module(f".tools.bench_{argv[1]}", __package__).main(argv[2:])
+    if argv[:1] == ["compose"]:  # its own parser too
+        from .tools import compose
+        return compose.main(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
         if args.command == "codec" and args.codec_cmd == "eval":
             from .tools import codec_eval
-
             return codec_eval.main(args)
         if args.command == "coordinator":
             return _coordinator(args)
@@ -280,7 +282,6 @@ def main(argv: list[str] | None = None) -> int:
             return _join(args)
         if args.command == "demo":
             from .tools import demo
-
             return demo.main(args, run_config_from(args))
         if args.command == "data":
             return _data_prepare(args)
@@ -290,7 +291,6 @@ def main(argv: list[str] | None = None) -> int:
             return _certs(args)
         if args.command == "swarm":
             from .tools import swarm_cli
-
             return swarm_cli.main(args)
     except (CodecError, ValueError, OSError) as exc:
         print(f"tahnode: error: {exc}", file=sys.stderr)
