@@ -613,7 +613,7 @@ def _decode_kernel(
 # Python side: block sizes, the allocation, and the launches
 
 
-def _launch_config(params: TahQuantParams, lay: Layout, block: tuple[int, int] = GPU_DECODE_BLOCK) -> tuple[dict, tuple[int], int]:
+def _launch_config(params: TahQuantParams, lay: Layout, block: tuple[int, int]) -> tuple[dict, tuple[int], int]:
     """Constexprs, grid and warps per program of the encode/decode kernels. On a GPU a block is ROWS
     tokens x one tile column, `block` = (values, warps) (1024 values: tl.dot gets M = 16 rows): the
     tiles of an outlier channel are flagged down a whole column, so the other blocks mostly skip the

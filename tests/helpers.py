@@ -35,3 +35,10 @@ def activations(shape, dtype, seed=0, spikes=0.4, outlier_frac=0.02):
     hit = (hit + torch.randint(0, 64, hit.shape, generator=gen)).clamp(max=flat.numel() - 1)
     flat[hit] *= 8.0
     return x.to(dtype)
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal dtype, shape and bit patterns, wherever each tensor lives (-0.0 is not +0.0, a NaN is
+    never equal)."""
+    view = torch.int16 if a.element_size() == 2 else torch.int32
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.cpu().view(view), b.cpu().view(view))

@@ -15,17 +15,11 @@ from tahnode import codecs
 from tahnode.kernels import bitpack, dispatch, tahquant_cpu, tahquant_ref
 from tahnode.kernels.tahquant_ref import TahQuantParams as P
 from tahnode.kernels.wire import CodecError
-from helpers import activations
+from helpers import activations, same_bits
 
 SHAPES = [(1, 1, 64), (2, 5, 100), (3, 128, 64), (1, 1024, 1600), (4, 64, 256), (7, 3), (1, 1, 8)]
 PARAMS = [P(), P(alloc=1, rho=0.5), P(group_size=32, bits_high=5, bits_low=2, tau=1.5), P(rho=1.0), P(rho=0.0, bits_low=4),
           P(group_size=8, bits_high=8, bits_low=7)]
-
-
-def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Equal values and equal bit patterns (-0.0 is not +0.0, a NaN would never be equal)."""
-    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(torch.int16 if a.element_size() == 2 else torch.int32),
-                                                                      b.view(torch.int16 if b.element_size() == 2 else torch.int32))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=["fp32", "fp16", "bf16"])

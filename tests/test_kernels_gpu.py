@@ -14,19 +14,13 @@ from tahnode import codecs
 from tahnode.codecs import CodecContext
 from tahnode.kernels import naive_ref, naive_triton, tahquant_ref, tahquant_triton
 from tahnode.kernels.tahquant_ref import TahQuantParams as P
-from helpers import activations
+from helpers import activations, same_bits
 from test_kernels_interpret import check_decode, check_payload
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 STAGE_SHAPES = [(1, 1024, 1600), (4, 2048, 4096), (8, 4096, 8192)]
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-
-
-def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Equal dtype, shape and bit patterns (-0.0 is not +0.0)."""
-    view = torch.int16 if a.element_size() == 2 else torch.int32
-    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.cpu().view(view), b.cpu().view(view))
 
 
 @pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())

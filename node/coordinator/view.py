@@ -43,15 +43,7 @@ def training(r: SwarmRegistry) -> dict:
         "aqsgd_cache_bytes": sum(n.stats.aqsgd_cache_bytes for n in r.nodes.values() if n.status is NodeStatus.ACTIVE),
         "peak_rss_bytes": max((n.stats.peak_rss_bytes for n in r.nodes.values() if n.stage >= 0), default=0),
         "steps_total": r.run.train.steps,
-        "codec_share": codec_share(r),
     }
-
-
-def codec_share(r: SwarmRegistry) -> float:
-    """The largest share of a stage's step time spent encoding and decoding (0 before any step)."""
-    shares = [n.stats.codec_seconds / n.stats.step_seconds for n in r.nodes.values()
-              if n.stage >= 0 and n.stats.step_seconds > 0]
-    return max(shares, default=0.0)
 
 
 def link_row(r: SwarmRegistry, placement: Placement, pair: tuple[str, str]) -> dict:

@@ -57,7 +57,7 @@ class CodecStreams:
         ctx.sample_ids = sample_ids
         started = self._clock()
         msg = self.codecs[direction].encode(tensor.detach(), ctx)  # ends with the payload's bytes on the host
-        self.stats.codec_seconds += time.perf_counter() - started
+        self.stats.codec_seconds += self._clock() - started
         self.stats.counted(direction, msg.ByteSize(), tensor)
         return msg, gen
 

@@ -39,22 +39,21 @@ class ComposeSpec:
     env: dict[str, str] = field(default_factory=dict)
 
 
-def run(cmd: list[str], quiet: bool = False, check: bool = True, **kw) -> subprocess.CompletedProcess:
+def run(cmd: list[str], quiet: bool = False, **kw) -> subprocess.CompletedProcess:
     """A command, its output shown (or captured when `quiet`); ComposeError when it fails."""
     if not quiet:
         print("+ " + " ".join(cmd), file=sys.stderr, flush=True)
     out = subprocess.run(cmd, capture_output=quiet, text=True, **kw)
-    if check and out.returncode != 0:
+    if out.returncode != 0:
         detail = (out.stderr or out.stdout or "")[-2000:] if quiet else ""
         raise ComposeError(f"`{' '.join(cmd)}` failed with exit code {out.returncode}{': ' + detail if detail else ''}")
     return out
 
 
-def checkout() -> Path:
+def check_checkout() -> None:
     if not (DEPLOY / "docker-compose.yml").is_file():
         raise ComposeError(f"no deploy/docker-compose.yml beside this tahnode ({ROOT}): run `tahnode compose` from a "
                            "checkout of the repository (pip install -e .)")
-    return ROOT
 
 
 def compose_command() -> list[str]:
@@ -78,7 +77,7 @@ def image_exists(name: str) -> bool:
     return subprocess.run(["docker", "image", "inspect", name], capture_output=True).returncode == 0
 
 
-def make_local_base(quiet: bool = False, mirror: str = DEBIAN_MIRROR) -> str:
+def make_local_base(mirror: str = DEBIAN_MIRROR) -> str:
     """tahnode-base:bookworm: a minimal Debian with python3 and python3-venv, made with debootstrap
     and imported into Docker (kept: later runs reuse it)."""
     if image_exists(LOCAL_BASE):
@@ -111,7 +110,7 @@ def choose_base(spec: ComposeSpec) -> tuple[str, bool]:
     if pulled:
         return HUB_BASE, False
     print(f"tahnode compose: {HUB_BASE} cannot be pulled (no Docker Hub): using a local Debian base", file=sys.stderr)
-    return make_local_base(spec.quiet), True
+    return make_local_base(), True
 
 
 def build_wheels(torch_req: str, quiet: bool = False, extras: str = "p2p") -> Path:
@@ -130,20 +129,20 @@ def build_wheels(torch_req: str, quiet: bool = False, extras: str = "p2p") -> Pa
 def token_file() -> Path:
     """deploy/swarm.env with a fresh TAHNODE_TOKEN, made once (readable by its owner only)."""
     path = DEPLOY / "swarm.env"
-    if not path.exists():
-        path.write_text(f"TAHNODE_TOKEN={secrets.token_urlsafe(32)}\n")
-        path.chmod(0o600)
+    if not path.exists():  # created readable by its owner only: the secret is never visible to others
+        with os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as f:
+            f.write(f"TAHNODE_TOKEN={secrets.token_urlsafe(32)}\n")
     return path
 
 
-def compose(spec: ComposeSpec, *args: str, quiet: bool | None = None) -> subprocess.CompletedProcess:
+def compose(spec: ComposeSpec, *args: str) -> subprocess.CompletedProcess:
     files = ["-f", str(DEPLOY / "docker-compose.yml")] + (["-f", str(DEPLOY / "docker-compose.gpu.yml")] if spec.gpu else [])
     env = {**os.environ, "TAHNODE_HTTP_PORT": str(spec.http_port), "TAHNODE_TORCH": spec.torch, **spec.env}
-    return run([*compose_command(), *files, "-p", spec.project, *args], quiet=spec.quiet if quiet is None else quiet, env=env)
+    return run([*compose_command(), *files, "-p", spec.project, *args], quiet=spec.quiet, env=env)
 
 
 def up(spec: ComposeSpec) -> None:
-    checkout()
+    check_checkout()
     check_engine()
     base, local = choose_base(spec)
     spec.env["TAHNODE_BASE"] = base
@@ -164,7 +163,7 @@ def up(spec: ComposeSpec) -> None:
 
 
 def down(spec: ComposeSpec, keep_volumes: bool = False) -> None:
-    checkout()
+    check_checkout()
     check_engine()
     compose(spec, "down", "--remove-orphans", *([] if keep_volumes else ["--volumes"]))
 

@@ -92,8 +92,9 @@ def merge(folder: Path, stages: int, step: int) -> tuple[RunConfig, dict[str, to
     run = RunConfig.from_json(runs.pop())
     with torch.device("meta"):
         whole = StageModel(run.model, 0, 1)
-        expected = set(whole.state_dict()) - set(tied_aliases(whole))  # a tied head: only the embedding
-    weights = {k: v for k, v in weights.items() if k not in tied_aliases(whole)}  # older files stored it twice
+        aliases = tied_aliases(whole)  # a tied head: only the embedding
+        expected = set(whole.state_dict()) - set(aliases)
+    weights = {k: v for k, v in weights.items() if k not in aliases}  # older files stored it twice
     if set(weights) != expected:
         missing, extra = sorted(expected - set(weights)), sorted(set(weights) - expected)
         raise ExportError(f"the stages at step {step} do not make the whole model: missing {missing[:5]}, unexpected {extra[:5]}")
