@@ -211,6 +211,18 @@ class Header:
     reader: PayloadReader
 
 
+def check_min_payload(payload: torch.Tensor, shape: tuple[int, ...], params: TahQuantParams) -> None:
+    """Refuse a payload shorter than the smallest one a tensor of `shape` allows (both bitmaps, the
+    zero-points and scales, every tile at bits_low), before anything of its size is allocated."""
+    lay = Layout.of(tuple(shape), params.group_size)
+    nt = lay.tiles
+    n_alloc = lay.tokens if params.alloc == ALLOC_TOKEN else nt
+    minimum = -(-n_alloc // 8) + -(-nt // 8) + 4 * nt + nt * params.group_size * params.bits_low // 8
+    if payload.numel() < minimum:
+        raise CodecError(f"tahquant payload is truncated: {payload.numel()} bytes, shape "
+                         f"{list(shape)} needs at least {minimum}")
+
+
 def read_header(payload: torch.Tensor, shape: tuple[int, ...], params: TahQuantParams) -> Header:
     """The sections before the tile codes, with the checks (and errors, in their order) that
     decode makes of them."""
@@ -219,10 +231,7 @@ def read_header(payload: torch.Tensor, shape: tuple[int, ...], params: TahQuantP
     lay = Layout.of(shape, g)
     nt = lay.tiles
     n_alloc = lay.tokens if params.alloc == ALLOC_TOKEN else nt
-    # The smallest payload this header allows: refuse before allocating anything of size C.
-    minimum = 2 * (-(-nt // 8)) + 4 * nt + nt * g * params.bits_low // 8
-    if payload.numel() < minimum:
-        raise CodecError(f"tahquant payload is truncated: {payload.numel()} bytes, shape {list(shape)} needs at least {minimum}")
+    check_min_payload(payload, shape, params)
     rd = PayloadReader(payload, "tahquant")
     low_stored = read_bitmap(rd.take(-(-n_alloc // 8), "bit-allocation bitmap"), n_alloc, "bit-allocation")
     flag = read_bitmap(rd.take(-(-nt // 8), "Hadamard flag bitmap"), nt, "Hadamard flag")

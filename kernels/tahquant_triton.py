@@ -38,7 +38,7 @@ import triton.language as tl
 
 from .bitpack import packed_nbytes, plane_widths
 from .quant_ref import check_finite, fp16_min_scale
-from .tahquant_ref import ALLOC_TOKEN, Layout, TahQuantParams, low_bit_mask, token_entropy
+from .tahquant_ref import ALLOC_TOKEN, Layout, TahQuantParams, check_min_payload, low_bit_mask, token_entropy
 from .triton_util import interpreting as _interpreting
 from .triton_util import on_device, round_half_even, to_bf16_rne
 from .wire import CodecError, PayloadReader
@@ -908,9 +908,7 @@ def _decode(payload: torch.Tensor, shape: tuple[int, ...], params: TahQuantParam
     nt, t = lay.tiles, lay.tiles_per_token
     token_alloc = params.alloc == ALLOC_TOKEN
     n_alloc, per_entry = (lay.tokens, t) if token_alloc else (nt, 1)
-    minimum = 2 * (-(-nt // 8)) + 4 * nt + nt * g * params.bits_low // 8
-    if payload.numel() < minimum:
-        raise CodecError(f"tahquant payload is truncated: {payload.numel()} bytes, shape {list(shape)} needs at least {minimum}")
+    check_min_payload(payload, shape, params)
     if payload.dtype != torch.uint8 or payload.dim() != 1:
         raise CodecError(f"tahquant payload must be a 1-D uint8 tensor, got {payload.dtype} of shape {list(payload.shape)}")
     dev = payload.device

@@ -102,3 +102,19 @@ def test_tied_maxima_pivot_on_the_first_like_the_reference():
     x[1, :, 7] = -9.0
     p = P(tau=1.0)
     assert torch.equal(tahquant_cpu.encode(x, p), tahquant_ref.encode(x, p))
+
+
+@pytest.mark.parametrize("p", [P(bits_low=4, tau=1e3), P(bits_high=8, bits_low=8, tau=1e3), P(rho=0.0, tau=1e3)],
+                         ids=["int4-only", "int8-only", "int3-only"])
+def test_the_smallest_payload_decodes_and_one_byte_less_is_refused(p):
+    """Every tile at bits_low and none flagged (tau too high): the payload is exactly as small as a
+    header allows, with one allocation bit per token (not per tile), so it decodes; a byte less not."""
+    x = torch.randn(4, 64, 128, generator=torch.Generator().manual_seed(3))
+    payload = tahquant_ref.encode(x, p)
+    tokens, tiles = 4 * 64, 4 * 64 * 2
+    assert payload.numel() == tokens // 8 + tiles // 8 + 4 * tiles + tiles * 64 * p.bits_low // 8
+    for decoder in (tahquant_ref.decode, tahquant_cpu.decode):
+        y = decoder(payload, x.shape, p, torch.float32)
+        assert float((y - x).norm() / x.norm()) < 2.0 ** (2 - p.bits_low)
+        with pytest.raises(CodecError, match="truncated"):
+            decoder(payload[:-1], x.shape, p, torch.float32)

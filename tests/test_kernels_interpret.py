@@ -145,6 +145,7 @@ CASES = [
     ((1000,), F32, P()),                                           # 1-D: a single token
     ((2, 3, 10, 64), BF16, P(rho=1.0)),                            # 4-D, everything INT4
     ((5, 33, 128), F16, P(rho=0.0, tau=1.5)),                      # everything INT3
+    ((4, 64, 128), F32, P(bits_low=4, tau=1e3)),                   # INT4 only, no outlier tile: the smallest payload
 ]
 
 
