@@ -4,6 +4,7 @@ never enters a store (the coordinator's uploads and a node's downloads go throug
 
 from __future__ import annotations
 
+import json
 import logging
 
 import pytest
@@ -82,6 +83,26 @@ def test_a_checkpoint_of_another_run_is_refused(saved, tmp_path):
     target, opt, _ = fresh_stage(run)
     with pytest.raises(ForeignCheckpoint, match="another run"):
         load(store.latest(1, run.stages), target, opt, other.to_json())
+
+
+def test_a_checkpoint_written_before_a_model_field_existed_is_of_the_same_run(saved):
+    """Older versions wrote the run's model config without rope_scaling (default None): such a
+    checkpoint still loads; one whose model really differs does not."""
+    run, store, path, stage = saved
+    tensors, meta = read_verified(path)
+    old_run = json.loads(meta["run"])
+    assert old_run["model"].pop("rope_scaling") is None
+    for model, fits in ((old_run["model"], True), ({**old_run["model"], "rope_theta": 500000.0}, False)):
+        meta.pop(DIGEST_KEY, None)  # as old files were: no checksum either
+        meta["run"] = json.dumps({**old_run, "model": model})
+        save_file(tensors, str(path), metadata=meta)
+        target, opt, _ = fresh_stage(run)
+        if fits:
+            load(store.latest(1, run.stages), target, opt, run.to_json())
+            assert all(torch.equal(v, stage.state_dict()[k]) for k, v in target.state_dict().items())
+        else:
+            with pytest.raises(ForeignCheckpoint, match="model differs"):
+                load(store.latest(1, run.stages), target, opt, run.to_json())
 
 
 def test_a_checkpoint_written_before_checksums_loads_with_a_warning(saved, caplog):

@@ -19,6 +19,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from ..config.model import ModelConfig
+
 log = logging.getLogger("tahnode.checkpoint")
 
 NAME = re.compile(r"stage(\d+)-of(\d+)-step(\d+)\.safetensors$")
@@ -229,6 +231,17 @@ def tied_aliases(model: torch.nn.Module) -> dict[str, str]:
     return aliases
 
 
+def _same_setting(key: str, saved, ours) -> bool:
+    """Model configs compare with their defaults filled in: a checkpoint written before a model
+    field with a default existed (rope_scaling) is still of the same run."""
+    if key == "model" and isinstance(saved, dict) and isinstance(ours, dict):
+        try:
+            return ModelConfig.from_dict(saved) == ModelConfig.from_dict(ours)
+        except (TypeError, ValueError):
+            return False
+    return saved == ours
+
+
 def load(ckpt: Checkpoint, model: torch.nn.Module, optimizer: torch.optim.Optimizer, run_json: str) -> dict[str, torch.Tensor]:
     """Restore weights and optimizer state in place; returns the extra tensors. Nothing changes
     when it raises: CorruptCheckpoint for a damaged file, ForeignCheckpoint for a checkpoint of
@@ -237,7 +250,7 @@ def load(ckpt: Checkpoint, model: torch.nn.Module, optimizer: torch.optim.Optimi
     saved = json.loads(meta.get("run", "{}"))
     ours = json.loads(run_json)
     for key in ("model", "stages"):
-        if saved.get(key) != ours.get(key):
+        if not _same_setting(key, saved.get(key), ours.get(key)):
             raise ForeignCheckpoint(f"checkpoint {ckpt.path} belongs to another run ({key} differs); move it away or use another --checkpoint-dir")
     state = {k[len("model/"):]: v for k, v in tensors.items() if k.startswith("model/")}
     for alias, name in tied_aliases(model).items():  # a tied head is stored once, as the embedding
