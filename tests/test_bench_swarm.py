@@ -13,7 +13,7 @@ import sys
 import pytest
 
 from tahnode.tools.bench_report import write_section
-from tahnode.tools.bench_swarm import COLUMNS, CodecPair, Row, with_limits
+from tahnode.tools.bench_swarm import COLUMNS, CodecPair, Row, convergence_cells, mean_curves, with_limits
 from test_swarm import root_reason
 
 pytestmark = pytest.mark.slow
@@ -36,6 +36,23 @@ def test_limits_are_the_smaller_of_link_and_compute_per_stages_pair_and_transpor
     assert [(r.limit, round(r.limit_tokens_per_s), round(r.share, 2)) for r in rows] == [
         ("compute", 1000, 1.0), ("compute", 800, 1.0), ("link", 500, 0.6), ("compute", 800, 0.88)]
     assert [r.series for r in rows[:2]] == ["none/none", "none/none over p2p"]
+
+
+def test_convergence_compares_each_seed_with_the_reference_of_the_same_seed():
+    def run(pair, seed, final, first=5.0):
+        return Row(0, 0, 3, pair, losses=[first] * 5 + [final] * 10, seed=seed, bits_fwd=4.0, tokens_per_s=100.0 * (seed + 1))
+
+    rows = [run("none/none", 0, 2.0), run("tahquant/naive", 0, 2.1), run("none/none", 1, 1.5, first=4.0),
+            run("tahquant/naive", 1, 1.5), run("tahquant/tahquant", 1, 1.2)]  # a pair may lack a seed
+    cells = convergence_cells(rows)
+    assert [c[:5] for c in cells] == [["none/none", "15", "2", "1.7500", "+0.00% (+0.0, +0.0)"],
+                                      ["tahquant/naive", "15", "2", "1.8000", "+2.50% (+5.0, +0.0)"],
+                                      ["tahquant/tahquant", "15", "1", "1.2000", "-20.00% (-20.0)"]]
+    assert cells[0][5:] == ["4.00 / 0.00", "150"]
+    assert convergence_cells([run("naive/naive", 0, 1.0)])[0][4] == "no reference run"
+    curves = mean_curves(rows)
+    assert [c.pair for c in curves] == ["none/none", "tahquant/naive", "tahquant/tahquant"]
+    assert curves[0].losses == [4.5] * 5 + [1.75] * 10
 
 
 def test_a_short_bench_writes_its_table_plots_and_json(tmp_path):

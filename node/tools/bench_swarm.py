@@ -23,13 +23,14 @@ from . import netns
 from .bench_report import markdown_table, plot_convergence, plot_losses, plot_throughput, write_section
 from .swarm import LocalSwarm, Shaper, SwarmError, SwarmSpec
 
-__all__ = ["CodecPair", "Row", "BenchConfig", "main"]
+__all__ = ["CodecPair", "Row", "Cell", "BenchConfig", "convergence_cells", "mean_curves", "main"]
 
 DEFAULT_PAIRS = "none/none,group/naive,aqsgd/naive,aqsgd/naive:bits=8,amaq/naive,tahquant/naive,tahquant/tahquant"
 MAIN_PAIRS = ("none/none", "tahquant/naive", "tahquant/tahquant")
 COLUMNS = ("link Mbit/s", "RTT ms", "stages", "codec fwd/bwd", "transport", "tokens/s", "limit tokens/s", "limit", "share of limit",
            "bits/elem fwd/bwd", "busiest direction bytes/step", "final loss", "peak RSS MB")
-CONVERGENCE_COLUMNS = ("codec fwd/bwd", "steps", "final loss (mean of last 10)", "vs none", "bits/elem fwd/bwd", "tokens/s")
+CONVERGENCE_COLUMNS = ("codec fwd/bwd", "steps", "seeds", "final loss (mean of last 10, mean over seeds)",
+                       "vs none: mean (per seed)", "bits/elem fwd/bwd", "tokens/s")
 
 
 @dataclass(frozen=True)
@@ -79,6 +80,7 @@ class Row:
     peak_rss_mb: float = 0.0
     step_seconds: list[float] = field(default_factory=list)
     losses: list[float] = field(default_factory=list)
+    seed: int = 0             # the run's seed (weights, data order): --seeds repeats a row with others
 
     def cells(self) -> list[str]:
         link = "unshaped" if not self.rate_mbps else f"{self.rate_mbps:g}"
@@ -91,6 +93,29 @@ class Row:
     def series(self) -> str:
         """What a plot's legend calls the row's line: its codec pair, and its transport if not gRPC."""
         return self.pair if self.transport == "grpc" else f"{self.pair} over {self.transport}"
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One row to run: where, which codecs, and with which seed."""
+
+    rate: float
+    rtt: float
+    stages: int
+    pair: CodecPair
+    transport: TransportKind
+    seed: int = 0
+
+    @property
+    def dirname(self) -> str:
+        pair = self.pair.label.replace("/", "_").replace(":", "-").replace(",", "-")
+        return (f"{self.stages}st-{self.rate:g}mbit-{self.rtt:g}ms-{pair}" + ("" if self.transport is TransportKind.GRPC
+                else f"-{self.transport}") + (f"-seed{self.seed}" if self.seed else ""))
+
+    def describe(self) -> str:
+        link = f"{self.rate:g} Mbit/s" if self.rate else "unshaped"
+        return (f"{self.stages} stages, {link}, RTT {self.rtt:g} ms, {self.pair.label}, {self.transport}"
+                + (f", seed {self.seed}" if self.seed else ""))
 
 
 @dataclass
@@ -109,15 +134,14 @@ class BenchConfig:
     shaper: Shaper = Shaper.TC
     prefix: str = "tnb-"
     workdir: Path = Path("bench-swarm")
-    seed: int = 0
     lr_warmup_steps: int = 1   # short runs: the learning rate reaches its peak after one step
     device: str = "cpu"        # the nodes' --device (cuda: every stage on this machine's GPU)
 
-    def run_toml(self, pair: CodecPair, steps: int) -> str:
+    def run_toml(self, pair: CodecPair, steps: int, seed: int) -> str:
         samples = self.tokens_per_step // self.seq_len
         micro = self.micro_batches or 4
         train = {"steps": steps, "seq_len": self.seq_len, "micro_batches": micro, "batch_size": samples // micro,
-                 "pipeline_micro_batches": self.pipeline_micro_batches, "seed": self.seed, "checkpoint_every": 10**6,
+                 "pipeline_micro_batches": self.pipeline_micro_batches, "seed": seed, "checkpoint_every": 10**6,
                  "warmup_steps": self.lr_warmup_steps}
         codec = {"forward": pair.forward, "backward": pair.backward, "forward_params": pair.forward_params,
                  "backward_params": pair.backward_params}
@@ -142,13 +166,13 @@ def data_links(stages: int) -> list[tuple[str, str]]:
     return out
 
 
-def measure(cfg: BenchConfig, rate: float, rtt: float, stages: int, pair: CodecPair, transport: TransportKind) -> Row:
+def measure(cfg: BenchConfig, cell: Cell) -> Row:
     """One row: a swarm up, the training, its numbers, the swarm down."""
+    rate, rtt, stages, pair, transport = cell.rate, cell.rtt, cell.stages, cell.pair, cell.transport
     steps = cfg.warmup + (cfg.steps if rate else cfg.unshaped_steps)
-    row_dir = cfg.workdir / (f"{stages}st-{rate:g}mbit-{rtt:g}ms-{pair.label.replace('/', '_').replace(':', '-').replace(',', '-')}"
-                             + ("" if transport is TransportKind.GRPC else f"-{transport}"))
+    row_dir = cfg.workdir / cell.dirname
     row_dir.mkdir(parents=True, exist_ok=True)
-    (row_dir / "run.toml").write_text(cfg.run_toml(pair, steps))
+    (row_dir / "run.toml").write_text(cfg.run_toml(pair, steps, cell.seed))
     spec = SwarmSpec(nodes=stages, bandwidth_bps=rate * 1e6, rtt_s=rtt / 1e3, shaper=cfg.shaper, prefix=cfg.prefix,
                      workdir=row_dir, run_flags=["--model", cfg.model, "--config", str(row_dir / "run.toml")], transport=transport,
                      device=cfg.device)
@@ -169,7 +193,7 @@ def measure(cfg: BenchConfig, rate: float, rtt: float, stages: int, pair: CodecP
                bits_fwd=t["bits_per_element"], bits_bwd=t["backward_bits_per_element"],
                busiest_bytes_per_step=max(sent.values(), default=0) / steps, final_loss=ledger[-1]["loss"],
                peak_rss_mb=t.get("peak_rss_bytes", 0) / 2**20, step_seconds=[p["seconds"] for p in ledger],
-               losses=[p["loss"] for p in ledger])
+               losses=[p["loss"] for p in ledger], seed=cell.seed)
 
 
 def with_limits(rows: list[Row], tokens_per_step: int) -> None:
@@ -219,12 +243,17 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--prefix", default="tnb-", help="namespace prefix of the swarms it starts (default tnb-)")
     ap.add_argument("--convergence", type=int, nargs="?", const=300, default=0, metavar="STEPS",
                     help="instead of the matrix: train llama-tiny for STEPS steps (default 300; 1024 tokens per step, 3 stages, "
-                    "unshaped) with none/none, tahquant/naive and tahquant/tahquant, and compare their final losses")
+                    "unshaped) with none/none, tahquant/naive and tahquant/tahquant, --seeds times each, and compare "
+                    "their final losses")
+    ap.add_argument("--seeds", type=int, default=3, metavar="N", help="with --convergence: train every pair with seeds "
+                    "0..N-1 (weights and data order) and compare each with none/none of the same seed (default 3; "
+                    "one run's final loss moves by several percent with the seed, and by a percent or two with "
+                    "any change of rounding)")
     ap.add_argument("--json", action="store_true", help="print the rows as one JSON list on the last line")
     return ap
 
 
-def plan(args, pairs: list[CodecPair]) -> list[tuple[float, float, int, CodecPair, TransportKind]]:
+def plan(args, pairs: list[CodecPair]) -> list[Cell]:
     """The rows to run, unshaped ones first (they give the compute limits)."""
     rates = sorted((float(x) for x in args.rates.split(",")), key=lambda r: (r != 0, r))
     rtts = [float(x) for x in args.rtts.split(",")]
@@ -237,11 +266,11 @@ def plan(args, pairs: list[CodecPair]) -> list[tuple[float, float, int, CodecPai
                 for pair in pairs:
                     if s > 3 and not args.all_pairs_at_4_stages and pair.label not in MAIN_PAIRS:
                         continue
-                    rows += [(rate, rtt, s, pair, transport) for transport in transports]
+                    rows += [Cell(rate, rtt, s, pair, transport) for transport in transports]
     return rows
 
 
-def run_rows(cfg: BenchConfig, todo: list[tuple[float, float, int, CodecPair, TransportKind]]) -> list[Row]:
+def run_rows(cfg: BenchConfig, todo: list[Cell]) -> list[Row]:
     """Measure every row, with a progress bar; a row that fails is reported and skipped."""
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -249,12 +278,11 @@ def run_rows(cfg: BenchConfig, todo: list[tuple[float, float, int, CodecPair, Tr
     with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total} rows"),
                   TimeElapsedColumn(), transient=False) as bar:
         task = bar.add_task("bench swarm", total=len(todo))
-        for rate, rtt, stages, pair, transport in todo:
-            link = f"{rate:g} Mbit/s" if rate else "unshaped"
-            what = f"{stages} stages, {link}, RTT {rtt:g} ms, {pair.label}, {transport}"
+        for cell in todo:
+            what = cell.describe()
             bar.update(task, description=what)
             try:
-                rows.append(measure(cfg, rate, rtt, stages, pair, transport))
+                rows.append(measure(cfg, cell))
             except SwarmError as exc:
                 bar.console.print(f"[red]row {what} failed:[/red] {exc}")
             bar.advance(task)
@@ -279,15 +307,41 @@ def report_matrix(rows: list[Row], cfg: BenchConfig, args, command: str) -> str:
     return text
 
 
+def convergence_cells(rows: list[Row], reference: str = "none/none") -> list[list[str]]:
+    """A line per codec pair: its final loss averaged over its seeds, and how far above the
+    reference pair's run *of the same seed* it ended, averaged, then seed by seed."""
+    base = {r.seed: final_loss(r) for r in rows if r.pair == reference}
+    cells = []
+    for pair in dict.fromkeys(r.pair for r in rows):
+        runs = sorted((r for r in rows if r.pair == pair), key=lambda r: r.seed)
+        gaps = [100 * (final_loss(r) / base[r.seed] - 1) for r in runs if r.seed in base]
+        vs = f"{statistics.fmean(gaps):+.2f}% ({', '.join(f'{g:+.1f}' for g in gaps)})" if gaps else "no reference run"
+        cells.append([pair, str(max(len(r.losses) for r in runs)), str(len(runs)),
+                      f"{statistics.fmean(final_loss(r) for r in runs):.4f}", vs,
+                      f"{statistics.fmean(r.bits_fwd for r in runs):.2f} / {statistics.fmean(r.bits_bwd for r in runs):.2f}",
+                      f"{statistics.fmean(r.tokens_per_s for r in runs):,.0f}"])
+    return cells
+
+
+def mean_curves(rows: list[Row]) -> list[Row]:
+    """A row per codec pair whose losses are the step-by-step mean over its seeds (for the plot)."""
+    out = []
+    for pair in dict.fromkeys(r.pair for r in rows):
+        runs = [r for r in rows if r.pair == pair]
+        n = min(len(r.losses) for r in runs)
+        out.append(Row(0.0, 0.0, runs[0].stages, pair, losses=[statistics.fmean(r.losses[i] for r in runs) for i in range(n)]))
+    return out
+
+
 def report_convergence(rows: list[Row], cfg: BenchConfig, args, command: str) -> str:
-    reference = next((r for r in rows if r.pair == "none/none"), rows[0])
-    cells = [[r.pair, str(len(r.losses)), f"{final_loss(r):.4f}", f"{100 * (final_loss(r) / final_loss(reference) - 1):+.2f}%",
-              f"{r.bits_fwd:.2f} / {r.bits_bwd:.2f}", f"{r.tokens_per_s:,.0f}"] for r in rows]
-    text = markdown_table(CONVERGENCE_COLUMNS, cells)
-    plots = [plot_convergence(rows, reference.pair, Path(args.plots) / f"{args.name}-convergence.png")]
+    reference = "none/none" if any(r.pair == "none/none" for r in rows) else rows[0].pair
+    text = markdown_table(CONVERGENCE_COLUMNS, convergence_cells(rows, reference))
+    seeds = sorted({r.seed for r in rows})
+    plots = [plot_convergence(mean_curves(rows), reference, Path(args.plots) / f"{args.name}-convergence.png")]
     write_section(Path(args.doc), f"{args.name}-convergence", f"Convergence: {args.name}", [
-        text, "", f"Model: {cfg.model}, {cfg.tokens_per_step} tokens per step, {cfg.unshaped_steps} steps, the same seed and "
-        f"data for every pair, 3 stages on unshaped links.", "", f"Command: `{command}`"], plots)
+        text, "", f"Model: {cfg.model}, {cfg.tokens_per_step} tokens per step, {cfg.unshaped_steps} steps, 3 stages on unshaped "
+        f"links; every pair trained with seeds {', '.join(map(str, seeds))} (weights and data order), the same data for the "
+        f"same seed; the plot shows each pair's loss averaged over the seeds.", "", f"Command: `{command}`"], plots)
     return text
 
 
@@ -300,7 +354,9 @@ def main(argv: list[str] | None = None) -> int:
             cfg = BenchConfig(pairs=pairs, steps=0, unshaped_steps=args.convergence, warmup=0, tokens_per_step=1024,
                               seq_len=64, model="llama-tiny", shaper=Shaper(args.shaper), prefix=args.prefix,
                               workdir=Path(args.workdir), lr_warmup_steps=10).validate()
-            todo = [(0.0, 0.0, 3, pair, TransportKind.GRPC) for pair in pairs]
+            if args.seeds < 1:
+                raise ValueError(f"--seeds must be at least 1, got {args.seeds}")
+            todo = [Cell(0.0, 0.0, 3, pair, TransportKind.GRPC, seed) for seed in range(args.seeds) for pair in pairs]
         else:
             cfg = BenchConfig(pairs=pairs, steps=args.steps, unshaped_steps=args.unshaped_steps, warmup=args.warmup,
                               tokens_per_step=args.tokens_per_step, seq_len=args.seq_len, micro_batches=args.micro_batches,
