@@ -231,7 +231,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--micro-batches", type=int, default=0, help="the step's samples as this many micro-batches (default 4)")
     ap.add_argument("--pipeline-micro-batches", type=int, default=0,
                     help="micro-batches the pipeline cuts a step into (default 0: auto, tahnode.pipeline.schedule)")
-    ap.add_argument("--model", default="llama-thin", help="model preset or TOML (default llama-thin: dim 64, so links dominate)")
+    ap.add_argument("--model", default="", help="model preset or TOML (default llama-thin: dim 64, so links dominate; with "
+                    "--convergence llama-tiny)")
     ap.add_argument("--transports", default="grpc", help="the nodes' data planes to compare, comma-separated: grpc, p2p "
                     "(p2p needs pip install 'tahnode[p2p]'; default grpc)")
     ap.add_argument("--shaper", default=Shaper.TC.value, choices=[s.value for s in Shaper], help="tc (root; default) or userspace")
@@ -242,7 +243,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--workdir", default="bench-swarm", help="logs and run files of every row (default bench-swarm)")
     ap.add_argument("--prefix", default="tnb-", help="namespace prefix of the swarms it starts (default tnb-)")
     ap.add_argument("--convergence", type=int, nargs="?", const=300, default=0, metavar="STEPS",
-                    help="instead of the matrix: train llama-tiny for STEPS steps (default 300; 1024 tokens per step, 3 stages, "
+                    help="instead of the matrix: train llama-tiny (or --model) for STEPS steps (default 300; 1024 tokens per step, 3 stages, "
                     "unshaped) with none/none, tahquant/naive and tahquant/tahquant, --seeds times each, and compare "
                     "their final losses")
     ap.add_argument("--seeds", type=int, default=3, metavar="N", help="with --convergence: train every pair with seeds "
@@ -352,7 +353,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.convergence:
             pairs = [p for p in pairs if p.label in MAIN_PAIRS] if args.pairs == DEFAULT_PAIRS else pairs
             cfg = BenchConfig(pairs=pairs, steps=0, unshaped_steps=args.convergence, warmup=0, tokens_per_step=1024,
-                              seq_len=64, model="llama-tiny", shaper=Shaper(args.shaper), prefix=args.prefix,
+                              seq_len=64, model=args.model or "llama-tiny", shaper=Shaper(args.shaper), prefix=args.prefix,
                               workdir=Path(args.workdir), lr_warmup_steps=10).validate()
             if args.seeds < 1:
                 raise ValueError(f"--seeds must be at least 1, got {args.seeds}")
@@ -360,7 +361,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             cfg = BenchConfig(pairs=pairs, steps=args.steps, unshaped_steps=args.unshaped_steps, warmup=args.warmup,
                               tokens_per_step=args.tokens_per_step, seq_len=args.seq_len, micro_batches=args.micro_batches,
-                              pipeline_micro_batches=args.pipeline_micro_batches, model=args.model, shaper=Shaper(args.shaper),
+                              pipeline_micro_batches=args.pipeline_micro_batches, model=args.model or "llama-thin", shaper=Shaper(args.shaper),
                               prefix=args.prefix, workdir=Path(args.workdir), device=args.device).validate()
             todo = plan(args, pairs)
         if cfg.shaper is Shaper.TC:
