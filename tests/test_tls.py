@@ -165,11 +165,19 @@ def test_a_plain_coordinator_is_used_only_where_tls_is_not_wanted(plain_server, 
 class RecordingProxy:
     """A plain TCP relay that keeps a copy of every byte it relays (an eavesdropper on the path)."""
 
-    def __init__(self, target: str):
+    def __init__(self, target: str, avoid: tuple[int, ...] = ()):
+        """Relays to `target`; listens on a port not in `avoid`: the kernel may hand out a port that
+        the harness chose for the coordinator but that nothing has bound yet."""
         self.target = target
         self.recorded = bytearray()
         self.lock = threading.Lock()
+        held = []
         self.sock = socket.create_server(("127.0.0.1", 0))
+        while self.sock.getsockname()[1] in avoid:
+            held.append(self.sock)
+            self.sock = socket.create_server(("127.0.0.1", 0))
+        for sock in held:
+            sock.close()
         self.address = f"127.0.0.1:{self.sock.getsockname()[1]}"
         threading.Thread(target=self._accept, daemon=True).start()
 
@@ -214,7 +222,7 @@ def test_recorded_control_traffic_reads_in_clear_only_without_tls(tmp_path, cach
     recording holds none of the run config, the node ids or the last loss; without it, it does; and
     each node pinned the coordinator's own certificate."""
     swarm = Swarm(tmp_path, cache=cache)
-    proxy = RecordingProxy(swarm.coordinator)
+    proxy = RecordingProxy(swarm.coordinator, avoid=(swarm.grpc_port, swarm.http_port))
     try:
         swarm.start_coordinator("--steps", "4", *SMALL, "--tls", tls)
         for k in range(3):
