@@ -1,8 +1,10 @@
 # tahnode: `make demo` runs the swarm on one machine, `make test` runs the test suite.
-# Both bootstrap .venv on first use. TORCH picks the torch requirement: the default pulls the
-# CUDA build on GPU machines; CPU-only machines and CI pass TORCH=torch==2.13.0 (the CPU build).
+# Both bootstrap .venv on first use. TORCH picks the torch requirement by the machine: with an
+# NVIDIA GPU (nvidia-smi lists one) the default CUDA build, without one the CPU build CI pins
+# (torch==2.13.0), so a CPU machine downloads no nvidia-* wheels. TORCH=... overrides either.
 PYTHON ?= python3
-TORCH ?= torch
+CPU_TORCH := torch==2.13.0
+TORCH ?= $(shell nvidia-smi -L 2>/dev/null | grep -q '^GPU' && echo torch || echo $(CPU_TORCH))
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed

@@ -22,6 +22,8 @@ __all__ = ["TahQuantParams", "Layout", "encode", "decode", "token_entropy", "low
 
 ALLOC_TOKEN = 0  # one bit width per token (the paper's v1 rule, the default)
 ALLOC_TILE = 1   # one bit width per tile (the paper's v2 variant)
+LAYOUT_PAPER = 1    # the paper's algorithm: entropy-guided INT3/INT4, outlier tiles rotated, min-max per tile
+LAYOUT_ROTATED = 2  # every tile sign-flipped and Hadamard-rotated, symmetric INT4, a bf16 scale per tile
 
 
 @dataclass(frozen=True)
@@ -34,6 +36,7 @@ class TahQuantParams:
     bits_high: int = 4
     bits_low: int = 3
     alloc: int = ALLOC_TOKEN  # 0: per token, 1: per tile
+    layout: int = LAYOUT_PAPER  # 1: the paper's algorithm (this module); 2: rotated tiles (tahquant_rotated_ref)
 
     def validate(self) -> "TahQuantParams":
         g = self.group_size
@@ -51,6 +54,8 @@ class TahQuantParams:
             raise CodecError("tahquant: bits_low must not exceed bits_high")
         if self.alloc not in (ALLOC_TOKEN, ALLOC_TILE):
             raise CodecError(f"tahquant: alloc must be 0 (token) or 1 (tile), got {self.alloc}")
+        if self.layout not in (LAYOUT_PAPER, LAYOUT_ROTATED):
+            raise CodecError(f"tahquant: layout must be 1 (the paper's) or 2 (rotated tiles), got {self.layout}")
         return self
 
     @property

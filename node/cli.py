@@ -14,7 +14,16 @@ from .config.node import COORDINATOR_P2P_LISTEN, NODE_P2P_LISTEN
 from .net.errors import P2PError
 from .net.loop import use_fast_event_loop
 
-BENCHES = ("kernels", "swarm", "soak", "nat", "coordinator")  # `tahnode bench NAME`: tahnode.tools.bench_NAME.main
+BENCHES = {  # `tahnode bench NAME`: tahnode.tools.bench_NAME.main
+    "kernels": "Triton codec kernels vs x.clone() and the reference (needs a GPU)",
+    "swarm": "training on a local swarm with shaped links, against the physical limit (root for tc)",
+    "soak": "a swarm trains for --minutes while memory and open files of every process are sampled",
+    "nat": "probed throughput of relayed and direct p2p links to volunteers behind NAT (root, nftables)",
+    "coordinator": "a real coordinator against --nodes simulated volunteers: time to place them, heartbeat latency, its CPU "
+                   "and memory, probe traffic, HTTP endpoints",
+    "convergence": "codec pairs x seeds trained on the pipeline's math in one process: held-out loss against uncompressed "
+                   "training, bits per element, time to the same loss",
+}
 
 
 def _add_codec_commands(sub) -> None:
@@ -228,20 +237,8 @@ def _add_swarm_commands(sub) -> None:
 
     be = sub.add_parser("bench", help="benchmarks (results appended to docs/benchmarks.md)")
     bsub = be.add_subparsers(dest="bench_cmd", required=True)
-    bk = bsub.add_parser("kernels", help="Triton codec kernels vs x.clone() and the reference (needs a GPU)", add_help=False)
-    bk.add_argument("rest", nargs=argparse.REMAINDER)
-    bs = bsub.add_parser("swarm", help="training on a local swarm with shaped links, against the physical limit (root for tc)",
-                         add_help=False)
-    bs.add_argument("rest", nargs=argparse.REMAINDER)
-    bo = bsub.add_parser("soak", help="a swarm trains for --minutes while memory and open files of every process are "
-                         "sampled", add_help=False)
-    bo.add_argument("rest", nargs=argparse.REMAINDER)
-    bn = bsub.add_parser("nat", help="probed throughput of relayed and direct p2p links to volunteers behind NAT (root, "
-                         "nftables)", add_help=False)
-    bn.add_argument("rest", nargs=argparse.REMAINDER)
-    bc = bsub.add_parser("coordinator", help="a real coordinator against --nodes simulated volunteers: time to place them, "
-                         "heartbeat latency, its CPU and memory, probe traffic, HTTP endpoints", add_help=False)
-    bc.add_argument("rest", nargs=argparse.REMAINDER)
+    for name, text in BENCHES.items():  # each parses its own flags (`tahnode bench NAME --help`)
+        bsub.add_parser(name, help=text, add_help=False).add_argument("rest", nargs=argparse.REMAINDER)
 
 
 def build_parser() -> argparse.ArgumentParser:

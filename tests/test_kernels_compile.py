@@ -99,6 +99,25 @@ def _cases():
         sig = dict(codes_ptr="*u8", scale_ptr="*fp16", pow2="fp32", out_ptr=PTR[dt], bad_ptr="*u8", n="i64", n_pad="i64", n_chan="i32")
         sig.update({k: "constexpr" for k in dconst})
         out.append((f"naive decode {dt} bits={bits}", nt._naive_decode_kernel, sig, dconst))
+
+    from tahnode.kernels import symtiles_triton as st
+    for dt, g, bits, rotate, packed in (("bf16", 128, 6, False, True), ("fp32", 32, 6, False, False), ("bf16", 64, 4, True, True),
+                                        ("fp16", 32, 4, True, True), ("fp32", 256, 8, True, True), ("bf16", 8, 3, False, True)):
+        const = dict(G=g, QMAX=2 ** (bits - 1) - 1, ROTATE=rotate, BR=4096 // g, **st._planes(bits))
+        sig = dict(x_ptr=PTR[dt], stride_x="i32", signs_ptr="*fp32", n_rows="i32", n_chan="i32", n_tpt="i32", width="i32",
+                   scale_ptr="*bf16", out_ptr="*u8", n_pad="i64", codes_ptr="*u8", status_ptr="*i32")
+        econst = dict(const, PACKED=packed)
+        sig.update({k: "constexpr" for k in econst})
+        out.append((f"symtiles encode {dt} G={g} bits={bits} rotate={rotate} packed={packed}", st._encode_kernel, sig, econst))
+        dconst = dict(const, OUT_BF16=dt == "bf16")
+        sig = dict(codes_ptr="*u8", n_pad="i64", scale_ptr="*bf16", signs_ptr="*fp32", out_ptr=PTR[dt], bad_ptr="*u8",
+                   n_rows="i32", n_chan="i32", n_tpt="i32", width="i32")
+        sig.update({k: "constexpr" for k in dconst})
+        out.append((f"symtiles decode {dt} G={g} bits={bits} rotate={rotate}", st._decode_kernel, sig, dconst))
+    for bits in (6, 3):
+        const = dict(BLOCK=4096, **st._planes(bits))
+        sig = dict(codes_ptr="*u8", out_ptr="*u8", n="i64", n_pad="i64", **{k: "constexpr" for k in const})
+        out.append((f"symtiles pack bits={bits}", st._pack_kernel, sig, const))
     return out
 
 

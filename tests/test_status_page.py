@@ -36,6 +36,8 @@ LINKS = [
 ]
 P2P_MADDR = "/ip4/10.79.0.1/tcp/7001/p2p/QmTyedzTAa5UGo2wHDCZDpeNT2phPS6dPv6Jhp1P8H5neS"
 EVENT_WITH_MARKUP = "12:00:03 odd id </script><img src=x onerror=alert(1)> & more"
+ALERT = {"kind": "diverging", "step": 41, "trend": 3.1, "best": 1.4,
+         "message": "the loss is diverging: its mean over recent steps rose to 3.1000 at step 41 (codecs tahquant/naive)"}
 
 
 def make_view(step: int = 40, late: bool = False) -> SwarmView:
@@ -47,7 +49,7 @@ def make_view(step: int = 40, late: bool = False) -> SwarmView:
         training=TrainingInfo(step=step, loss=history[-1][1], tokens_per_s=1234.5, bits_per_element=4.31),
         loss_history=history, events=["12:00:00 coordinator listening", "12:00:01 node-a assigned stage 0",
                                       EVENT_WITH_MARKUP], stages=3,
-        extra={"epoch": 2, **({"p2p_maddrs": [P2P_MADDR]} if late else {})})
+        extra={"epoch": 2, **({"p2p_maddrs": [P2P_MADDR], "loss_alert": ALERT} if late else {})})
 
 
 class Provider:
@@ -328,6 +330,9 @@ def test_page_in_headless_chromium(chromium, tmp_path):
     assert index.by_id["conn"].startswith("live")
     assert EVENT_WITH_MARKUP in index.events  # shown as text, not parsed as markup
     assert "<polyline" in dom  # the loss curve
+    assert index.by_id["loss-alert"] == ALERT["message"]  # the live refresh raised the divergence alert
+    tag = re.search(r'<div id="loss-alert"[^>]*>', dom).group(0)
+    assert "hidden" not in tag and 'data-kind="diverging"' in tag
 
     data = shot.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n"

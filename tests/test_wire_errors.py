@@ -12,8 +12,14 @@ from hypothesis import given, strategies as st
 from tahnode import codecs
 from tahnode.codecs import CodecContext, CodecError
 
-STATELESS = ["none", "naive", "group", "tahquant", "amaq"]
+STATELESS = ["none", "naive", "pertoken", "group", "tahquant:layout=1", "tahquant:layout=2", "amaq"]
 ALL = STATELESS + ["aqsgd"]
+
+
+def codec_of(spec: str) -> codecs.Codec:
+    """A codec from NAME[:k=v,...] (both of tahquant's layouts are fuzzed)."""
+    name, _, params = spec.partition(":")
+    return codecs.get_codec(name, **codecs.parse_param_args(name, [p for p in params.split(",") if p]))
 
 
 def ctx():
@@ -28,7 +34,7 @@ def sample(name, dtype=torch.float32):
 
 
 def encoded(name):
-    return codecs.get_codec(name).encode(sample(name), ctx())
+    return codec_of(name).encode(sample(name), ctx())
 
 
 def with_payload(msg, payload: bytes, fix_crc=True):
@@ -50,7 +56,7 @@ def test_non_finite_input_is_refused(name, bad, match):
     x = sample(name)
     x[1, 2, 3] = bad
     with pytest.raises(CodecError, match=match):
-        codecs.get_codec(name).encode(x, ctx())
+        codec_of(name).encode(x, ctx())
 
 
 @pytest.mark.parametrize("name", ALL)
@@ -66,7 +72,7 @@ def test_non_finite_input_is_refused(name, bad, match):
 )
 def test_bad_tensors_are_refused(name, x, match):
     with pytest.raises(CodecError, match=match):
-        codecs.get_codec(name).encode(x, ctx())
+        codec_of(name).encode(x, ctx())
 
 
 @pytest.mark.parametrize("name", ALL)
@@ -116,7 +122,7 @@ def test_forged_huge_shape_fails_fast_without_allocating(name):
 
 
 def test_unknown_codec_version_dtype_and_params():
-    msg = encoded("tahquant")
+    msg = encoded("tahquant:layout=1")
     bad = type(msg)()
     bad.CopyFrom(msg)
     bad.codec = "zstd"
@@ -164,7 +170,9 @@ def test_garbage_bytes_are_not_a_message():
 def test_values_beyond_fp16_range_are_refused_with_a_reason():
     x = torch.ones(2, 64) * 1e6
     with pytest.raises(CodecError, match="fp16 range"):
-        codecs.get_codec("tahquant").encode(x)
+        codecs.get_codec("tahquant", layout=1).encode(x)
+    rotated = codecs.decode(codecs.get_codec("tahquant", layout=2).encode(x))  # its bf16 scales cope
+    assert float((rotated - x).norm() / x.norm()) < 0.15
     y = codecs.decode(codecs.get_codec("naive", bits=8).encode(x))  # naive's scales cope
     assert torch.allclose(y, x, rtol=1 / 254)
 
@@ -229,8 +237,8 @@ def test_fuzz_serialized_message_mutations(name, data):
 )
 def test_property_roundtrip_any_shape(name, dtype, shape, seed):
     x = torch.randn(shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
-    msg = codecs.get_codec(name).encode(x)
-    assert codecs.serialize(msg) == codecs.serialize(codecs.get_codec(name).encode(x))  # deterministic
+    msg = codec_of(name).encode(x)
+    assert codecs.serialize(msg) == codecs.serialize(codec_of(name).encode(x))  # deterministic
     y = codecs.decode(codecs.parse_message(codecs.serialize(msg)))
     assert y.shape == x.shape and y.dtype == dtype
     err = (y.float() - x.float()).abs().max()

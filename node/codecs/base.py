@@ -47,6 +47,10 @@ class Codec:
 
     name: ClassVar[str]
     version: ClassVar[int] = 1
+    # a parameter that picks the payload's version: it travels as the message's `version`, not in
+    # its params, so that a build that lacks that version refuses it by version (docs/wire-format.md)
+    version_param: ClassVar[str] = ""
+    versions: ClassVar[tuple[int, ...]] = (1,)  # the versions this build decodes
     Params: ClassVar[type]
     keeps_stream_state: ClassVar[bool] = False  # both ends update per-stream state on every message
     # per-group fp16 zero/scale and no shared exponent: values around 1e-7 and below underflow, so
@@ -78,14 +82,18 @@ class Codec:
 
     # -- the interface ----------------------------------------------------------------------
     def header_params(self) -> dict[str, float]:
-        return {f.name: float(getattr(self.params, f.name)) for f in dataclasses.fields(self.params)}
+        return {f.name: float(getattr(self.params, f.name)) for f in dataclasses.fields(self.params) if f.name != self.version_param}
+
+    def wire_version(self) -> int:
+        """The version of the payloads this instance writes."""
+        return int(getattr(self.params, self.version_param)) if self.version_param else self.version
 
     def encode(self, x: torch.Tensor, ctx: CodecContext | None = None) -> pb.EncodedTensor:
         ctx = ctx if ctx is not None else CodecContext()
         _check_input(x, self.name)
         payload, extra = self.encode_payload(x.cpu() if self.on_cpu else x, ctx)
         data = payload.cpu().numpy().tobytes()
-        msg = pb.EncodedTensor(codec=self.name, version=self.version, shape=list(x.shape), dtype=DTYPES[x.dtype], payload=data)
+        msg = pb.EncodedTensor(codec=self.name, version=self.wire_version(), shape=list(x.shape), dtype=DTYPES[x.dtype], payload=data)
         for key, value in {**self.header_params(), **extra}.items():
             msg.params[key] = value
         msg.crc32 = checksum(msg)
@@ -95,15 +103,21 @@ class Codec:
         ctx = ctx if ctx is not None else CodecContext()
         if msg.codec != self.name:
             raise CodecError(f"message was encoded with codec {msg.codec!r}, not {self.name!r}")
-        if msg.version != self.version:
-            raise CodecError(f"codec {self.name} version {msg.version} is not supported (this build reads version {self.version})")
+        if msg.version not in self.versions:
+            readable = ", ".join(map(str, self.versions))
+            raise CodecError(f"codec {self.name} version {msg.version} is not supported (this build reads version {readable})")
         shape, dtype = _check_header(msg)
         if checksum(msg) != msg.crc32:
             raise CodecError(f"{self.name} message checksum mismatch: the message was corrupted in transit")
+        header = dict(msg.params)
+        if self.version_param:
+            if self.version_param in header:
+                raise CodecError(f"{self.name} header has unknown parameters: {self.version_param}")
+            header[self.version_param] = float(msg.version)
         payload = torch.frombuffer(bytearray(msg.payload), dtype=torch.uint8) if msg.payload else torch.empty(0, dtype=torch.uint8)
         if self.on_cpu:
-            return self.decode_payload(payload, shape, dtype, dict(msg.params), ctx).to(device)
-        return self.decode_payload(payload.to(device), shape, dtype, dict(msg.params), ctx)
+            return self.decode_payload(payload, shape, dtype, header, ctx).to(device)
+        return self.decode_payload(payload.to(device), shape, dtype, header, ctx)
 
     @classmethod
     def from_header(cls, header: dict[str, float], extra: tuple[str, ...] = ()) -> "Codec":

@@ -1,4 +1,4 @@
-"""The six codecs of tahnode, registered by name: none, naive, group, tahquant, aqsgd, amaq.
+"""The codecs of tahnode, registered by name: none, naive, pertoken, group, tahquant, aqsgd, amaq.
 Each validates its header and calls its specification in tahnode.kernels (or a Triton kernel)."""
 
 from __future__ import annotations
@@ -8,14 +8,14 @@ from dataclasses import dataclass
 
 import torch
 
-from ..kernels import amaq_ref, aqsgd_ref, group_ref, naive_ref, tahquant_ref
+from ..kernels import amaq_ref, aqsgd_ref, group_ref, naive_ref, pertoken_ref, tahquant_ref
 from ..kernels.dispatch import implementation
 from ..kernels.quant_ref import check_finite
 from ..kernels.wire import CodecError, from_bytes
 from .base import Codec, register
 from .state import AmaqSenderState, CodecContext
 
-__all__ = ["NoneCodec", "NaiveCodec", "GroupCodec", "TahQuantCodec", "AqsgdCodec", "AmaqCodec"]
+__all__ = ["NoneCodec", "NaiveCodec", "PerTokenCodec", "GroupCodec", "TahQuantCodec", "AqsgdCodec", "AmaqCodec"]
 
 
 @dataclass(frozen=True)
@@ -61,6 +61,20 @@ class NaiveCodec(Codec):
 
 
 @register
+class PerTokenCodec(Codec):
+    """k-bit symmetric absmax, one bf16 scale per token and tile of G channels: the gradient codec."""
+
+    name = "pertoken"
+    Params = pertoken_ref.PerTokenParams
+
+    def encode_payload(self, x, ctx):
+        return implementation("pertoken", x).encode(x.detach(), self.params), {}
+
+    def decode_payload(self, payload, shape, dtype, header, ctx):
+        return implementation("pertoken", payload).decode(payload, shape, self.from_header(header).params, dtype)
+
+
+@register
 class GroupCodec(Codec):
     """k-bit asymmetric min-max per tile of G channels, fp16 zero-point and scale."""
 
@@ -82,12 +96,18 @@ class TahQuantCodec(Codec):
     name = "tahquant"
     Params = tahquant_ref.TahQuantParams
     needs_prescale = True
+    version_param, versions = "layout", (tahquant_ref.LAYOUT_PAPER, tahquant_ref.LAYOUT_ROTATED)
+
+    @staticmethod
+    def _implementation(params: tahquant_ref.TahQuantParams, t):
+        return implementation("tahquant" if params.layout == tahquant_ref.LAYOUT_PAPER else "tahquant_rotated", t)
 
     def encode_payload(self, x, ctx):
-        return implementation("tahquant", x).encode(x.detach(), self.params), {}
+        return self._implementation(self.params, x).encode(x.detach(), self.params), {}
 
     def decode_payload(self, payload, shape, dtype, header, ctx):
-        return implementation("tahquant", payload).decode(payload, shape, self.from_header(header).params, dtype)
+        params = self.from_header(header).params
+        return self._implementation(params, payload).decode(payload, shape, params, dtype)
 
 
 @register

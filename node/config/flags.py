@@ -1,14 +1,37 @@
 """The command-line flags that override the run configuration, shared by every command that
-builds or forwards a RunConfig (coordinator, demo, swarm up, bench swarm)."""
+builds or forwards a RunConfig (coordinator, demo, swarm up): one flag per [train] field, made from
+TrainConfig's own fields and their help, so a new field cannot be forgotten."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 from .model import preset_names
-from .run import RunConfig
+from .run import RunConfig, TrainConfig
 
-__all__ = ["add_run_flags", "run_config_from", "run_flag_args"]
+__all__ = ["add_run_flags", "run_config_from", "run_flag_args", "train_flag"]
+
+
+def train_flag(f: dataclasses.Field) -> str:
+    """The flag of a TrainConfig field: its metadata's, else --field-name."""
+    return f.metadata.get("flag") or "--" + f.name.replace("_", "-")
+
+
+def _train_flags(p) -> list[argparse.Action]:
+    actions = []
+    defaults = TrainConfig()
+    for f in dataclasses.fields(TrainConfig):
+        meta, default = f.metadata, getattr(defaults, f.name)
+        kind = type(default) if default is not None else float
+        shown = f" (default {default:g})" if isinstance(default, float) else f" (default {default})" if default is not None else ""
+        kwargs = dict(dest=f"train_{f.name}", type=kind, help=meta["help"] + shown)
+        if meta.get("choices"):
+            kwargs["choices"] = list(meta["choices"])
+        if meta.get("metavar"):
+            kwargs["metavar"] = meta["metavar"]
+        actions.append(p.add_argument(train_flag(f), **kwargs))
+    return actions
 
 
 def add_run_flags(p) -> list[argparse.Action]:
@@ -22,41 +45,23 @@ def add_run_flags(p) -> list[argparse.Action]:
                        "config.json or checkpoint directory (default: llama-tiny)"),
         p.add_argument("--stages", type=int, help="number of pipeline stages (default 3)"),
         p.add_argument("--config", help="run TOML with [run], [train] and [codec] tables"),
-        p.add_argument("--steps", type=int, help="optimizer steps to train"),
         p.add_argument("--codec", dest="forward_codec", choices=sorted(CODECS), help="forward (activation) codec (default tahquant)"),
-        p.add_argument("--backward-codec", choices=sorted(CODECS), help="backward (gradient) codec (default naive, 6 bits)"),
+        p.add_argument("--backward-codec", choices=sorted(CODECS),
+                       help="backward (gradient) codec (default pertoken: 6 bits, a scale per token and 128 channels)"),
         p.add_argument("--data", help="prepared token file (tahnode data prepare); default: the built-in stdlib corpus"),
-        p.add_argument("--micro-batches", type=int, help="micro-batches per step (default 4)"),
-        p.add_argument("--batch-size", type=int, help="samples per micro-batch (default 4)"),
-        p.add_argument("--seq-len", type=int, help="tokens per sample (default 64)"),
-        p.add_argument("--lr", type=float, help="peak learning rate (default 3e-3)"),
-        p.add_argument("--schedule", choices=["1f1b", "gpipe"], help="pipeline schedule (default 1f1b)"),
-        p.add_argument("--pipeline-micro-batches", type=int, help="micro-batches the pipeline cuts each step into "
-                       "(default 0: enough to keep slow links busy, tahnode.pipeline.schedule)"),
-        p.add_argument("--memory-budget", type=float, metavar="MB", help="activation memory stage 0 may hold for micro-batches "
-                       "in flight (default 4096)"),
-        p.add_argument("--dtype", choices=["float32", "bfloat16"], help="compute dtype (default float32)"),
-        p.add_argument("--seed", type=int, help="model init and data order seed (default 0)"),
-        p.add_argument("--checkpoint-every", type=int, help="save each stage every N steps (default 20)"),
+        *_train_flags(p),
     ]
 
 
 def run_config_from(args) -> RunConfig:
     """The run configuration of parsed run flags."""
-    overrides = {
-        "stages": args.stages, "data": args.data, "train.steps": args.steps, "codec.forward": args.forward_codec,
-        "codec.backward": args.backward_codec, "train.micro_batches": args.micro_batches, "train.batch_size": args.batch_size,
-        "train.seq_len": args.seq_len, "train.lr": args.lr, "train.schedule": args.schedule, "train.dtype": args.dtype,
-        "train.seed": args.seed, "train.checkpoint_every": args.checkpoint_every,
-        "train.pipeline_micro_batches": args.pipeline_micro_batches, "train.memory_budget_mb": args.memory_budget,
-    }
+    overrides = {"stages": args.stages, "data": args.data, "codec.forward": args.forward_codec, "codec.backward": args.backward_codec}
+    overrides.update({f"train.{f.name}": getattr(args, f"train_{f.name}") for f in dataclasses.fields(TrainConfig)})
     if args.forward_codec and args.forward_codec != "tahquant":
         overrides["codec.forward_params"] = {}
-    if args.backward_codec and args.backward_codec != "naive":
+    if args.backward_codec and args.backward_codec != "pertoken":
         overrides["codec.backward_params"] = {}
     return RunConfig.build(args.model, args.config, **overrides)
-
-
 
 
 def run_flag_args(args, actions: list[argparse.Action], skip: tuple[str, ...] = ()) -> list[str]:

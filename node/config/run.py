@@ -15,29 +15,44 @@ from .toml import load_toml, toml_table
 __all__ = ["TrainConfig", "CodecConfig", "RunConfig"]
 
 
+def _knob(default, help: str, flag: str = "", choices: tuple = (), metavar: str = ""):
+    """A [train] field with what its command-line flag says (tahnode.config.flags makes one per field)."""
+    return field(default=default, metadata={"help": help, "flag": flag, "choices": choices, "metavar": metavar})
+
+
 @dataclass
 class TrainConfig:
-    """How the swarm trains: batch shape, optimizer, schedule, checkpoints."""
+    """How the swarm trains: batch shape, optimizer, schedule, checkpoints. Every field is a flag of
+    `tahnode coordinator` and `tahnode demo` (its metadata is the flag's --help)."""
 
-    steps: int = 100
-    micro_batches: int = 4          # M micro-batches per optimizer step
-    batch_size: int = 4             # samples per micro-batch
-    seq_len: int = 64
-    lr: float = 3e-3                # peak learning rate (AdamW)
-    min_lr: float = 3e-4            # end of the cosine decay
-    warmup_steps: int = 10
-    weight_decay: float = 0.1
-    beta1: float = 0.9
-    beta2: float = 0.95
-    grad_clip: float = 1.0          # clip by the global norm (summed across stages); 0 = off
-    schedule: str = "1f1b"          # "1f1b" (a window of micro-batches in flight that grows as needed) or "gpipe" (all)
-    pipeline_micro_batches: int = 0  # micro-batches the pipeline cuts a step into; 0 = auto (tahnode.pipeline.schedule)
-    min_micro_batch_tokens: int = 512  # auto never cuts micro-batches smaller than this
-    memory_budget_mb: float = 4096.0  # saved activations of the micro-batches stage 0 keeps in flight, at most
-    seed: int = 0                   # model init and data order
-    checkpoint_every: int = 20      # save each stage every N steps (and on SIGTERM)
-    dtype: str = "float32"          # compute dtype: float32 or bfloat16
-    stall_timeout_s: float = 300.0  # stage 0 replays a step when no gradient came back for this long (a lost message)
+    steps: int = _knob(100, "optimizer steps to train")
+    micro_batches: int = _knob(4, "micro-batches per optimizer step (M)")
+    batch_size: int = _knob(4, "samples per micro-batch")
+    seq_len: int = _knob(64, "tokens per sample")
+    lr: float = _knob(3e-3, "peak learning rate (AdamW)")
+    min_lr: float | None = _knob(None, "learning rate at the end of the cosine decay (default: lr / 10)")
+    warmup_steps: int = _knob(10, "steps of linear learning-rate warm-up")
+    weight_decay: float = _knob(0.1, "AdamW weight decay")
+    beta1: float = _knob(0.9, "AdamW beta1")
+    beta2: float = _knob(0.95, "AdamW beta2")
+    grad_clip: float = _knob(1.0, "clip gradients to this global norm (summed across stages); 0 = off")
+    schedule: str = _knob("1f1b", "pipeline schedule: 1f1b (a window of micro-batches in flight that grows as needed) or gpipe",
+                          choices=("1f1b", "gpipe"))
+    pipeline_micro_batches: int = _knob(0, "micro-batches the pipeline cuts each step into (0: enough to keep slow links "
+                                        "busy, tahnode.pipeline.schedule)")
+    min_micro_batch_tokens: int = _knob(512, "the automatic cut never makes micro-batches of fewer tokens")
+    memory_budget_mb: float = _knob(4096.0, "activation memory stage 0 may hold for micro-batches in flight",
+                                    flag="--memory-budget", metavar="MB")
+    seed: int = _knob(0, "seed of the model's initial weights and of the data order")
+    checkpoint_every: int = _knob(20, "save each stage every N steps (and on SIGTERM)")
+    dtype: str = _knob("float32", "compute dtype", choices=("float32", "bfloat16"))
+    stall_timeout_s: float = _knob(300.0, "stage 0 replays a step when no gradient came back for this long (a lost "
+                                   "message)", flag="--stall-timeout", metavar="SECONDS")
+
+    @property
+    def end_lr(self) -> float:
+        """The learning rate the cosine decay ends at: min_lr, or lr / 10 where it is not set."""
+        return self.lr / 10 if self.min_lr is None else self.min_lr
 
     def validate(self) -> "TrainConfig":
         for name in ("steps", "micro_batches", "batch_size", "seq_len", "checkpoint_every"):
@@ -53,8 +68,13 @@ class TrainConfig:
             raise ValueError(f"train.schedule must be '1f1b' or 'gpipe', got {self.schedule!r}")
         if self.dtype not in ("float32", "bfloat16"):
             raise ValueError(f"train.dtype must be 'float32' or 'bfloat16', got {self.dtype!r}")
+        if self.lr < 0:
+            raise ValueError(f"train.lr (--lr) must be >= 0, got {self.lr:g}")
+        if self.min_lr is None:
+            self.min_lr = self.end_lr  # fixed here, so that every node receives the same number
         if not 0 <= self.min_lr <= self.lr:
-            raise ValueError("train.min_lr must be in [0, lr]")
+            raise ValueError(f"train.min_lr (--min-lr) {self.min_lr:g} must be in [0, train.lr (--lr) {self.lr:g}]: "
+                             "lower --min-lr or raise --lr (without --min-lr, it follows --lr: lr / 10)")
         return self
 
 
@@ -63,9 +83,16 @@ class CodecConfig:
     """Which codecs carry activations forward and gradients backward, with their parameters."""
 
     forward: str = "tahquant"
-    backward: str = "naive"
+    backward: str = "pertoken"      # 6 bits, a scale per token and 128 channels: its error does not grow with the message
     forward_params: dict[str, float] = field(default_factory=dict)
-    backward_params: dict[str, float] = field(default_factory=lambda: {"bits": 6})
+    backward_params: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def label(self) -> str:
+        """fwd[:k=v,...]/bwd[:k=v,...], as the benchmarks write a pair."""
+        def one(name: str, params: dict) -> str:
+            return name + (":" + ",".join(f"{k}={v:g}" for k, v in sorted(params.items())) if params else "")
+        return f"{one(self.forward, self.forward_params)}/{one(self.backward, self.backward_params)}"
 
     def validate(self) -> "CodecConfig":
         from ..codecs import get_codec
@@ -73,7 +100,7 @@ class CodecConfig:
         get_codec(self.forward, **self.forward_params)
         get_codec(self.backward, **self.backward_params)
         if self.backward in ("aqsgd", "amaq"):
-            raise ValueError(f"codec {self.backward!r} is a forward (activation) codec; use none, naive or group backward")
+            raise ValueError(f"codec {self.backward!r} is a forward (activation) codec; use pertoken, none, naive, group or tahquant backward")
         return self
 
 
@@ -173,7 +200,10 @@ def _set(obj, key: str, value: Any, section: str) -> None:
         if isinstance(value, float) and value != int(value):
             raise ValueError(f"[{section}] {key} must be an integer, got {value}")
         setattr(obj, key, int(value))
-    elif isinstance(current, float):
-        setattr(obj, key, float(value))
+    elif isinstance(current, float) or (current is None and value is not None and "float" in str(names[key].type)):
+        try:
+            setattr(obj, key, float(value))
+        except (TypeError, ValueError):
+            raise ValueError(f"[{section}] {key} must be a number, got {value!r}") from None
     else:
         setattr(obj, key, value)

@@ -18,6 +18,7 @@ from ..pipeline.checkpoint import CheckpointStore
 from ..proto import tahnode_pb2 as pb
 from .bans import BanPolicy, Bans
 from .durable import SwarmDB
+from .health import LossHistory, LossWatch
 from .state import STANDBY, Census, NodeRecord, NodeStatus
 
 log = logging.getLogger("tahnode.coordinator")
@@ -58,7 +59,7 @@ class SwarmRegistry:
         self._epoch = self.db.get("epoch", 1)
         self.last_join = 0.0
         # the ledger lives in the database; memory holds only the losses the status page draws
-        self.losses: dict[int, float] = self.db.losses(LOSS_HISTORY)
+        self.history = LossHistory(self.db.losses(LOSS_HISTORY), LOSS_HISTORY)
         self.identities: dict[str, bytes] = self.db.identities()  # node id -> the public key bound at its first join
         self.events: list[str] = []
         self.census = Census()
@@ -89,8 +90,17 @@ class SwarmRegistry:
                              if n.status is NodeStatus.ACTIVE])
 
     # -- helpers ----------------------------------------------------------------------------
-    def event(self, text: str) -> None:
-        log.info(text)
+    @property
+    def losses(self) -> dict[int, float]:
+        """The recent steps' losses (what the status page draws)."""
+        return self.history.points
+
+    @property
+    def watch(self) -> LossWatch:
+        return self.history.watch
+
+    def event(self, text: str, level: int = logging.INFO) -> None:
+        log.log(level, text)
         self.events = (self.events + [f"{time.strftime('%H:%M:%S')} {text}"])[-50:]
 
     def holder(self, stage: int) -> NodeRecord | None:
@@ -241,11 +251,11 @@ class SwarmRegistry:
         """Committed steps into the ledger, in memory and on disk. A step at or before one already
         recorded means a rollback: the steps from there on are trained again and replace the old."""
         for point in points:
-            if self.losses and max(self.losses) >= point.step:
-                self.losses = {s: v for s, v in self.losses.items() if s < point.step}
-            self.losses[point.step] = point.loss
-        while len(self.losses) > LOSS_HISTORY:
-            del self.losses[min(self.losses)]
+            raised, cleared = self.history.add(point.step, point.loss)
+            if raised is not None:
+                self.event(f"ALERT: {raised.message(self.run.codec.label)}", logging.WARNING)
+            elif cleared:
+                self.event(f"the loss is back on its trend at step {point.step}")
         if points:
             self.db.record(points)
 

@@ -6,7 +6,7 @@ and SVG; no external assets): it renders the state embedded in it at load, then 
 /api/v1/state every 2 s and re-renders.
 Stable hooks for tests and scrapers: `#nodes tr[data-node-id]` (cells `.stage`, `.status`),
 `#links tr[data-src][data-dst]` (cells `.mbps`, `.transport`), `#p2p-maddrs li`, `#chain` (SVG), `#loss-curve` (SVG), `#step`,
-`#loss`, `#tokens-per-s`, `#bits-per-element`, `#events`.
+`#loss`, `#tokens-per-s`, `#bits-per-element`, `#events`, `#loss-alert` (shown with `data-kind` while the loss diverges).
 """
 
 from __future__ import annotations
@@ -145,6 +145,8 @@ class _Metrics:
         self.tokens = Gauge("tahnode_tokens_per_second", "Training throughput in tokens per second", registry=r)
         self.bits = Gauge("tahnode_bits_per_element", "Forward wire bits per activation element", registry=r)
         self.stages = Gauge("tahnode_stages", "Pipeline stages", registry=r)
+        self.alert = Gauge("tahnode_loss_alert", "1 while the loss is diverging or not finite (see /api/v1/state "
+                           "loss_alert), else 0", registry=r)
         self.nodes = Gauge("tahnode_nodes", "Nodes by status", ["status"], registry=r)
         self.node_stage = Gauge("tahnode_node_stage", "Stage each node holds (-1 = standby)", ["node"], registry=r)
         self.link_mbps = Gauge("tahnode_link_mbps", "Measured link bandwidth in Mbit/s", ["src", "dst"], registry=r)
@@ -159,6 +161,7 @@ class _Metrics:
         self.tokens.set(t["tokens_per_s"] or 0.0)
         self.bits.set(t["bits_per_element"] or 0.0)
         self.stages.set(state["stages"])
+        self.alert.set(1 if state.get("loss_alert") else 0)
         for g in (self.nodes, self.node_stage, self.link_mbps, self.link_rtt, self.refused):
             g.clear()  # nodes and links that left disappear from the scrape
         counts = dict.fromkeys(STATUSES, 0)

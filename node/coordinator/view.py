@@ -114,6 +114,7 @@ def swarm_state(r: SwarmRegistry, placement: Placement, p2p_maddrs: list[str] = 
         "run": r.sealer.run,
         "refused": refused(r),
         "p2p_maddrs": list(p2p_maddrs),
+        "loss_alert": r.watch.alert.to_json(r.run.codec.label) if r.watch.alert else None,
     }
 
 

@@ -141,8 +141,27 @@ def bench_shape(shape, dtype, iters: int) -> list[dict]:
                      ref=time_cuda(lambda: naive_ref.encode(x, nv), ref_iters), diff=diff))
     rows.append(dict(op="naive decode", t=time_cuda(lambda: naive_triton.decode(nr, shape, nv, er, dtype), iters),
                      ref=time_cuda(lambda: naive_ref.decode(nr, shape, nv, er, dtype), ref_iters), diff=""))
+    rows += symtiles_rows(x, iters, ref_iters)
     for r in rows:
         r.update(shape=shape, nbytes=nbytes, clone=t_clone)
+    return rows
+
+
+def symtiles_rows(x: torch.Tensor, iters: int, ref_iters: int) -> list[dict]:
+    """Encode and decode rows of the per-tile symmetric codecs: pertoken (the default gradient codec)
+    and tahquant's rotated layout; their kernels must give the references' bytes exactly."""
+    from tahnode.kernels import pertoken_ref, pertoken_triton, tahquant_ref, tahquant_rotated_ref, tahquant_rotated_triton
+
+    shape, dtype, rows = tuple(x.shape), x.dtype, []
+    for op, kernel, ref, params in (
+            ("pertoken encode", pertoken_triton, pertoken_ref, pertoken_ref.PerTokenParams()),
+            ("tahquant rotated encode", tahquant_rotated_triton, tahquant_rotated_ref, tahquant_ref.TahQuantParams(layout=2))):
+        pay_k, pay_r = kernel.encode(x, params), ref.encode(x, params)
+        diff = str(int((pay_k != pay_r).sum())) if pay_k.numel() == pay_r.numel() else f"size {pay_k.numel()} vs {pay_r.numel()}"
+        rows.append(dict(op=op, t=time_cuda(lambda: kernel.encode(x, params), iters),
+                         ref=time_cuda(lambda: ref.encode(x, params), ref_iters), diff=diff))
+        rows.append(dict(op=op.replace("encode", "decode"), t=time_cuda(lambda: kernel.decode(pay_r, shape, params, dtype), iters),
+                         ref=time_cuda(lambda: ref.decode(pay_r, shape, params, dtype), ref_iters), diff=""))
     return rows
 
 

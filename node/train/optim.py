@@ -18,7 +18,8 @@ def lr_at(step: int, train: TrainConfig) -> float:
         return train.lr * (step + 1) / train.warmup_steps
     span = max(1, train.steps - train.warmup_steps)
     progress = min(1.0, (step - train.warmup_steps) / span)
-    return train.min_lr + 0.5 * (train.lr - train.min_lr) * (1.0 + math.cos(math.pi * progress))
+    end = train.end_lr
+    return end + 0.5 * (train.lr - end) * (1.0 + math.cos(math.pi * progress))
 
 
 def grad_sumsq(params) -> float:

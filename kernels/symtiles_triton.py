@@ -1,0 +1,266 @@
+"""symtiles_ref in Triton: symmetric absmax per tile of G channels of a token with a bf16 scale, after
+the random-sign Hadamard rotation where asked; the kernels of `pertoken` and of TAH-Quant's
+rotated layout, giving the references' bytes and values exactly.
+
+encode: one kernel over blocks of (BR tokens x one tile): load, [signs, fwht butterflies in fp32],
+absmax, scale, quantize, and the codes straight into their bit planes when every tile starts on a
+whole byte (row width a multiple of 8; else into a code buffer that one flat kernel packs).
+decode: one kernel over the same blocks: unpack, check, dequantize, [fwht, 1/G, signs], store.
+The one synchronization of each reads its error flags, to raise the references' errors."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .bitpack import packed_nbytes, padded_count, plane_widths
+from .quant_ref import check_finite
+from .symtiles_ref import rotation_signs
+from .triton_util import interpreting, on_device, round_half_even, to_bf16_rne
+from .wire import CodecError
+
+__all__ = ["encode", "decode"]
+
+MIN_NORMAL = 2.0 ** -126  # symtiles_ref.MIN_SCALE
+
+
+@triton.jit
+def _butterfly(y, BR: tl.constexpr, G: tl.constexpr, H: tl.constexpr):
+    """One fwht stage on y (BR, G): within each block of 2H entries, (y[j], y[j + H]) -> (a + b, a - b)."""
+    if H < G:
+        v = tl.permute(tl.reshape(y, (BR, G // (2 * H), 2, H)), (0, 1, 3, 2))
+        a, b = tl.split(v)
+        y = tl.reshape(tl.permute(tl.join(a + b, a - b), (0, 1, 3, 2)), (BR, G))
+    return y
+
+
+@triton.jit
+def _fwht(y, BR: tl.constexpr, G: tl.constexpr):
+    """symtiles_ref.fwht of each row of y (BR, G) float32 (G <= 256): stages h = 1, 2, ..., G/2."""
+    y = _butterfly(y, BR, G, 1)
+    y = _butterfly(y, BR, G, 2)
+    y = _butterfly(y, BR, G, 4)
+    y = _butterfly(y, BR, G, 8)
+    y = _butterfly(y, BR, G, 16)
+    y = _butterfly(y, BR, G, 32)
+    y = _butterfly(y, BR, G, 64)
+    y = _butterfly(y, BR, G, 128)
+    return y
+
+
+@triton.jit
+def _store_plane(out_ptr, plane, q, first, count, rows_ok, BR: tl.constexpr, G: tl.constexpr, W: tl.constexpr):
+    """The low W bits of the codes q (BR, G), whose code indices start at first (BR,) (multiples of 8),
+    into the width-W plane that starts at byte `plane`: 8/W codes per byte, least significant first.
+    Only the first `count` codes of each row (a multiple of 8) are stored."""
+    PER: tl.constexpr = 8 // W
+    v = tl.reshape(q & ((1 << W) - 1), (BR, G // PER, PER))
+    packed = tl.sum(v << (tl.arange(0, PER) * W)[None, None, :], axis=2)
+    k = tl.arange(0, G // PER)
+    ok = rows_ok[:, None] & (k[None, :] * PER < count)
+    tl.store(out_ptr + plane + first[:, None] // PER + k[None, :], packed.to(tl.uint8), mask=ok)
+
+
+@triton.jit
+def _load_plane(base, first, rows_ok, BR: tl.constexpr, G: tl.constexpr, W: tl.constexpr):
+    """The width-W plane's values (BR, G) int32 of the codes at indices first + 0..G-1 (any first)."""
+    PER: tl.constexpr = 8 // W
+    i = first[:, None] + tl.arange(0, G)[None, :]
+    b = tl.load(base + i // PER, mask=rows_ok[:, None], other=0).to(tl.int32)
+    return (b >> ((i % PER) * W).to(tl.int32)) & ((1 << W) - 1)
+
+
+@triton.jit
+def _encode_kernel(x_ptr, stride_x, signs_ptr, n_rows, n_chan, n_tpt, width, scale_ptr, out_ptr, n_pad, codes_ptr, status_ptr,
+                   G: tl.constexpr, QMAX: tl.constexpr, ROTATE: tl.constexpr, PACKED: tl.constexpr, BR: tl.constexpr,
+                   S8: tl.constexpr, S4: tl.constexpr, S2: tl.constexpr, S1: tl.constexpr):
+    """Program (r, t): tokens [r*BR, +BR), tile t. Scales go to scale_ptr[token * n_tpt + t]; code i
+    of a token (i < width: C, or T*G when ROTATE) is code token*width + i of the payload's planes
+    (S<w>: the bit offset of the width-w plane, -1 if absent), or of codes_ptr unpacked when not
+    PACKED. status[0] |= 1 for a non-finite input, |= 2 for a rotated value too large."""
+    rb = tl.program_id(0)
+    t = tl.program_id(1)
+    rows = rb * BR + tl.arange(0, BR)
+    rows_ok = rows < n_rows
+    j = tl.arange(0, G)
+    c = t * G + j
+    m = rows_ok[:, None] & (c < n_chan)[None, :]
+    x = tl.load(x_ptr + rows.to(tl.int64)[:, None] * stride_x + c[None, :], mask=m, other=0.0).to(tl.float32)
+    bad = tl.max(tl.max(((x != x) | (tl.abs(x) == float("inf"))).to(tl.int32), axis=1), axis=0)
+    if ROTATE:
+        x = _fwht(x * tl.load(signs_ptr + j)[None, :], BR, G)
+        big = tl.abs(x * G) == float("inf")
+        bad |= 2 * tl.max(tl.max(big.to(tl.int32), axis=1), axis=0)
+    if bad != 0:
+        tl.atomic_or(status_ptr, bad)
+    ratio = tl.math.div_rn(tl.max(tl.abs(x), axis=1), tl.full([BR], QMAX, tl.float32))
+    s16 = tl.where(ratio >= 1.1754943508222875e-38, to_bf16_rne(ratio), tl.zeros([BR], dtype=tl.bfloat16))
+    tl.store(scale_ptr + rows.to(tl.int64) * n_tpt + t, s16, mask=rows_ok)
+    s = s16.to(tl.float32)[:, None]
+    pos = s > 0
+    u = tl.where(pos, tl.math.div_rn(x, tl.where(pos, s, 1.0)), 0.0)
+    u = tl.minimum(tl.maximum(u, -QMAX), QMAX)
+    r = round_half_even(tl.abs(u))
+    q = tl.where(u < 0, -r, r) + QMAX
+    first = rows.to(tl.int64) * width + t * G
+    if PACKED:
+        if S8 >= 0:
+            _store_plane(out_ptr, n_pad // 8 * S8, q >> S8, first, width - t * G, rows_ok, BR, G, 8)
+        if S4 >= 0:
+            _store_plane(out_ptr, n_pad // 8 * S4, q >> S4, first, width - t * G, rows_ok, BR, G, 4)
+        if S2 >= 0:
+            _store_plane(out_ptr, n_pad // 8 * S2, q >> S2, first, width - t * G, rows_ok, BR, G, 2)
+        if S1 >= 0:
+            _store_plane(out_ptr, n_pad // 8 * S1, q >> S1, first, width - t * G, rows_ok, BR, G, 1)
+    else:
+        tl.store(codes_ptr + first[:, None] + j[None, :], q.to(tl.uint8), mask=m)
+
+
+@triton.jit
+def _pack_kernel(codes_ptr, out_ptr, n, n_pad, BLOCK: tl.constexpr, S8: tl.constexpr, S4: tl.constexpr, S2: tl.constexpr,
+                 S1: tl.constexpr):
+    """Pack codes [pid*BLOCK, +BLOCK) of the flat code buffer (zero past n) into the planes."""
+    pid = tl.program_id(0)
+    i = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    q = tl.load(codes_ptr + i, mask=i < n, other=0).to(tl.int32)
+    first = tl.full([1], 0, tl.int64) + pid.to(tl.int64) * BLOCK
+    ok = first < n_pad
+    q2 = tl.reshape(q, (1, BLOCK))
+    if S8 >= 0:
+        _store_plane(out_ptr, n_pad // 8 * S8, q2 >> S8, first, n_pad - first, ok, 1, BLOCK, 8)
+    if S4 >= 0:
+        _store_plane(out_ptr, n_pad // 8 * S4, q2 >> S4, first, n_pad - first, ok, 1, BLOCK, 4)
+    if S2 >= 0:
+        _store_plane(out_ptr, n_pad // 8 * S2, q2 >> S2, first, n_pad - first, ok, 1, BLOCK, 2)
+    if S1 >= 0:
+        _store_plane(out_ptr, n_pad // 8 * S1, q2 >> S1, first, n_pad - first, ok, 1, BLOCK, 1)
+
+
+@triton.jit
+def _decode_kernel(codes_ptr, n_pad, scale_ptr, signs_ptr, out_ptr, bad_ptr, n_rows, n_chan, n_tpt, width,
+                   G: tl.constexpr, QMAX: tl.constexpr, ROTATE: tl.constexpr, BR: tl.constexpr, OUT_BF16: tl.constexpr,
+                   S8: tl.constexpr, S4: tl.constexpr, S2: tl.constexpr, S1: tl.constexpr):
+    """Program (r, t): tokens [r*BR, +BR), tile t. bad[program] = 2 if one of its scales is not +0 or
+    a positive normal float32, else 1 if a code exceeds 2*QMAX, else 0."""
+    rb = tl.program_id(0)
+    t = tl.program_id(1)
+    rows = rb * BR + tl.arange(0, BR)
+    rows_ok = rows < n_rows
+    j = tl.arange(0, G)
+    c = t * G + j
+    in_row = (c < width)[None, :]
+    first = rows.to(tl.int64) * width + t * G
+    q = tl.zeros([BR, G], dtype=tl.int32)
+    if S8 >= 0:
+        q |= _load_plane(codes_ptr + n_pad // 8 * S8, first, rows_ok, BR, G, 8) << S8
+    if S4 >= 0:
+        q |= _load_plane(codes_ptr + n_pad // 8 * S4, first, rows_ok, BR, G, 4) << S4
+    if S2 >= 0:
+        q |= _load_plane(codes_ptr + n_pad // 8 * S2, first, rows_ok, BR, G, 2) << S2
+    if S1 >= 0:
+        q |= _load_plane(codes_ptr + n_pad // 8 * S1, first, rows_ok, BR, G, 1) << S1
+    s = tl.load(scale_ptr + rows.to(tl.int64) * n_tpt + t, mask=rows_ok, other=0.0).to(tl.float32)
+    sbits = s.to(tl.int32, bitcast=True)
+    bad_scale = rows_ok & (sbits != 0) & ((sbits < 0x00800000) | (sbits >= 0x7F800000))  # sign set, subnormal, inf or nan
+    bad_code = rows_ok[:, None] & in_row & (q > 2 * QMAX)
+    bad = tl.where(tl.max(bad_scale.to(tl.int32), axis=0) > 0, 2, tl.max(tl.max(bad_code.to(tl.int32), axis=1), axis=0))
+    tl.store(bad_ptr + rb * tl.num_programs(1) + t, bad.to(tl.uint8))
+    y = (q.to(tl.float32) - QMAX) * s[:, None]
+    if ROTATE:
+        y = _fwht(y, BR, G) * (1.0 / G) * tl.load(signs_ptr + j)[None, :]
+    m = rows_ok[:, None] & (c < n_chan)[None, :]
+    dst = out_ptr + rows.to(tl.int64)[:, None] * n_chan + c[None, :]
+    if OUT_BF16:
+        tl.store(dst, to_bf16_rne(y), mask=m)
+    else:
+        tl.store(dst, y.to(out_ptr.dtype.element_ty), mask=m)
+
+
+def _planes(bits: int) -> dict:
+    """The bit offset S<w> of each plane of width w (-1 when the code has none)."""
+    shifts, shift = {}, 0
+    for w in plane_widths(bits):
+        shifts[w] = shift
+        shift += w
+    return {f"S{w}": shifts.get(w, -1) for w in (8, 4, 2, 1)}
+
+
+def _rows_per_block(g: int, n_rows: int) -> int:
+    """Tokens per program: about 4096 values on a GPU (a few registers each), more in the interpreter."""
+    values = 65536 if interpreting() else 4096
+    return max(1, min(triton.next_power_of_2(max(1, n_rows)), values // g))
+
+
+def encode(x2: torch.Tensor, g: int, bits: int, rotate: bool, codec: str) -> tuple[torch.Tensor, int]:
+    """x2 (N, C) on a CUDA device (or interpreted) -> (payload: bf16 scales (N, T) then the packed
+    codes, width): symtiles_ref's bytes for that layout (width = C, or T*G rotated)."""
+    with on_device(x2):
+        n, c = x2.shape
+        if x2.stride(1) != 1:
+            x2 = x2.contiguous()
+        t = -(-c // g)
+        width = t * g if rotate else c
+        qmax = 2 ** (bits - 1) - 1
+        n_codes = n * width
+        n_pad = padded_count(n_codes)
+        head = 2 * n * t
+        out = torch.empty(head + packed_nbytes(n_codes, bits), dtype=torch.uint8, device=x2.device)
+        status = torch.zeros(1, dtype=torch.int32, device=x2.device)
+        signs = rotation_signs(g, x2.device) if rotate else status  # a pointer the kernel never reads
+        packed = width % 8 == 0
+        codes = out if packed else torch.empty(n_codes, dtype=torch.uint8, device=x2.device)
+        br = _rows_per_block(g, n)
+        _encode_kernel[(triton.cdiv(n, br), t)](
+            x2, x2.stride(0), signs, n, c, t, width, out[:head].view(torch.bfloat16), out[head:], n_pad, codes, status,
+            G=g, QMAX=qmax, ROTATE=rotate, PACKED=packed, BR=br, **_planes(bits))
+        if not packed:
+            block = 65536 if interpreting() else 4096
+            _pack_kernel[(triton.cdiv(n_pad, block),)](codes, out[head:], n_codes, n_pad, BLOCK=block, **_planes(bits))
+        bad = int(status.item())  # the one synchronization
+        if bad & 1:
+            check_finite(x2, codec)  # raises with the reference's message
+        if bad & 2:
+            raise CodecError(f"{codec}: an activation is too large to rotate (|x| near the float32 maximum)")
+        return out, width
+
+
+def decode(scale: torch.Tensor, codes: torch.Tensor, n: int, c: int, g: int, bits: int, rotate: bool, dtype: torch.dtype,
+           codec: str) -> torch.Tensor:
+    """(N, C) of `dtype` from checked sections (scale bf16 (N, T), packed codes), on their device."""
+    with on_device(codes):
+        t = scale.shape[1]
+        width = t * g if rotate else c
+        n_pad = padded_count(n * width)
+        br = _rows_per_block(g, n)
+        grid = (triton.cdiv(n, br), t)
+        out = torch.empty(n, c, dtype=dtype, device=codes.device)
+        bad = torch.empty(grid[0] * grid[1], dtype=torch.uint8, device=codes.device)
+        signs = rotation_signs(g, codes.device) if rotate else bad
+        qmax = 2 ** (bits - 1) - 1
+        _decode_kernel[grid](codes, n_pad, scale, signs, out, bad, n, c, t, width, G=g, QMAX=qmax, ROTATE=rotate, BR=br,
+                             OUT_BF16=dtype == torch.bfloat16, **_planes(bits))
+        worst = int(torch.maximum(bad.max(), _padding_flag(codes, n * width, n_pad, bits)))  # the one synchronization
+        if worst == 2:
+            raise CodecError(f"{codec} payload is corrupt: a scale is negative, non-finite or subnormal")
+        if worst == 1:
+            raise CodecError(f"{codec} payload is corrupt: code out of range or non-zero padding")
+        return out
+
+
+def _padding_flag(codes: torch.Tensor, n_codes: int, n_pad: int, bits: int) -> torch.Tensor:
+    """1 (uint8, on the device) if a padding code (index n_codes..n_pad-1) of any plane is not zero."""
+    flag = torch.zeros((), dtype=torch.uint8, device=codes.device)
+    if n_codes == n_pad:
+        return flag
+    plane = 0
+    for w in plane_widths(bits):
+        per = 8 // w
+        first_byte = n_codes // per
+        tail = codes[plane + first_byte: plane + n_pad // per]
+        shifts = torch.arange(per, device=codes.device) * w
+        values = (tail[:, None].long() >> shifts) & ((1 << w) - 1)
+        index = (first_byte + torch.arange(tail.numel(), device=codes.device))[:, None] * per + torch.arange(per, device=codes.device)
+        flag = torch.maximum(flag, ((values != 0) & (index >= n_codes)).any().to(torch.uint8))
+        plane += n_pad * w // 8
+    return flag

@@ -1,0 +1,199 @@
+"""`tahnode bench convergence`: does a codec pair train as well as uncompressed? Every pair trains
+with seeds 0..N-1 on the pipeline replica (tahnode.pipeline.replica: the stages' exact math and
+codec work in one process) and is compared with the reference pair (none/none) of the same seed.
+
+It reports held-out loss (samples at the end of the data that no run trains on), bits per element,
+relative error per boundary crossing, and the tokens and link time each pair needs to reach the
+reference's final held-out loss; the table goes to docs/benchmarks.md, the plot beside it. Each
+run's result is kept in --workdir, so a bench that was stopped picks up where it was."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import sys
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import asdict
+from pathlib import Path
+
+from .bench_report import write_section
+from .bench_swarm import CodecPair
+from .convergence_report import plot, summarize, table
+from .convergence_runs import RunResult, RunSpec, train_one
+
+__all__ = ["main", "build_parser", "plan"]
+
+DEFAULT_PAIRS = "none/none,none/pertoken,tahquant/naive,tahquant/none,tahquant/pertoken"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="tahnode bench convergence", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--pairs", default=DEFAULT_PAIRS, help="codec pairs FWD[:k=v,...]/BWD[:k=v,...], comma-separated; the first "
+                    f"is the reference unless none/none is among them (default {DEFAULT_PAIRS}). Separate pairs with ';' "
+                    "when their parameters have commas")
+    ap.add_argument("--seeds", type=int, default=3, metavar="N", help="train every pair with seeds 0..N-1: weights and data "
+                    "order (default 3)")
+    ap.add_argument("--first-seed", type=int, default=0, help="start the seeds here (default 0)")
+    ap.add_argument("--model", default="llama-tiny", help="model preset, TOML or Hugging Face config (default llama-tiny)")
+    ap.add_argument("--stages", type=int, default=3, help="pipeline stages the model is cut into (default 3)")
+    ap.add_argument("--steps", type=int, default=300, help="optimizer steps per run (default 300)")
+    ap.add_argument("--seq-len", type=int, default=128, help="tokens per sample (default 128)")
+    ap.add_argument("--tokens-per-message", type=int, default=4096, help="tokens in one micro-batch, i.e. in one message "
+                    "between stages (default 4096: 32 samples of 128)")
+    ap.add_argument("--messages-per-step", type=int, default=2, help="micro-batches per optimizer step (default 2)")
+    ap.add_argument("--config", default="", help="a TOML file whose [train] table sets lr, warmup_steps, min_lr, ... "
+                    "(default: the built-in [train] defaults)")
+    ap.add_argument("--data", default="", help="a token file from `tahnode data prepare` (default: the built-in corpus)")
+    ap.add_argument("--data-mb", type=float, default=16.0, help="size of the built-in corpus in MB (default 16)")
+    ap.add_argument("--init-from", default="", help="fine-tune this Hugging Face checkpoint folder instead of training "
+                    "from scratch")
+    ap.add_argument("--device", default="cpu", help="cpu (default) or cuda[:N]")
+    ap.add_argument("--dtype", default="", help="float32 or bfloat16 (default: float32 on cpu, bfloat16 on cuda)")
+    ap.add_argument("--eval-every", type=int, default=25, help="held-out loss every this many steps (default 25)")
+    ap.add_argument("--eval-samples", type=int, default=512, help="held-out samples, at the end of the data (default 512)")
+    ap.add_argument("--jobs", type=int, default=0, help="runs at once (default: one per CPU core on cpu, 4 on a GPU)")
+    ap.add_argument("--rates", default="10,50", help="link rates in Mbit/s for the time-to-loss column (default 10,50)")
+    ap.add_argument("--workdir", default="bench-convergence", help="each run's result as JSON; runs already there with the "
+                    "same settings are not trained again (default bench-convergence)")
+    ap.add_argument("--name", default="convergence", help="the doc section and plot name (default convergence)")
+    ap.add_argument("--doc", default="docs/benchmarks.md", help="where the table goes (default docs/benchmarks.md)")
+    ap.add_argument("--plots", default="docs/plots", help="where the PNG plot goes (default docs/plots)")
+    ap.add_argument("--no-doc", action="store_true", help="print the table only; leave the doc and plots alone")
+    ap.add_argument("--json", action="store_true", help="print every run's result as one JSON list on the last line")
+    return ap
+
+
+def parse_pairs(text: str) -> list[CodecPair]:
+    parts = text.split(";") if ";" in text else text.split(",")
+    pairs = [CodecPair.parse(p) for p in parts if p.strip()]
+    if not pairs:
+        raise ValueError("--pairs names no codec pair")
+    return pairs
+
+
+def jobs_for(args) -> int:
+    """Runs at once: --jobs, else one per CPU core (each with one torch thread), or 4 sharing a GPU."""
+    return args.jobs or (4 if args.device.startswith("cuda") else max(1, multiprocessing.cpu_count()))
+
+
+def plan(args) -> list[RunSpec]:
+    """Every (pair, seed) run, seed-major so that the first results already compare pairs."""
+    if args.tokens_per_message % args.seq_len:
+        raise ValueError(f"--tokens-per-message {args.tokens_per_message} is not whole samples of --seq-len {args.seq_len}")
+    for name in ("seeds", "steps", "stages", "messages_per_step", "eval_every", "eval_samples"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
+    on_gpu, jobs = args.device.startswith("cuda"), jobs_for(args)
+    specs = []
+    for seed in range(args.first_seed, args.first_seed + args.seeds):
+        for pair in parse_pairs(args.pairs):
+            specs.append(RunSpec(
+                pair=pair.label, forward=pair.forward, forward_params=pair.forward_params, backward=pair.backward,
+                backward_params=pair.backward_params, seed=seed, model=args.model, stages=args.stages, steps=args.steps,
+                seq_len=args.seq_len, samples_per_message=args.tokens_per_message // args.seq_len,
+                messages_per_step=args.messages_per_step, config=args.config, data=args.data, data_mb=args.data_mb,
+                device=args.device, dtype=args.dtype or ("bfloat16" if on_gpu else "float32"), init_from=args.init_from,
+                eval_every=args.eval_every, eval_samples=args.eval_samples, threads=0 if on_gpu or jobs == 1 else 1))
+    specs[0].run_config()  # a bad model, config or codec parameter fails here, before any run starts
+    return specs
+
+
+def run_all(specs: list[RunSpec], workdir: Path, jobs: int) -> list[RunResult]:
+    """Train the runs not yet in `workdir`, `jobs` at a time, with progress bars; every result."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    workdir.mkdir(parents=True, exist_ok=True)
+    todo = [s for s in specs if not (workdir / f"{s.key}.json").exists()]
+    if todo:
+        train_samples_ready(todo[0])
+        ctx = multiprocessing.get_context("spawn")
+        with ctx.Manager() as manager, Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                                                TimeElapsedColumn()) as bar, \
+                ProcessPoolExecutor(max_workers=min(jobs, len(todo)), mp_context=ctx) as pool:
+            queue = manager.Queue()
+            overall = bar.add_task(f"{len(todo)} runs ({len(specs) - len(todo)} done before)", total=len(todo) * todo[0].steps)
+            futures = {pool.submit(train_one, spec, queue): spec for spec in todo}
+            tasks: dict[str, tuple[int, int]] = {}  # run key -> (its task, steps counted)
+            while any(not f.done() for f in futures) or not queue.empty():
+                try:
+                    key, done = queue.get(timeout=0.5)
+                except Exception:  # queue.Empty through the manager's proxy
+                    _collect(futures, workdir, bar, tasks)
+                    continue
+                if key not in tasks:
+                    spec = next(s for s in todo if s.key == key)
+                    tasks[key] = (bar.add_task(f"  {spec.pair} seed {spec.seed}", total=spec.steps), 0)
+                task, counted = tasks[key]
+                bar.update(task, completed=done)
+                bar.advance(overall, done - counted)
+                tasks[key] = (task, done)
+                _collect(futures, workdir, bar, tasks)
+            _collect(futures, workdir, bar, tasks)
+    return [RunResult.load(workdir / f"{s.key}.json") for s in specs if (workdir / f"{s.key}.json").exists()]
+
+
+def train_samples_ready(spec: RunSpec) -> None:
+    """Prepare the built-in corpus once here, before the workers would each start on it."""
+    from ..train.data import open_dataset
+
+    open_dataset(spec.run_config())
+
+
+def _collect(futures: dict, workdir: Path, bar, tasks: dict) -> None:
+    """Save the results of runs that ended; a run that raised is reported (and not saved)."""
+    for future, spec in list(futures.items()):
+        if not future.done():
+            continue
+        del futures[future]
+        if spec.key in tasks:
+            bar.remove_task(tasks[spec.key][0])
+        if future.exception() is not None:
+            bar.console.print(f"[red]run {spec.pair} seed {spec.seed} failed:[/red] {future.exception()}")
+            continue
+        result = future.result()
+        result.save(workdir / f"{spec.key}.json")
+        what = f"diverged ({result.diverged})" if result.diverged else f"held-out loss {result.final_eval:.4f}"
+        bar.console.print(f"{spec.pair} seed {spec.seed}: {what}, {result.seconds:.0f} s")
+
+
+def report(results: list[RunResult], specs: list[RunSpec], args, command: str) -> str:
+    labels = list(dict.fromkeys(s.pair for s in specs))
+    reference = "none/none" if "none/none" in labels else labels[0]
+    summaries = summarize(results, reference)
+    rates = [float(r) for r in args.rates.split(",") if r.strip()]
+    text = table(summaries, rates)
+    if args.no_doc:
+        return text
+    spec = specs[0]
+    run = spec.run_config()
+    plots = [plot(summaries, reference, Path(args.plots) / f"{args.name}.png")]
+    setting = (f"Model: {spec.model} in {spec.stages} stages, {spec.steps} steps of {spec.messages_per_step} messages of "
+               f"{spec.samples_per_message} × {spec.seq_len} tokens, {spec.dtype} on {spec.device}; lr {run.train.lr:g} "
+               f"({run.train.warmup_steps} warm-up steps, cosine to {run.train.min_lr:g}); "
+               + (f"fine-tuning {spec.init_from}; " if spec.init_from else "from scratch; ")
+               + f"held-out loss over the last {spec.eval_samples} samples of the data, never trained on, every "
+               f"{spec.eval_every} steps. Gaps compare each seed with the reference ({reference}) of the same seed. Link time = "
+               "tokens × width × bits per element of a link's busier direction / rate: what the link alone needs.")
+    write_section(Path(args.doc), f"bench-convergence-{args.name}", f"Convergence: {args.name}",
+                  [text, "", setting, "", f"Command: `{command}`"], plots, spec.device)
+    return text
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        specs = plan(args)
+    except ValueError as exc:
+        print(f"tahnode bench convergence: {exc}", file=sys.stderr)
+        return 2
+    results = run_all(specs, Path(args.workdir), jobs_for(args))
+    if not results:
+        return 1
+    command = ("tahnode bench convergence " + " ".join(sys.argv[3:] if argv is None else argv)).strip()
+    print(report(results, specs, args, command))
+    if not args.no_doc:
+        print(f"written to {args.doc}; plot in {args.plots}")
+    if args.json:
+        print(json.dumps([asdict(r) for r in results]))
+    return 0 if len(results) == len(specs) else 1

@@ -1,0 +1,67 @@
+"""The pipeline replica (tahnode.pipeline.replica, what `tahnode bench convergence` trains) is the
+pipeline: for each main codec pair, a few steps give the in-process pipeline's losses exactly, and
+held-out samples stay out of its training."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+
+import pytest
+from tahnode.net.transport import BACKWARD, FORWARD
+from tahnode.pipeline.replica import PipelineReplica
+from test_pipeline_inproc import Swarm, build_run, dataset, train  # noqa: F401  (dataset is a fixture)
+
+PAIRS = [
+    ("none", {}, "none", {}),
+    ("tahquant", {}, "naive", {"bits": 6}),
+    ("tahquant", {}, "tahquant", {}),
+    ("tahquant", {"layout": 2}, "pertoken", {}),
+    ("aqsgd", {}, "pertoken", {}),
+    ("amaq", {}, "naive", {"bits": 6}),
+]
+
+
+def replica_losses(run, dataset, steps: int, **kwargs) -> list[float]:
+    replica = PipelineReplica(run, dataset, **kwargs)
+    return [replica.train_step(step) for step in range(steps)]
+
+
+@pytest.mark.parametrize("fwd,fwd_params,bwd,bwd_params", PAIRS, ids=[f"{p[0]}/{p[2]}" for p in PAIRS])
+def test_replica_gives_the_pipelines_losses(dataset, fwd, fwd_params, bwd, bwd_params):
+    steps = 3
+    run = build_run(steps, **{"codec.forward": fwd, "codec.forward_params": fwd_params, "codec.backward": bwd,
+                              "codec.backward_params": bwd_params, "train.pipeline_micro_batches": 2, "train.seed": 1})
+    swarm = asyncio.run(train(Swarm(run, dataset), steps))
+    assert replica_losses(run, dataset, steps) == swarm.losses()
+
+
+def test_replica_of_a_ring_gives_the_pipelines_losses(dataset):
+    """Tied embeddings: the last stage's hidden states cross back to stage 0's head, compressed."""
+    run = build_run(3, **{"train.pipeline_micro_batches": 2, "stages": 3})
+    run.model = dataclasses.replace(run.model, tie_embeddings=True)
+    run.codec.backward, run.codec.backward_params = "pertoken", {}
+    swarm = asyncio.run(train(Swarm(run, dataset), 3))
+    assert replica_losses(run, dataset, 3) == swarm.losses()
+
+
+def test_held_out_samples_are_never_trained_on(dataset):
+    run = build_run(4, **{"codec.forward": "none", "codec.backward": "none", "codec.backward_params": {}})
+    replica = PipelineReplica(run, dataset, train_samples=len(dataset) - 8)
+    epoch = -(-len(dataset) // replica.schedule.samples_per_step)
+    seen = {i for step in range(epoch) for mb in range(run.train.micro_batches) for i in replica.schedule.ids(step, mb)}
+    assert seen == set(range(len(dataset) - 8))
+    before = replica.evaluate(list(range(len(dataset) - 8, len(dataset))), 4)
+    for step in range(4):
+        replica.train_step(step)
+    after = replica.evaluate(list(range(len(dataset) - 8, len(dataset))), 4)
+    assert after < before  # it learns the data's shape, on samples it never saw
+
+
+def test_crossing_errors_are_measured(dataset):
+    run = build_run(1, **{"codec.forward": "tahquant", "codec.backward": "pertoken", "codec.backward_params": {}})
+    replica = PipelineReplica(run, dataset)
+    replica.train_step(0)
+    fwd, bwd = replica.errors.mean(FORWARD), replica.errors.mean(BACKWARD)
+    assert 0.03 < fwd < 0.3 and 0.005 < bwd < 0.1, (fwd, bwd)
+    assert replica.errors.counts[FORWARD] == replica.errors.counts[BACKWARD] == 2 * run.train.micro_batches

@@ -1,0 +1,195 @@
+"""The per-tile symmetric quantizer (kernels/symtiles_ref) and its two codecs: `pertoken`, the gradient
+codec, and TAH-Quant's rotated layout. Error bounds (one token 1000x the others), the rotation's
+algebra, the kernels' bytes against the references under Triton's interpreter, corrupt payloads."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from tahnode import codecs
+from tahnode.codecs import CodecError
+from tahnode.kernels import pertoken_ref, pertoken_triton, symtiles_ref, tahquant_rotated_ref, tahquant_rotated_triton
+from tahnode.kernels.tahquant_ref import TahQuantParams
+from helpers import same_bits
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+ROTATED = TahQuantParams(layout=2)
+
+
+def gradient_with_one_large_token(shape=(4, 256, 768), factor=1000.0, seed=0) -> torch.Tensor:
+    """Gradient-sized values (std 1e-7) where one token's gradient is `factor` times the others'."""
+    g = torch.randn(shape, generator=torch.Generator().manual_seed(seed)) * 1e-7
+    g[1, 17] *= factor
+    return g
+
+
+def token_errors(name: str, x: torch.Tensor, **params) -> torch.Tensor:
+    y = codecs.decode(codecs.get_codec(name, **params).encode(x))
+    x, y = x.double(), y.double()  # the squares of 1e-30 underflow float32
+    return ((y - x).norm(dim=-1) / x.norm(dim=-1)).reshape(-1)
+
+
+def test_pertoken_error_does_not_grow_with_one_large_token():
+    """6-bit absmax over 128 Gaussian values: relative error about 0.03 per token, whatever the
+    other tokens hold. The per-channel codec (naive) loses every ordinary token: its scales are set
+    by the large one, and most codes round to zero."""
+    x = gradient_with_one_large_token()
+    ours = token_errors("pertoken", x)
+    assert float(ours.max()) < 0.045, float(ours.max())
+    theirs = token_errors("naive", x, bits=6)
+    assert float(theirs.median()) > 0.5, float(theirs.median())
+    quiet = gradient_with_one_large_token(factor=1.0)
+    assert float(token_errors("pertoken", quiet).max()) < 0.045
+    assert float(token_errors("naive", quiet, bits=6).max()) < 0.045  # the per-channel codec is fine without the large token
+
+
+def test_pertoken_size_and_range():
+    x = gradient_with_one_large_token()
+    msg = codecs.get_codec("pertoken").encode(x)
+    assert 6.125 < codecs.bits_per_element(msg) < 6.13  # 6 bits + a bf16 scale per 128 channels + the header
+    tiny = torch.randn(2, 64, 256) * 1e-30  # far below fp16's range, inside bf16's
+    assert float(token_errors("pertoken", tiny).max()) < 0.045
+    zeros = codecs.decode(codecs.get_codec("pertoken").encode(torch.full((2, 8, 64), 1e-39)))
+    assert torch.equal(zeros, torch.zeros(2, 8, 64))  # absmax / qmax below 2^-126: sent as zeros
+
+
+def test_fwht_is_sylvester_hadamard_and_rotation_inverts():
+    for g in (8, 32, 64, 256):
+        y = torch.randn(5, g, dtype=torch.float64).float()
+        h = torch.ones(1, 1)
+        while h.shape[0] < g:
+            h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+        assert torch.allclose(symtiles_ref.fwht(y), y @ h, rtol=1e-6, atol=1e-5)
+        assert torch.allclose(symtiles_ref.fwht(symtiles_ref.fwht(y)), g * y, rtol=1e-6, atol=1e-4)
+    x = torch.randn(7, 200)
+    back = symtiles_ref.unrotate(symtiles_ref.rotate(x, 64), 64, 200)
+    assert torch.allclose(back, x, atol=1e-6)
+    signs = symtiles_ref.rotation_signs(16)
+    assert set(signs.tolist()) == {1.0, -1.0} and torch.equal(signs, symtiles_ref.rotation_signs(256)[:16])
+    assert signs.tolist() == symtiles_ref.rotation_signs(16).tolist()  # fixed, not random per call
+
+
+def test_rotated_layout_spreads_an_outlier():
+    """One outlier channel: the paper's layout rotates its tiles; the rotated layout rotates every
+    tile, and its error per element stays small across the whole token."""
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 64, 512, generator=gen)
+    x[..., 5] *= 50
+    y = codecs.decode(codecs.get_codec("tahquant", layout=2).encode(x))
+    sqnr = 10 * torch.log10(x.pow(2).sum() / (y - x).pow(2).sum())
+    assert float(sqnr) > 19.0, float(sqnr)
+    msg = codecs.get_codec("tahquant", layout=2).encode(x)
+    assert msg.version == 2 and "layout" not in msg.params
+    assert 4.25 < codecs.bits_per_element(msg) < 4.27
+
+
+def test_rotated_layout_refuses_values_it_cannot_rotate():
+    x = torch.zeros(1, 2, 64)
+    x[0, 0, 0] = 3e37
+    with pytest.raises(CodecError, match="too large to rotate"):
+        codecs.get_codec("tahquant", layout=2).encode(x)
+
+
+def test_layout_travels_as_the_version():
+    msg = codecs.get_codec("tahquant", layout=2).encode(torch.randn(2, 3, 64))
+    forged = type(msg)()
+    forged.CopyFrom(msg)
+    forged.params["layout"] = 2.0
+    forged.crc32 = codecs.checksum(forged)
+    with pytest.raises(CodecError, match="unknown parameters: layout"):
+        codecs.decode(forged)
+    forged.CopyFrom(msg)
+    forged.version = 3
+    forged.crc32 = codecs.checksum(forged)
+    with pytest.raises(CodecError, match="version 3 is not supported"):
+        codecs.decode(forged)
+
+
+CASES = [((3, 20), torch.bfloat16, 8, 6), ((2, 5, 40), torch.float32, 32, 6), ((4, 7, 128), torch.float16, 128, 4),
+         ((1, 3, 264), torch.bfloat16, 128, 8), ((2, 9, 24), torch.float32, 16, 3), ((2, 64, 768), torch.bfloat16, 128, 6)]
+
+
+@pytest.fixture
+def kernels(monkeypatch):
+    if DEVICE == "cpu":
+        pytest.importorskip("triton")
+        if os.environ.get("TRITON_INTERPRET") != "1":
+            pytest.skip("needs TRITON_INTERPRET=1 without a GPU")
+
+
+@pytest.mark.parametrize("shape,dtype,g,bits", CASES, ids=[f"{c[0]}-{c[1]}-G{c[2]}-b{c[3]}" for c in CASES])
+def test_kernels_give_the_references_bytes_and_values(kernels, shape, dtype, g, bits):
+    x = (torch.randn(shape) * torch.rand(*shape[:-1], 1) * 5).to(dtype)
+    x.reshape(-1, shape[-1])[0, 1] *= 1000
+    x.reshape(-1, shape[-1])[-1] = 0  # an all-zero token: scale 0
+    p = pertoken_ref.PerTokenParams(bits, g)
+    ref = pertoken_ref.encode(x, p)
+    assert torch.equal(pertoken_triton.encode(x.to(DEVICE), p).cpu(), ref)
+    assert same_bits(pertoken_triton.decode(ref.to(DEVICE), shape, p, dtype).cpu(), pertoken_ref.decode(ref, shape, p, dtype))
+    if g <= 256:
+        q = TahQuantParams(group_size=g, bits_high=bits, bits_low=2, layout=2)
+        ref = tahquant_rotated_ref.encode(x, q)
+        assert torch.equal(tahquant_rotated_triton.encode(x.to(DEVICE), q).cpu(), ref)
+        out = tahquant_rotated_triton.decode(ref.to(DEVICE), shape, q, dtype).cpu()
+        assert same_bits(out, tahquant_rotated_ref.decode(ref, shape, q, dtype))
+
+
+def corruptions(payload: torch.Tensor, n_scales: int, bits: int) -> list[tuple[str, torch.Tensor]]:
+    """(what, payload) pairs a decoder must refuse, with the error it names."""
+    out = []
+    for what, value in (("negative", -1.0), ("non-finite", float("nan")), ("subnormal", 1e-39)):
+        bad = payload.clone()
+        bad[:2 * n_scales].view(torch.bfloat16)[1] = value
+        out.append(("scale", bad))
+    if bits > 1:  # 2*qmax = 2^bits - 2: the all-ones code is out of range
+        bad = payload.clone()
+        bad[2 * n_scales:] = 0xFF
+        out.append(("code out of range", bad))
+    return out
+
+
+@pytest.mark.parametrize("rotated", [False, True], ids=["pertoken", "rotated"])
+def test_corrupt_payloads_are_refused_alike(kernels, rotated):
+    shape = (2, 5, 40)
+    x = torch.randn(shape)
+    if rotated:
+        p, ref, tri = TahQuantParams(group_size=32, layout=2), tahquant_rotated_ref, tahquant_rotated_triton
+        n_scales, bits = 2 * 5 * 2, 4
+    else:
+        p, ref, tri = pertoken_ref.PerTokenParams(6, 32), pertoken_ref, pertoken_triton
+        n_scales, bits = 2 * 5 * 2, 6
+    payload = ref.encode(x, p)
+    for what, bad in corruptions(payload, n_scales, bits):
+        with pytest.raises(CodecError, match=what) as want:
+            ref.decode(bad, shape, p, torch.float32)
+        with pytest.raises(CodecError) as got:
+            tri.decode(bad.to(DEVICE), shape, p, torch.float32)
+        assert str(got.value) == str(want.value)
+    for n in (payload.numel() - 1, payload.numel() + 1):
+        bad = torch.zeros(n, dtype=torch.uint8)
+        with pytest.raises(CodecError, match="bytes"):
+            ref.decode(bad, shape, p, torch.float32)
+
+
+def test_non_zero_padding_is_refused(kernels):
+    shape, p = (3, 5), pertoken_ref.PerTokenParams(6, 8)  # 15 codes: one padding code per plane
+    payload = pertoken_ref.encode(torch.randn(shape), p)
+    bad = payload.clone()
+    bad[2 * 3 + 7] |= 0xF0  # the last byte of the 4-bit plane holds codes 14 and 15 (padding)
+    for decode in (pertoken_ref.decode, lambda b, *a: pertoken_triton.decode(b.to(DEVICE), *a)):
+        with pytest.raises(CodecError, match="non-zero padding"):
+            decode(bad, shape, p, torch.float32)
+
+
+def test_non_finite_input_is_refused_alike(kernels):
+    x = torch.randn(2, 3, 64)
+    x[1, 2, 5] = float("inf")
+    for encode in (pertoken_ref.encode, lambda t, p: pertoken_triton.encode(t.to(DEVICE), p)):
+        with pytest.raises(CodecError, match="NaN/Inf"):
+            encode(x, pertoken_ref.PerTokenParams())
+    for encode in (tahquant_rotated_ref.encode, lambda t, p: tahquant_rotated_triton.encode(t.to(DEVICE), p)):
+        with pytest.raises(CodecError, match="NaN/Inf"):
+            encode(x, ROTATED)
