@@ -18,6 +18,7 @@ from tahnode.net.identity import NodeKey
 from tahnode.net.grpc_transport import GrpcTransport
 from tahnode.pipeline.checkpoint import CheckpointStore
 from tahnode.proto import tahnode_pb2 as pb
+from tahnode.train.model import build_stage
 
 TOKEN = "replay-test-token"
 NODE = "n1"           # the node whose StageService is attacked, also a member of the swarm
@@ -41,7 +42,7 @@ class Servers:
         # NODE's neighbour PEER may send it frames; the coordinator may ask it to measure
         self.transport.peer_keys.update({PEER: self.key(PEER).public, COORDINATOR: self.registry.sealer.identity.public})
         self.registry.join(self.sealer(NODE, run="").seal(pb.JoinRequest(node_id=NODE, address=self.node, stage=0), COORDINATOR))
-        model = torch.nn.Linear(4, 4)
+        model = build_stage(self.run_cfg.model, 0, self.run_cfg.stages)  # what the coordinator accepts for stage 0
         self.checkpoint = CheckpointStore(tmp / "ckpt").save(0, self.run_cfg.stages, 7, model, torch.optim.AdamW(model.parameters()),
                                                              self.run_cfg.to_json())
 

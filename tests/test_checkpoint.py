@@ -5,7 +5,6 @@ never enters a store (the coordinator's uploads and a node's downloads go throug
 from __future__ import annotations
 
 import json
-import logging
 
 import pytest
 import torch
@@ -13,7 +12,7 @@ from safetensors.torch import save_file
 
 from tahnode.config import RunConfig
 from tahnode.pipeline.checkpoint import (DIGEST_KEY, CheckpointStore, ChunkWriter, CorruptCheckpoint, ForeignCheckpoint,
-                                         load, read_chunks, read_verified)
+                                         digest, load, read_chunks, read_verified)
 from tahnode.train.model import build_stage
 
 
@@ -93,8 +92,9 @@ def test_a_checkpoint_written_before_a_model_field_existed_is_of_the_same_run(sa
     old_run = json.loads(meta["run"])
     assert old_run["model"].pop("rope_scaling") is None
     for model, fits in ((old_run["model"], True), ({**old_run["model"], "rope_theta": 500000.0}, False)):
-        meta.pop(DIGEST_KEY, None)  # as old files were: no checksum either
+        meta.pop(DIGEST_KEY, None)
         meta["run"] = json.dumps({**old_run, "model": model})
+        meta[DIGEST_KEY] = digest(tensors, meta)
         save_file(tensors, str(path), metadata=meta)
         target, opt, _ = fresh_stage(run)
         if fits:
@@ -105,14 +105,60 @@ def test_a_checkpoint_written_before_a_model_field_existed_is_of_the_same_run(sa
                 load(store.latest(1, run.stages), target, opt, run.to_json())
 
 
-def test_a_checkpoint_written_before_checksums_loads_with_a_warning(saved, caplog):
+def test_a_checkpoint_without_a_checksum_is_refused(saved):
+    """Issue 26, finding 13: such files were read with a warning; nothing vouches for them."""
     run, store, path, _ = saved
     tensors, meta = read_verified(path)
     del meta[DIGEST_KEY]
     save_file(tensors, str(path), metadata=meta)
-    with caplog.at_level(logging.WARNING, logger="tahnode.checkpoint"):
+    with pytest.raises(CorruptCheckpoint, match="no checksum"):
         read_verified(path)
-    assert "no checksum" in caplog.text
+
+
+@pytest.mark.parametrize("poison", ["shape", "unknown", "missing", "integer", "codec state"])
+def test_a_checkpoint_that_does_not_fit_the_stage_is_moved_aside_not_loaded(saved, poison):
+    """Issue 26, finding 3: a file whose SHA-256 is right but one tensor has the wrong shape raised
+    RuntimeError in load_state_dict, and crashed every later holder of the stage."""
+    from tahnode.pipeline.checkpoint import StageSaver
+
+    run, store, path, _ = saved
+    tensors, meta = read_verified(path)
+    name = "model/model.layers.2.mlp.up_proj.weight"
+    if poison == "shape":
+        tensors[name] = torch.zeros(3, 3)
+    elif poison == "unknown":
+        tensors["model/backdoor"] = torch.zeros(1)
+    elif poison == "missing":
+        del tensors[name]
+    elif poison == "integer":
+        tensors[name] = tensors[name].to(torch.int32)
+    else:
+        tensors["extra/gate"] = torch.zeros(10**6)
+    meta[DIGEST_KEY] = digest(tensors, meta)
+    save_file(tensors, str(path), metadata=meta)
+    target, opt, before = fresh_stage(run)
+    with pytest.raises(CorruptCheckpoint, match="does not fit|codec state"):
+        load(store.latest(1, run.stages), target, opt, run.to_json())
+    assert all(torch.equal(v, before[k]) for k, v in target.state_dict().items())  # nothing changed
+
+    class NoCodecState:
+        def load(self, tensors, step):
+            pass
+
+    saver = StageSaver(store, 1, run)
+    assert saver.load_latest(target, opt, NoCodecState()) == 0  # moved aside: the stage starts afresh instead of crashing
+    assert not store.list(1, run.stages) and path.with_name(path.name + ".corrupt").exists()
+
+
+def test_checkpoint_files_are_readable_by_their_owner_only(saved, tmp_path):
+    run, store, path, _ = saved
+    assert path.stat().st_mode & 0o777 == 0o600
+    received = tmp_path / "store" / path.name
+    with ChunkWriter(received) as writer:
+        for data, _ in read_chunks(path, size=4096):
+            writer.write(data)
+        writer.commit()
+    assert received.stat().st_mode & 0o777 == 0o600
 
 
 def test_chunk_writer_stores_a_sound_file_and_refuses_a_corrupt_one(saved, tmp_path):

@@ -143,14 +143,15 @@ def test_a_bad_micro_batch_is_refused_the_step_replayed_and_training_stays_exact
         if worker.stage == stage and worker.committed == 3 and not sent:
             mb = bad_micro_batch(kind, run, worker.state.step)
             sent.append(mb)
-            worker.t.inbox.put_nowait(Inbound(FORWARD, "intruder", 99, None))
-            worker.t.inbox.put_nowait(Inbound(FORWARD, "intruder", 99, pb.Envelope(micro_batch=mb)))
+            sender = f"n{stage - 1}"  # the neighbour itself, broken or hostile, on a stream of its own
+            worker.t.inbox.put_nowait(Inbound(FORWARD, sender, 99, None))
+            worker.t.inbox.put_nowait(Inbound(FORWARD, sender, 99, pb.Envelope(micro_batch=mb)))
 
     swarm = Swarm(run, dataset, on_step=inject_after_step_2)
     asyncio.run(train(swarm, 6))
     assert len(sent) == 1
     assert swarm.workers[stage].stats.refused_micro_batches == 1
-    assert swarm.workers[stage].stats.offences == {"intruder": 1}  # reported to the coordinator, which bans repeat offenders
+    assert swarm.workers[stage].stats.offences == {f"n{stage - 1}": 1}  # reported to the coordinator, which bans repeat offenders
     assert swarm.workers[0].stats.replays >= 1
     assert swarm.steps() == list(range(6))
     assert swarm.losses() == pytest.approx(train_local(run, dataset), abs=1e-5)
@@ -270,7 +271,7 @@ def test_stop_during_the_last_gradient_waits_for_its_step_end(dataset, tmp_path)
         await swarm.start()
         stage1 = swarm.workers[1]
         inside, loop = asyncio.Event(), asyncio.get_running_loop()
-        backward = stage1._backward
+        backward = stage1.backward
 
         def slow_last_backward(item, mb):  # on the compute thread
             if mb.step == 4 and stage1.state.done_backward == run.train.micro_batches - 1:
@@ -278,7 +279,7 @@ def test_stop_during_the_last_gradient_waits_for_its_step_end(dataset, tmp_path)
                 time.sleep(0.3)
             return backward(item, mb)
 
-        stage1._backward = slow_last_backward
+        stage1.backward = slow_last_backward
         tasks = [asyncio.ensure_future(w.run(50)) for w in swarm.workers]
         await asyncio.wait_for(inside.wait(), 60)
         await stage1.stop()

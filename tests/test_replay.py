@@ -198,14 +198,16 @@ def test_a_message_sealed_for_another_receiver_is_refused(servers, name):
 
 def test_a_replayed_heartbeat_changes_nothing(servers):
     """The attack that truncated the ledger: a recorded heartbeat carrying an old loss point."""
-    reg = servers.registry
+    reg, last = servers.registry, "n-last"  # the holder of the stage that computes the loss: it reports the losses
+    reg.join(servers.sealer(last, run="").seal(pb.JoinRequest(node_id=last, address="127.0.0.1:5", stage=reg.run.loss_stage),
+                                               COORDINATOR))
     point = pb.LossPoint(step=0, loss=5.0, sample_ids=[1, 2])
-    old = servers.sealer(NODE).seal(pb.HeartbeatRequest(node_id=NODE, stats=pb.TrainingStats(losses=[point])),
-                                                          COORDINATOR).SerializeToString()
+    old = servers.sealer(last).seal(pb.HeartbeatRequest(node_id=last, stats=pb.TrainingStats(losses=[point])),
+                                    COORDINATOR).SerializeToString()
     send(servers, RPCS["Heartbeat"], [old])
     later = [pb.LossPoint(step=k, loss=4.0, sample_ids=[k]) for k in range(1, 5)]
-    send(servers, RPCS["Heartbeat"], [servers.sealer(NODE).seal(
-        pb.HeartbeatRequest(node_id=NODE, stats=pb.TrainingStats(losses=later)), COORDINATOR).SerializeToString()])
+    send(servers, RPCS["Heartbeat"], [servers.sealer(last).seal(
+        pb.HeartbeatRequest(node_id=last, stats=pb.TrainingStats(losses=later)), COORDINATOR).SerializeToString()])
     assert sorted(reg.ledger()) == [0, 1, 2, 3, 4]
     assert refused_with(servers, "Heartbeat", [old]) == grpc.StatusCode.PERMISSION_DENIED
     assert sorted(reg.ledger()) == [0, 1, 2, 3, 4]

@@ -46,6 +46,8 @@ class TrainConfig:
     seed: int = _knob(0, "seed of the model's initial weights and of the data order")
     checkpoint_every: int = _knob(20, "save each stage every N steps (and on SIGTERM)")
     dtype: str = _knob("float32", "compute dtype", choices=("float32", "bfloat16"))
+    max_abs_value: float = _knob(1e6, "a received activation or gradient larger in magnitude is refused (a hostile peer "
+                                 "or a diverged run); finite values up to 3e38 would overflow the stage's own output")
     stall_timeout_s: float = _knob(300.0, "stage 0 replays a step when no gradient came back for this long (a lost "
                                    "message)", flag="--stall-timeout", metavar="SECONDS")
 
@@ -58,6 +60,8 @@ class TrainConfig:
         for name in ("steps", "micro_batches", "batch_size", "seq_len", "checkpoint_every"):
             if getattr(self, name) < 1:
                 raise ValueError(f"train.{name} must be >= 1, got {getattr(self, name)}")
+        if not self.max_abs_value > 0:
+            raise ValueError(f"train.max_abs_value (--max-abs-value) must be > 0, got {self.max_abs_value}")
         for name in ("pipeline_micro_batches", "min_micro_batch_tokens", "memory_budget_mb", "stall_timeout_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"train.{name} must be >= 0, got {getattr(self, name)}")

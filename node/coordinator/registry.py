@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import math
 import secrets
 import time
 from pathlib import Path
@@ -26,6 +27,7 @@ log = logging.getLogger("tahnode.coordinator")
 __all__ = ["SwarmRegistry", "run_identity", "LOSS_HISTORY"]
 
 LOSS_HISTORY = 2000  # recent steps whose losses stay in memory (the whole ledger is in SQLite)
+LEDGER_SLACK = 200  # steps a stage may run ahead of the ledger (the loss stage's reports come with its heartbeats)
 HEARTBEATS_PER_S = 300  # the heartbeat rate the coordinator aims at: beyond this many nodes, they beat less often
 
 
@@ -227,8 +229,9 @@ class SwarmRegistry:
         for link in req.links:
             node.links[link.dst] = (link.bytes, link.seconds)
         self._judge(node, req.stats.offences)
-        self._record(list(req.stats.losses))
-        if req.stats.finished and node.stage == self.run.stages - 1:
+        self._record(node, list(req.stats.losses))
+        if req.stats.finished and node.status is NodeStatus.ACTIVE and node.stage == self.run.stages - 1 \
+                and self.ledger_next() >= self.run.train.steps:  # the run is over when its ledger says so, not a node
             self.finished = True
         return pb.HeartbeatReply(assignment=self.assignment(node), known=True, run_finished=self.finished,
                                  heartbeat_s=self.heartbeat_period())
@@ -247,9 +250,22 @@ class SwarmRegistry:
             self.event(f"banned: {sender} (stage {node.stage}) for {self.bans.policy.ban_s:.0f} s: {reporter.node_id} "
                        f"refused {self.bans.policy.threshold} of its micro-batches within {self.bans.policy.window_s:.0f} s")
 
-    def _record(self, points: list[pb.LossPoint]) -> None:
-        """Committed steps into the ledger, in memory and on disk. A step at or before one already
-        recorded means a rollback: the steps from there on are trained again and replace the old."""
+    def _record(self, reporter: NodeRecord, points: list[pb.LossPoint]) -> None:
+        """Committed steps into the ledger, in memory and on disk, from the node that computes the
+        loss now (a standby, a former holder or another stage has none to report), each step within
+        the run and its loss a number. A step at or before one already recorded means a rollback:
+        the steps from there on are trained again and replace the old."""
+        if not points:
+            return
+        if reporter.status is not NodeStatus.ACTIVE or reporter.stage != self.run.loss_stage:
+            log.warning("ignored %d losses from %s: only the holder of stage %d reports them", len(points), reporter.node_id,
+                        self.run.loss_stage)
+            return
+        kept = [p for p in points if 0 <= p.step < self.run.train.steps and math.isfinite(p.loss)]
+        if len(kept) < len(points):
+            log.warning("ignored %d losses from %s: a step outside the run's %d or a loss that is not a number",
+                        len(points) - len(kept), reporter.node_id, self.run.train.steps)
+        points = kept
         for point in points:
             raised, cleared = self.history.add(point.step, point.loss)
             if raised is not None:
@@ -276,11 +292,21 @@ class SwarmRegistry:
             raise UnknownNode(f"unknown node {node_id!r}: join first")
         return node
 
-    def may_upload(self, node_id: str, stage: int) -> None:
-        """Only a node that holds (or last held) `stage` may upload its checkpoints."""
+    def may_upload(self, node_id: str, stage: int, step: int) -> None:
+        """Only the node that holds `stage` now may upload its checkpoints, of a step the ledger
+        knows (give or take the steps whose report is still on its way), within the run."""
         node = self.member(node_id)
-        if node.stage != stage:
-            raise InvalidRequest(f"node {node_id} holds stage {node.stage}, not stage {stage}: it may not upload that stage's checkpoints")
+        if node.status is not NodeStatus.ACTIVE or node.stage != stage:
+            raise InvalidRequest(f"node {node_id} does not hold stage {stage} now ({node.status}, stage {node.stage}): "
+                                 "it may not upload that stage's checkpoints")
+        newest = self.ledger_next() + LEDGER_SLACK
+        if not 1 <= step <= min(newest, self.run.train.steps):
+            raise InvalidRequest(f"a checkpoint of step {step} is outside the run: the ledger has {self.ledger_next()} "
+                                 f"steps of {self.run.train.steps}")
+
+    def ledger_next(self) -> int:
+        """The step after the newest one in the ledger (0 before any)."""
+        return max(self.history.points, default=-1) + 1
 
     def sweep(self) -> None:
         """Declare nodes that missed their heartbeats for `timeout` seconds failed (the coordinator

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 
 import grpc
 
 from ..net.errors import Refused
-from ..pipeline.checkpoint import ChunkWriter, CorruptCheckpoint, read_chunks
+from ..pipeline.checkpoint import EXTRA_LIMIT_PER_DIM, CheckpointTooLarge, ChunkWriter, CorruptCheckpoint, check_fits, read_chunks
+from ..pipeline.checkpoint import stage_shapes
 from ..proto import tahnode_pb2 as pb
 from ..proto import tahnode_pb2_grpc as pb_grpc
 from .registry import SwarmRegistry
@@ -19,9 +21,37 @@ log = logging.getLogger("tahnode.coordinator")
 __all__ = ["CoordinatorServicer"]
 
 
+METADATA_BYTES = 8 << 20  # a checkpoint's header beyond its tensors: the run config, unreported steps
+
+
+class StageForm:
+    """What a checkpoint of each stage of the run must look like: its tensors' shapes, and at most how
+    many bytes it takes (every tensor in float32, the codec state, the metadata)."""
+
+    def __init__(self, registry: SwarmRegistry):
+        import torch
+
+        from ..train.model import StageModel
+
+        run = registry.run
+        self.dim, self.shapes = run.model.dim, []
+        with torch.device("meta"):  # shapes only, nothing allocated
+            for stage in range(run.stages):
+                self.shapes.append(stage_shapes(StageModel(run.model, stage, run.stages)))
+
+    def limit(self, stage: int) -> int:
+        elements = sum(math.prod(s) for s in self.shapes[stage].values()) + EXTRA_LIMIT_PER_DIM * self.dim
+        return 4 * elements + METADATA_BYTES
+
+    def validator(self, stage: int):
+        return lambda tensors: check_fits(tensors, self.shapes[stage], f"checkpoint of stage {stage}",
+                                          EXTRA_LIMIT_PER_DIM * self.dim)
+
+
 class CoordinatorServicer(pb_grpc.CoordinatorServicer):
     def __init__(self, registry: SwarmRegistry):
         self.r = registry
+        self.form = StageForm(registry)
 
     async def _call(self, fn, request, context):
         try:
@@ -40,23 +70,31 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         return await self._call(self.r.leave, request, context)
 
     async def UploadCheckpoint(self, request_iterator, context):
-        """Receive a stage checkpoint into the store (written to a temp file, renamed when whole and
-        its SHA-256 matches; a corrupt one is refused with DATA_LOSS and never stored)."""
+        """Receive a stage checkpoint into the store from the stage's current holder, for a step the
+        ledger knows: streamed to an owner-only temp file, at most the size such a checkpoint has,
+        renamed only when whole, its SHA-256 right and its tensors the stage's; anything else is
+        refused (and never stored)."""
         writer: ChunkWriter | None = None
         total = 0
         try:
             async for chunk in request_iterator:
                 try:
                     self.r.check(chunk, chunk.node_id)
-                    self.r.may_upload(chunk.node_id, chunk.stage)
+                    self.r.may_upload(chunk.node_id, chunk.stage, chunk.step)
                 except Refused as exc:
                     log.warning("refused a checkpoint chunk from %s: %s", context.peer(), exc)
                     await context.abort(exc.code, str(exc))
                 if chunk.num_stages != self.r.run.stages or chunk.stage >= chunk.num_stages:
                     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"checkpoint of stage {chunk.stage}/{chunk.num_stages} does not fit this swarm")
                 if writer is None:
-                    writer = ChunkWriter(self.r.store.path(chunk.stage, chunk.num_stages, chunk.step), f".{chunk.node_id}.part")
-                writer.write(chunk.data)
+                    writer = ChunkWriter(self.r.store.path(chunk.stage, chunk.num_stages, chunk.step), f".{chunk.node_id}.part",
+                                         limit=self.form.limit(chunk.stage), validate=self.form.validator(chunk.stage))
+                try:
+                    writer.write(chunk.data)
+                except CheckpointTooLarge as exc:
+                    writer = None
+                    log.warning("refused a checkpoint upload from %s: %s", chunk.node_id, exc)
+                    await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
                 total += len(chunk.data)
                 if chunk.last:
                     try:
@@ -64,7 +102,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                     except CorruptCheckpoint as exc:
                         log.warning("refused a checkpoint upload from %s: %s", chunk.node_id, exc)
                         await context.abort(grpc.StatusCode.DATA_LOSS, f"checkpoint of stage {chunk.stage} at step {chunk.step} "
-                                            "arrived corrupt (its SHA-256 does not match): not stored")
+                                            f"refused, not stored: {exc}")
                     writer = None
                     self.r.store.prune(chunk.stage, chunk.num_stages)
                     log.info("stored %s (%d bytes) from %s", final.name, total, chunk.node_id)

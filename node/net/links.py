@@ -197,7 +197,8 @@ class LinkedTransport:
         return True
 
     def peer(self, direction: Direction) -> str:
-        return self.links[direction].peer_id
+        link = self.links.get(direction)
+        return link.peer_id if link else ""
 
     def generation(self, direction: Direction) -> int:
         return self.links[direction].generation

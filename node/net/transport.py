@@ -47,6 +47,15 @@ class EnvelopeKind(Enum):
         body = envelope.WhichOneof("body")
         return cls(body) if body else None
 
+    def travels(self, direction: "Direction") -> bool:
+        """Whether envelopes of this kind go `direction`: forward from the previous stage carries
+        activations, step ends, syncs and the shutdown; backward from the next, gradients and sync acks."""
+        return self in (FORWARD_KINDS if direction is Direction.FORWARD else BACKWARD_KINDS)
+
+
+FORWARD_KINDS = {EnvelopeKind.MICRO_BATCH, EnvelopeKind.STEP_END, EnvelopeKind.SYNC, EnvelopeKind.SHUTDOWN}
+BACKWARD_KINDS = {EnvelopeKind.MICRO_BATCH, EnvelopeKind.SYNC_ACK}
+
 
 @dataclass
 class Inbound:
@@ -115,6 +124,9 @@ class Transport(Protocol):
         """Point the outgoing link of `direction` at a peer ("" to close it); its frames to this
         node must be signed by `public_key` (its identity, as the coordinator bound it); it is
         dialled over TLS pinning `tls_cert` (empty: it serves plain gRPC)."""
+
+    def peer(self, direction: Direction) -> str:
+        """The node id the outgoing link of `direction` points at ("" if none)."""
 
     def generation(self, direction: Direction) -> int:
         """Counter of the outgoing link's streams; it changes when the link failed. Encode with

@@ -1,18 +1,23 @@
-"""What a stage accepts of a received micro-batch: as many sample ids as a micro-batch may have, the
-tensor shape its model expects, finite values, labels of the right length inside the vocabulary, a
-sane gradient scale. Anything else is refused with BadMicroBatch (the step is then replayed)."""
+"""What a stage accepts of what a neighbour sends: the envelope from the neighbour of its direction;
+as many sample ids as a micro-batch may have, the tensor shape its model expects, finite values no
+larger than the run allows, labels of the right length inside the vocabulary, a sane gradient scale,
+a gradient norm that is a number. Anything else is refused with BadMicroBatch (the step is replayed)."""
 
 from __future__ import annotations
+
+import math
 
 import numpy as np
 import torch
 
 from ..config import RunConfig
+from ..net.transport import BACKWARD, FORWARD, EnvelopeKind, Inbound, Transport
 from ..proto import tahnode_pb2 as pb
 
-__all__ = ["BadMicroBatch", "Admission", "MAX_SCALE_LOG2", "envelope_cap"]
+__all__ = ["BadMicroBatch", "Admission", "MAX_SCALE_LOG2", "MAX_GRAD_SUMSQ", "envelope_cap"]
 
 MAX_SCALE_LOG2 = 126  # gradient prescales stay far inside float32's exponent range
+MAX_GRAD_SUMSQ = 1e16  # a gradient norm of 1e8: no training that still learns comes near it
 IGNORED = -100        # a label without a loss (the torch convention, tahnode.train.model)
 
 
@@ -37,6 +42,25 @@ class Admission:
         t = run.train
         self.seq_len, self.dim, self.vocab = t.seq_len, run.model.dim, run.model.vocab_size
         self.max_samples = t.micro_batches * t.batch_size  # a micro-batch is at most the whole step
+        self.max_abs = t.max_abs_value
+
+    @staticmethod
+    def envelope(item: Inbound, kind: EnvelopeKind, transport: Transport) -> None:
+        """An envelope must be of a kind its direction carries, from the neighbour on that side:
+        activations, step ends, syncs and the shutdown from the previous stage, gradients and sync
+        acks from the next (a node that is not that neighbour cannot speak for it)."""
+        if not kind.travels(item.direction):
+            raise BadMicroBatch(f"a {kind.value} never travels {item.direction}")
+        expected = transport.peer(BACKWARD if item.direction is FORWARD else FORWARD)
+        if expected and item.sender and item.sender != expected:
+            raise BadMicroBatch(f"a {item.direction} {kind.value} from {item.sender}, who is not the neighbour on that side ({expected})")
+
+    def grad_sumsq(self, value: float, at_least: float = 0.0) -> float:
+        """A gradient norm squared from a neighbour: a finite number in [at_least, MAX_GRAD_SUMSQ]
+        (at_least: what this stage itself added to it on the way back)."""
+        if not (math.isfinite(value) and at_least <= value <= MAX_GRAD_SUMSQ):
+            raise BadMicroBatch(f"gradient norm squared {value!r} is not a finite number in [{at_least:g}, {MAX_GRAD_SUMSQ:g}]")
+        return value
 
     def header(self, mb: pb.MicroBatch) -> None:
         """Before decoding: the sample ids and the gradient scale."""
@@ -66,9 +90,12 @@ class Admission:
             raise BadMicroBatch(f"labels outside the vocabulary of {self.vocab}")
         return labels
 
-    @staticmethod
-    def _tensor(x: torch.Tensor, shape: tuple[int, ...], what: str) -> None:
+    def _tensor(self, x: torch.Tensor, shape: tuple[int, ...], what: str) -> None:
         if tuple(x.shape) != shape:
             raise BadMicroBatch(f"{what} of shape {tuple(x.shape)}, {shape} expected")
-        if not bool(torch.isfinite(x).all()):
+        largest = float(x.detach().abs().amax()) if x.numel() else 0.0
+        if not math.isfinite(largest):
             raise BadMicroBatch(f"{what} with non-finite values")
+        if largest > self.max_abs:
+            raise BadMicroBatch(f"{what} with a value of magnitude {largest:.3g}, beyond the run's bound "
+                                f"(train.max_abs_value {self.max_abs:g})")

@@ -27,6 +27,7 @@ NAME = re.compile(r"stage(\d+)-of(\d+)-step(\d+)\.safetensors$")
 CHUNK_BYTES = 1 << 20  # a checkpoint travels in chunks of this size
 DIGEST_KEY = "sha256"  # metadata key of the checksum
 CORRUPT_SUFFIX = ".corrupt"  # a corrupt file is renamed to this, so that nothing lists it again
+EXTRA_LIMIT_PER_DIM = 64  # codec state in a checkpoint: at most this many elements per model channel (AMAQ keeps one)
 
 
 class CheckpointError(ValueError):
@@ -39,6 +40,10 @@ class CorruptCheckpoint(CheckpointError):
 
 class ForeignCheckpoint(CheckpointError):
     """A checkpoint of another run configuration (model or stages differ)."""
+
+
+class CheckpointTooLarge(CheckpointError):
+    """An upload beyond the size a checkpoint of its stage can have."""
 
 
 def digest(tensors: dict[str, torch.Tensor], meta: dict[str, str]) -> str:
@@ -54,8 +59,7 @@ def digest(tensors: dict[str, torch.Tensor], meta: dict[str, str]) -> str:
 
 def read_verified(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """The tensors and metadata of a checkpoint file, after checking its SHA-256; raises
-    CorruptCheckpoint. A file without a checksum (written before tahnode recorded one) is read
-    with a warning."""
+    CorruptCheckpoint (a file without a checksum too: whoever wrote it, nothing vouches for it)."""
     try:
         with safe_open(str(path), framework="pt") as f:
             meta = f.metadata() or {}
@@ -64,8 +68,8 @@ def read_verified(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, 
         raise CorruptCheckpoint(f"checkpoint {path} is unreadable: {exc}") from None
     recorded = meta.get(DIGEST_KEY)
     if recorded is None:
-        log.warning("checkpoint %s has no checksum (written by an older tahnode): not verified", path)
-    elif digest(tensors, meta) != recorded:
+        raise CorruptCheckpoint(f"checkpoint {path} has no checksum: it cannot be verified, so it is not used")
+    if digest(tensors, meta) != recorded:
         raise CorruptCheckpoint(f"checkpoint {path} is corrupt: its contents do not match the SHA-256 recorded in it")
     return tensors, meta
 
@@ -99,26 +103,69 @@ def read_chunks(path: str | Path, size: int = CHUNK_BYTES) -> Iterator[tuple[byt
                 return
 
 
-class ChunkWriter:
-    """Receives a checkpoint in pieces into a temporary name beside `final`, and renames it only
-    when whole and verified (`commit` raises CorruptCheckpoint otherwise); closing it uncommitted
-    (an error, a broken stream, a corrupt file) removes the piece."""
+def stage_shapes(model: torch.nn.Module) -> dict[str, tuple[int, ...]]:
+    """The name and shape of every tensor a checkpoint of `model`'s stage holds (weights once, the
+    AdamW moments of each trainable parameter); `extra/...` (codec state) is not listed."""
+    aliases = tied_aliases(model)
+    shapes = {f"model/{k}": tuple(v.shape) for k, v in model.state_dict().items() if k not in aliases}
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            shapes[f"optim/{name}/exp_avg"] = shapes[f"optim/{name}/exp_avg_sq"] = tuple(p.shape)
+    return shapes
 
-    def __init__(self, final: Path, suffix: str = ".part"):
-        self.final = final
+
+def check_fits(tensors: dict[str, torch.Tensor], shapes: dict[str, tuple[int, ...]], what: str, extra_limit: int) -> None:
+    """A checkpoint's tensors fit a stage: every weight present, nothing unknown, every shape right,
+    floating point, and at most `extra_limit` elements of codec state. Raises CorruptCheckpoint:
+    loading it would fail (or worse, succeed) on every node that takes the stage."""
+    extra = 0
+    for name, t in tensors.items():
+        if name.startswith("extra/"):
+            extra += t.numel()
+        elif name not in shapes:
+            raise CorruptCheckpoint(f"{what} does not fit the stage: it holds an unknown tensor {name!r}")
+        elif tuple(t.shape) != shapes[name]:
+            raise CorruptCheckpoint(f"{what} does not fit the stage: {name} has shape {list(t.shape)}, not {list(shapes[name])}")
+        if not t.is_floating_point():
+            raise CorruptCheckpoint(f"{what} does not fit the stage: {name} is {t.dtype}, not floating point")
+    missing = [n for n in shapes if n.startswith("model/") and n not in tensors]
+    if missing:
+        raise CorruptCheckpoint(f"{what} does not fit the stage: it lacks {', '.join(missing[:3])}")
+    if extra > extra_limit:
+        raise CorruptCheckpoint(f"{what} holds {extra} elements of codec state, more than {extra_limit}")
+
+
+def owner_only(path: Path) -> None:
+    """Checkpoints hold a stage's weights: readable by their owner only."""
+    os.chmod(path, 0o600)
+
+
+class ChunkWriter:
+    """Receives a checkpoint in pieces into a temporary name beside `final` (owner-only, at most
+    `limit` bytes), and renames it only when whole and verified, by its SHA-256 and by `validate`
+    (tensors -> None, raising CorruptCheckpoint); `commit` raises CorruptCheckpoint otherwise, and
+    `write` CheckpointTooLarge. Closing it uncommitted removes the piece."""
+
+    def __init__(self, final: Path, suffix: str = ".part", limit: int | None = None, validate=None):
+        self.final, self.limit, self.validate = final, limit, validate
         final.parent.mkdir(parents=True, exist_ok=True)
         self.tmp = final.with_suffix(suffix)
-        self.fh = open(self.tmp, "wb")
+        self.fh = os.fdopen(os.open(self.tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb")
         self.bytes = 0
 
     def write(self, data: bytes) -> None:
+        if self.limit is not None and self.bytes + len(data) > self.limit:
+            self.close()
+            raise CheckpointTooLarge(f"checkpoint {self.final.name} is larger than {self.limit} bytes: refused")
         self.fh.write(data)
         self.bytes += len(data)
 
     def commit(self) -> Path:
         self.fh.close()
         try:
-            read_verified(self.tmp)
+            tensors, _ = read_verified(self.tmp)
+            if self.validate is not None:
+                self.validate(tensors)
         except CorruptCheckpoint:
             self.close()
             raise
@@ -212,6 +259,7 @@ class CheckpointStore:
         path = self.path(stage, num_stages, step)
         tmp = path.with_suffix(".tmp")
         save_file(tensors, str(tmp), metadata=meta)
+        owner_only(tmp)
         durable_replace(tmp, path)
         self.prune(stage, num_stages)
         return path
@@ -252,6 +300,7 @@ def load(ckpt: Checkpoint, model: torch.nn.Module, optimizer: torch.optim.Optimi
     for key in ("model", "stages"):
         if not _same_setting(key, saved.get(key), ours.get(key)):
             raise ForeignCheckpoint(f"checkpoint {ckpt.path} belongs to another run ({key} differs); move it away or use another --checkpoint-dir")
+    check_fits(tensors, stage_shapes(model), f"checkpoint {ckpt.path}", extra_limit=EXTRA_LIMIT_PER_DIM * model.cfg.dim)
     state = {k[len("model/"):]: v for k, v in tensors.items() if k.startswith("model/")}
     for alias, name in tied_aliases(model).items():  # a tied head is stored once, as the embedding
         if name in state:

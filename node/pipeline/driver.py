@@ -14,7 +14,7 @@ from ..proto import tahnode_pb2 as pb
 from ..train.data import SampleSchedule, TokenDataset
 from ..train.optim import grad_sumsq
 from .schedule import SavedBytes, Split, SplitTuner, Window
-from .state import PipelineError
+from .state import DivergedStep, PipelineError
 
 if TYPE_CHECKING:
     from .worker import StageWorker
@@ -149,7 +149,11 @@ class StepDriver:
             for index in range(self.split.micro_batches):
                 if not await self._admit():
                     return False
-                mb, gen = await self.w.compute(self._forward, index)
+                try:
+                    mb, gen = await self.w.compute(self._forward, index)
+                except DivergedStep as exc:
+                    log.error("%s: the model diverged; the step will be replayed", exc)
+                    return False
                 await self.w.send(FORWARD, gen, micro_batch=mb)
             waiter = asyncio.ensure_future(self.all_backward.wait())
             aborted = asyncio.ensure_future(self.abort.wait())

@@ -11,11 +11,16 @@ import torch
 from ..net.transport import BACKWARD, FORWARD
 from ..proto import tahnode_pb2 as pb
 
-__all__ = ["PipelineError", "Pending", "StepState", "StopRequest", "StepRecord", "Stats"]
+__all__ = ["PipelineError", "DivergedStep", "Pending", "StepState", "StopRequest", "StepRecord", "Stats"]
 
 
 class PipelineError(RuntimeError):
     """The pipeline cannot go on (e.g. stages resumed from different steps)."""
+
+
+class DivergedStep(RuntimeError):
+    """This stage's own output or gradient cannot be encoded (non-finite, or beyond a codec's range):
+    the step diverged here; it is replayed, with a clear log line, and no peer is blamed."""
 
 
 @dataclass
@@ -43,6 +48,7 @@ class StepState:
     pending: dict[int, Pending] = field(default_factory=dict)
     done_backward: int = 0             # micro-batches of this step whose backward ran here
     partial_sumsq: float = 0.0         # gradient sum of squares of the later stages
+    sent_sumsq: float = 0.0            # what this stage sent back: the later stages' and its own (the StepEnd's is no less)
     loss_sum: float = 0.0              # last stage: sum over micro-batches of loss x samples
     samples: list[int] = field(default_factory=list)    # last stage: the step's sample ids so far
 
@@ -55,7 +61,7 @@ class StepState:
         self.step, self.attempt = step, attempt
         self.pending.clear()
         self.done_backward = 0
-        self.partial_sumsq = 0.0
+        self.partial_sumsq = self.sent_sumsq = 0.0
         self.loss_sum = 0.0
         self.samples = []
 

@@ -70,6 +70,11 @@ class CodecStreams:
         return msg, gen, k
 
     def decode(self, direction: Direction, stream: int, mb: pb.MicroBatch, dtype: torch.dtype) -> torch.Tensor:
+        """The received tensor, decoded by the run's codec of that direction (a message that names
+        another is refused: its codec's state, e.g. AQ-SGD's cache, is not the peer's to grow)."""
+        expected = self.codecs[direction].name
+        if mb.tensor.codec != expected:
+            raise codecs.CodecError(f"{direction} message encoded with {mb.tensor.codec!r}; this run sends {expected!r}")
         ctx = self._context(self.receiving, direction, stream, CodecContext)
         ctx.sample_ids = list(mb.sample_ids)
         started = self._clock()
@@ -88,8 +93,7 @@ class CodecStreams:
     def discard(self, direction: Direction, stream: int, mb: pb.MicroBatch) -> None:
         """A received message the pipeline drops: a codec with per-stream state still decodes it,
         so that its state stays in step with the sender's."""
-        codec = codecs.CODECS.get(mb.tensor.codec)
-        if codec is not None and codec.keeps_stream_state:
+        if self.codecs[direction].keeps_stream_state:
             self.decode(direction, stream, mb, torch.float32)
 
     def sent(self, out: torch.Tensor) -> torch.Tensor:

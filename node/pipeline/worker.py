@@ -16,7 +16,7 @@ import torch
 
 from ..codecs import CodecError
 from ..config import RunConfig
-from ..net.transport import BACKWARD, FORWARD, Direction, EnvelopeKind, Inbound, Transport
+from ..net.transport import BACKWARD, FORWARD, Direction, Inbound, Transport
 from ..proto import tahnode_pb2 as pb
 from ..train.data import TokenDataset
 from ..train.model import COMPUTE_DTYPES, StageModel, build_stage
@@ -24,9 +24,10 @@ from ..train.optim import StageOptimizer, grad_sumsq
 from .admission import Admission, BadMicroBatch
 from .checkpoint import CheckpointStore, StageSaver
 from .driver import StepDriver
+from .inbox import Inbox
 from .resync import Resync
-from .schedule import InboxOrder, Split
-from .state import Pending, PipelineError, Stats, StepRecord, StepState, StopRequest
+from .schedule import Split
+from .state import DivergedStep, Pending, PipelineError, Stats, StepRecord, StepState, StopRequest
 from .streams import CodecStreams
 
 log = logging.getLogger("tahnode.pipeline")
@@ -56,9 +57,9 @@ class StageWorker:
         self.state = StepState(micro_batches=split.micro_batches, samples_per_step=split.samples)
         self.driver = StepDriver(self, dataset) if self.first else None
         self.resync = Resync(self)
+        self.inbox = Inbox(self)
         self.stop_request: StopRequest | None = None
         self.shutdown = asyncio.Event()
-        self.handling = asyncio.Lock()  # held while one envelope is being handled
         self.t.on_link_down(self._link_down)
 
     # -- what the stage is ----------------------------------------------------------------------
@@ -115,12 +116,20 @@ class StageWorker:
         # a failed backward link is reported to stage 0 by the stage on its other end
         self.replay_step(reason, tell=direction == FORWARD)
 
-    def _refused(self, item: Inbound, mb: pb.MicroBatch, exc: Exception) -> None:
-        """A received micro-batch failed admission or decoding: count it, replay the step."""
+    def offence(self, item: Inbound, exc: Exception) -> None:
+        """A received envelope that is not the sender's to send (or not this direction's): counted
+        against its sender and dropped; the run goes on without it."""
         self.stats.refused_from(item.sender)
-        reason = f"refused {item.direction} micro-batch {mb.index} of step {mb.step} from {item.sender or '?'}: {exc}"
-        log.warning("stage %d %s; the step will be replayed", self.stage, reason)
-        self.replay_step(reason, tell=True)
+        log.warning("stage %d dropped an envelope from %s: %s", self.stage, item.sender or "?", exc)
+
+    def _encoded(self, direction, tensor: torch.Tensor, ids: list[int], gradient: bool = False):
+        """This stage's own output (or input gradient), encoded: a codec that cannot encode it (a
+        non-finite or overflowing value) means the step diverged here, not that a peer misbehaved."""
+        try:
+            return self.codecs.encode_gradient(tensor, ids) if gradient else self.codecs.encode(direction, tensor, ids)
+        except CodecError as exc:
+            raise DivergedStep(f"stage {self.stage} cannot encode its own {'gradient' if gradient else 'output'} of step "
+                               f"{self.state.step}: {exc}") from None
 
     def replay_step(self, reason: str, tell: bool) -> None:
         """Have stage 0 replay the step in flight; a later stage tells it (if `tell`) through the
@@ -163,16 +172,20 @@ class StageWorker:
         st.micro_batches = count
         out = self.model(tokens.to(self.device))
         st.pending[index] = Pending(None, self.codecs.sent(out), ids)
-        enc, gen = self.codecs.encode(FORWARD, out, ids)
+        enc, gen = self._encoded(FORWARD, out, ids)
         mb = pb.MicroBatch(step=st.step, index=index, sample_ids=ids, labels=labels.to(torch.int32).numpy().tobytes(),
                            tensor=enc, attempt=st.attempt, count=count)
         return mb, gen
 
     def _stale(self, item: Inbound, mb: pb.MicroBatch):
         """Drop a micro-batch of another attempt; its stream's codec state still takes it in (the
-        sender's state advanced when it encoded it)."""
+        sender's state advanced when it encoded it), once its header passed admission."""
         log.debug("stage %d dropped stale micro-batch %d/%d of step %d", self.stage, mb.index, mb.attempt, mb.step)
-        self.codecs.discard(item.direction, item.stream, mb)
+        try:
+            self.admission.header(mb)
+            self.codecs.discard(item.direction, item.stream, mb)
+        except (BadMicroBatch, CodecError) as exc:
+            self.offence(item, exc)
         return STALE
 
     def _decode(self, item: Inbound, mb: pb.MicroBatch) -> torch.Tensor:
@@ -183,7 +196,7 @@ class StageWorker:
         except CodecError as exc:
             raise BadMicroBatch(str(exc)) from None
 
-    def _forward(self, item: Inbound, mb: pb.MicroBatch):
+    def forward(self, item: Inbound, mb: pb.MicroBatch):
         st = self.state
         if not st.current(mb.step, mb.attempt):
             return self._stale(item, mb)
@@ -201,14 +214,16 @@ class StageWorker:
         elif self.computes_loss:
             self._loss_backward(self.model(x), labels, ids)
             st.done_backward += 1
-            extras = {"grad_sumsq": grad_sumsq(self.opt.params)} if st.all_backward else {}
+            if st.all_backward:
+                st.sent_sumsq = grad_sumsq(self.opt.params)
+            extras = {"grad_sumsq": st.sent_sumsq} if st.all_backward else {}
         if self.computes_loss:
-            enc, gen, k = self.codecs.encode_gradient(x.grad, ids)
+            enc, gen, k = self._encoded(BACKWARD, x.grad, ids, gradient=True)
             return BACKWARD, pb.MicroBatch(step=mb.step, index=mb.index, sample_ids=ids, tensor=enc, attempt=mb.attempt, extras=extras,
                                            count=mb.count, scale_log2=k), gen
         out = self.model(x)
         st.pending[mb.index] = Pending(x, self.codecs.sent(out), ids)
-        enc, gen = self.codecs.encode(FORWARD, out, ids)
+        enc, gen = self._encoded(FORWARD, out, ids)
         return FORWARD, pb.MicroBatch(step=mb.step, index=mb.index, sample_ids=ids, labels=mb.labels, tensor=enc, attempt=mb.attempt,
                                       count=mb.count), gen
 
@@ -221,24 +236,25 @@ class StageWorker:
         st.loss_sum += float(loss.detach()) * len(ids)
         st.samples.extend(ids)
 
-    def _backward(self, item: Inbound, mb: pb.MicroBatch):
+    def backward(self, item: Inbound, mb: pb.MicroBatch):
         st = self.state
         if not st.current(mb.step, mb.attempt) or mb.index not in st.pending:
             return self._stale(item, mb)
         self.admission.header(mb)
+        partial = self.admission.grad_sumsq(mb.extras["grad_sumsq"]) if "grad_sumsq" in mb.extras else None
         grad = self._decode(item, mb)
         self.admission.gradient(grad, st.pending[mb.index].out)
         p = st.pending.pop(mb.index)
         p.out.backward(grad)
         st.done_backward += 1
-        if "grad_sumsq" in mb.extras:
-            st.partial_sumsq = mb.extras["grad_sumsq"]
+        if partial is not None:
+            st.partial_sumsq = partial
         if self.first:
             return None
         extras = {}
         if st.all_backward:
-            extras["grad_sumsq"] = st.partial_sumsq + grad_sumsq(self.opt.params)
-        enc, gen, k = self.codecs.encode_gradient(p.inp.grad, p.sample_ids)
+            extras["grad_sumsq"] = st.sent_sumsq = st.partial_sumsq + grad_sumsq(self.opt.params)
+        enc, gen, k = self._encoded(BACKWARD, p.inp.grad, p.sample_ids, gradient=True)
         return pb.MicroBatch(step=mb.step, index=mb.index, sample_ids=p.sample_ids, tensor=enc, attempt=mb.attempt, extras=extras,
                              count=mb.count, scale_log2=k), gen
 
@@ -272,78 +288,17 @@ class StageWorker:
             self.on_step(self)
         return seconds
 
-    # -- the inbox -----------------------------------------------------------------------------
+    # -- the inbox (tahnode.pipeline.inbox) ---------------------------------------------------
     async def serve(self) -> None:
-        """Handle envelopes, gradients first (InboxOrder), until a Shutdown went through (or stop()
-        was called)."""
-        order = InboxOrder(self.t.inbox, self.t.inbox_bytes, FORWARD if self.first else BACKWARD)
-        while not self.shutdown.is_set():
-            getter = asyncio.ensure_future(order.next())
-            stopper = asyncio.ensure_future(self.shutdown.wait())
-            done, _ = await asyncio.wait({getter, stopper}, return_when=asyncio.FIRST_COMPLETED)
-            if getter not in done:
-                getter.cancel()
-                break
-            stopper.cancel()
-            item: Inbound = getter.result()
-            if item.envelope is None:
-                continue  # a new stream: its codec state starts afresh (CodecStreams)
-            async with self.handling:
-                if self.shutdown.is_set():
-                    break
-                await self.handle(item)
-                if self._drained():
-                    self.shutdown.set()
+        await self.inbox.serve()
 
     async def handle(self, item: Inbound) -> None:
-        env = item.envelope
-        kind = EnvelopeKind.of(env)
-        if kind is EnvelopeKind.MICRO_BATCH:
-            await self._on_micro_batch(item, env.micro_batch)
-        elif kind is EnvelopeKind.STEP_END:
-            await self._on_step_end(env.step_end)
-        elif kind is EnvelopeKind.SYNC:
-            await self.resync.on_sync(env.sync)
-        elif kind is EnvelopeKind.SYNC_ACK:
-            await self.resync.on_sync_ack(env.sync_ack)
-        elif kind is EnvelopeKind.SHUTDOWN:
-            if not self.last:
-                await self.send(FORWARD, shutdown=env.shutdown)
-            self.finish()
+        await self.inbox.handle(item)
 
     def finish(self) -> None:
         """The run is over for this stage."""
         self.stats.finished = True
         self.shutdown.set()
-
-    async def _on_micro_batch(self, item: Inbound, mb: pb.MicroBatch) -> None:
-        try:
-            result = await self.compute(self._forward if item.direction == FORWARD else self._backward, item, mb)
-        except BadMicroBatch as exc:
-            self._refused(item, mb, exc)
-            return
-        if item.direction == FORWARD:
-            if result is not STALE:
-                direction, out, gen = result
-                await self.send(direction, gen, micro_batch=out)
-            return
-        if result is STALE:
-            return
-        if result is not None:
-            await self.send(BACKWARD, result[1], micro_batch=result[0])
-        if self.first:
-            self.driver.backward_done(self.state.all_backward)
-
-    async def _on_step_end(self, end: pb.StepEnd) -> None:
-        st = self.state
-        if end.step == st.committed and st.awaits_step_end():
-            await self.commit(end)
-        elif end.step < st.committed:
-            log.debug("stage %d dropped step end %d: already applied (from a sync)", self.stage, end.step)
-        else:  # ahead of this stage: it missed steps (restarted behind the others, its neighbour not yet told): resync
-            reason = f"step end {end.step} arrived with gradients of {st.done_backward} micro-batches of step {st.step}"
-            log.warning("stage %d: %s; the step will be replayed", self.stage, reason)
-            self.replay_step(reason, tell=True)
 
     # -- running -------------------------------------------------------------------------------
     async def run(self, steps: int) -> None:
@@ -359,7 +314,7 @@ class StageWorker:
         Decided between envelopes, never while one is handled: a gradient still being sent lets
         stage 0 commit the step, so its StepEnd is then waited for too; and nothing of a later
         step is handled once the awaited step is committed."""
-        async with self.handling:
+        async with self.inbox.handling:
             awaits = not self.first and self.state.awaits_step_end()
             self.stop_request = StopRequest(self.state.step if awaits else None)
             if not awaits:
@@ -372,7 +327,7 @@ class StageWorker:
         await self.t.flush(2.0)
         await self.compute(self.save)
 
-    def _drained(self) -> bool:
+    def drained(self) -> bool:
         """Stopping, and the step awaited by stop() is committed (or none was awaited)."""
         r = self.stop_request
         return r is not None and (r.drain_step is None or self.state.committed > r.drain_step)

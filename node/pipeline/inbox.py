@@ -1,0 +1,131 @@
+"""A stage's inbox: it takes the received envelopes in order (gradients first), checks that each came
+from the neighbour whose direction carries its kind, and hands it to the worker. Nothing a peer
+sends ends the daemon: a refused micro-batch is counted against its sender and the step replayed.
+
+The torch work runs on the worker's compute thread; sends overlap it in the transport's links."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import TYPE_CHECKING
+
+from ..net.transport import BACKWARD, FORWARD, EnvelopeKind, Inbound
+from ..proto import tahnode_pb2 as pb
+from .admission import BadMicroBatch
+from .schedule import InboxOrder
+from .state import DivergedStep
+
+if TYPE_CHECKING:
+    from .worker import StageWorker
+
+log = logging.getLogger("tahnode.pipeline")
+
+__all__ = ["Inbox"]
+
+
+class Inbox:
+    """The envelope side of a StageWorker (`serve` until the run ends for the stage)."""
+
+    def __init__(self, worker: "StageWorker"):
+        self.w = worker
+        self.handling = asyncio.Lock()  # held while one envelope is being handled
+
+    async def serve(self) -> None:
+        """Handle envelopes, gradients first (InboxOrder), until a Shutdown went through (or stop()
+        was called)."""
+        w = self.w
+        order = InboxOrder(w.t.inbox, w.t.inbox_bytes, FORWARD if w.first else BACKWARD)
+        while not w.shutdown.is_set():
+            getter = asyncio.ensure_future(order.next())
+            stopper = asyncio.ensure_future(w.shutdown.wait())
+            done, _ = await asyncio.wait({getter, stopper}, return_when=asyncio.FIRST_COMPLETED)
+            if getter not in done:
+                getter.cancel()
+                break
+            stopper.cancel()
+            item: Inbound = getter.result()
+            if item.envelope is None:
+                continue  # a new stream: its codec state starts afresh (CodecStreams)
+            async with self.handling:
+                if w.shutdown.is_set():
+                    break
+                await self.handle(item)
+                if w.drained():
+                    w.shutdown.set()
+
+    async def handle(self, item: Inbound) -> None:
+        w, env = self.w, item.envelope
+        kind = EnvelopeKind.of(env)
+        if kind is None:
+            return
+        try:
+            w.admission.envelope(item, kind, w.t)
+        except BadMicroBatch as exc:
+            w.offence(item, exc)
+            return
+        if kind is EnvelopeKind.MICRO_BATCH:
+            await self._on_micro_batch(item, env.micro_batch)
+        elif kind is EnvelopeKind.STEP_END:
+            await self._on_step_end(item, env.step_end)
+        elif kind is EnvelopeKind.SYNC:
+            await w.resync.on_sync(env.sync)
+        elif kind is EnvelopeKind.SYNC_ACK:
+            await w.resync.on_sync_ack(env.sync_ack)
+        elif kind is EnvelopeKind.SHUTDOWN:
+            if not w.last:
+                await w.send(FORWARD, shutdown=env.shutdown)
+            w.finish()
+
+    def refused(self, item: Inbound, mb: pb.MicroBatch, exc: Exception) -> None:
+        """A received micro-batch failed admission or decoding: count it, replay the step."""
+        w = self.w
+        w.stats.refused_from(item.sender)
+        reason = f"refused {item.direction} micro-batch {mb.index} of step {mb.step} from {item.sender or '?'}: {exc}"
+        log.warning("stage %d %s; the step will be replayed", w.stage, reason)
+        w.replay_step(reason, tell=True)
+
+    async def _on_micro_batch(self, item: Inbound, mb: pb.MicroBatch) -> None:
+        from .worker import STALE
+
+        w = self.w
+        try:
+            result = await w.compute(w.forward if item.direction == FORWARD else w.backward, item, mb)
+        except BadMicroBatch as exc:
+            self.refused(item, mb, exc)
+            return
+        except DivergedStep as exc:
+            log.error("%s: the model diverged; the step will be replayed", exc)
+            w.replay_step(str(exc), tell=True)
+            return
+        except Exception as exc:  # whatever a peer's message caused, it never ends the daemon
+            log.exception("stage %d: handling a micro-batch from %s failed", w.stage, item.sender or "?")
+            self.refused(item, mb, exc)
+            return
+        if result is STALE:
+            return
+        if item.direction == FORWARD:
+            direction, out, gen = result
+            await w.send(direction, gen, micro_batch=out)
+            return
+        if result is not None:
+            await w.send(BACKWARD, result[1], micro_batch=result[0])
+        if w.first:
+            w.driver.backward_done(w.state.all_backward)
+
+    async def _on_step_end(self, item: Inbound, end: pb.StepEnd) -> None:
+        w = self.w
+        st = w.state
+        if end.step == st.committed and st.awaits_step_end():
+            try:  # the global norm includes what this stage sent back: it cannot be less
+                w.admission.grad_sumsq(end.grad_sumsq, at_least=st.sent_sumsq)
+            except BadMicroBatch as exc:  # commit in step with the others, clipping by what this stage knows
+                w.offence(item, exc)
+                end = pb.StepEnd(step=end.step, attempt=end.attempt, grad_sumsq=st.sent_sumsq)
+            await w.commit(end)
+        elif end.step < st.committed:
+            log.debug("stage %d dropped step end %d: already applied (from a sync)", w.stage, end.step)
+        else:  # ahead of this stage: it missed steps (restarted behind the others, its neighbour not yet told): resync
+            reason = f"step end {end.step} arrived with gradients of {st.done_backward} micro-batches of step {st.step}"
+            log.warning("stage %d: %s; the step will be replayed", w.stage, reason)
+            w.replay_step(reason, tell=True)

@@ -1,0 +1,208 @@
+"""A neighbour that holds the swarm token and lies (issue 26, the data plane): every value it sends
+is checked where it enters, and nothing it sends ends a stage. In-process pipelines: a gradient norm
+that is not a number (finding 1), activations too large to be real (2), a message in another codec
+and a stale one with a forged header (7), an envelope from the wrong side (10); each stage keeps
+training, and where a replay absorbs the attack the losses still equal single-process training."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+
+import pytest
+import torch
+
+from tahnode.codecs import checksum, get_codec
+from tahnode.net.transport import BACKWARD, FORWARD, Inbound
+from tahnode.proto import tahnode_pb2 as pb
+from tahnode.train.local import train_local
+from test_pipeline_inproc import NONE, Swarm, build_run, dataset, train  # noqa: F401  (dataset is a fixture)
+
+
+def tamper(swarm: Swarm, stage: int, change) -> list:
+    """Stage `stage` sends its first envelope that `change(direction, envelope)` alters (returns an
+    envelope for) altered; everything else goes as is (the replayed step too)."""
+    original, changed = swarm.transports[stage].send, []
+
+    async def send(direction, envelope, generation):
+        altered = None if changed else change(direction, envelope)
+        if altered is not None:
+            changed.append(altered)
+            envelope = altered
+        return await original(direction, envelope, generation)
+
+    swarm.transports[stage].send = send
+    return changed
+
+
+def copy(envelope: pb.Envelope) -> pb.Envelope:
+    out = pb.Envelope()
+    out.CopyFrom(envelope)
+    return out
+
+
+@pytest.mark.parametrize("value", [-1.0, math.inf, math.nan, 1e300])
+def test_a_gradient_norm_that_is_not_a_number_is_refused_and_the_step_replayed(dataset, value):
+    """Finding 1: n2 sends its last gradient of step 2 with grad_sumsq = -1 (the commit raised
+    ValueError and the daemon exited), inf (every update zeroed by clipping), NaN (clipping off)."""
+    run = build_run(5, **NONE)
+    swarm = Swarm(run, dataset)
+
+    def lie(direction, env):
+        mb = env.micro_batch
+        if direction == BACKWARD and env.WhichOneof("body") == "micro_batch" and "grad_sumsq" in mb.extras and mb.step == 2:
+            bad = copy(env)
+            bad.micro_batch.extras["grad_sumsq"] = value
+            return bad
+
+    changed = tamper(swarm, 2, lie)
+    asyncio.run(train(swarm, 5))
+    assert len(changed) == 1
+    assert swarm.workers[1].stats.offences.get("n2", 0) >= 1
+    assert swarm.workers[0].stats.replays >= 1
+    assert swarm.steps() == list(range(5)) and all(w.committed == 5 for w in swarm.workers)
+
+
+@pytest.mark.parametrize("value", [-1.0, math.inf, math.nan, 0.0])
+def test_a_step_end_with_a_false_norm_commits_with_what_the_stage_knows(dataset, value):
+    """n1 passes step 2's StepEnd on with a false global norm: below what n2 itself sent back (0 is
+    less than n2's own gradient), negative, inf or NaN. n2 commits in step with the others, clipping
+    by the norm it knows, and counts the lie against n1."""
+    run = build_run(5, **NONE)
+    swarm = Swarm(run, dataset)
+
+    def lie(direction, env):
+        if direction == FORWARD and env.WhichOneof("body") == "step_end" and env.step_end.step == 2:
+            bad = copy(env)
+            bad.step_end.grad_sumsq = value
+            return bad
+
+    tamper(swarm, 1, lie)
+    asyncio.run(train(swarm, 5))
+    assert swarm.workers[2].stats.offences == {"n1": 1}
+    assert all(w.committed == 5 for w in swarm.workers) and swarm.steps() == list(range(5))
+    assert all(math.isfinite(x) for x in swarm.losses())
+    for p in swarm.workers[2].model.parameters():
+        assert torch.isfinite(p).all()
+
+
+@pytest.mark.parametrize("value", [3e38, 1e30, 2e6])
+def test_finite_but_huge_activations_are_refused(dataset, value):
+    """Finding 2: 3e38 is finite; the next stage's own output overflowed and its encode raised, which
+    ended the daemon; 1e30 was accepted. Values beyond train.max_abs_value (1e6) are refused."""
+    run = build_run(5, **NONE)
+    swarm = Swarm(run, dataset)
+
+    def lie(direction, env):
+        mb = env.micro_batch
+        if direction == FORWARD and env.WhichOneof("body") == "micro_batch" and mb.step == 1 and mb.index == 0:
+            x = torch.frombuffer(bytearray(mb.tensor.payload), dtype=torch.float32).clone()
+            x[7] = value
+            bad = copy(env)
+            bad.micro_batch.tensor.payload = x.numpy().tobytes()
+            bad.micro_batch.tensor.crc32 = checksum(bad.micro_batch.tensor)
+            return bad
+
+    changed = tamper(swarm, 0, lie)
+    asyncio.run(train(swarm, 5))
+    assert len(changed) == 1
+    assert swarm.workers[1].stats.offences == {"n0": 1}
+    assert swarm.losses() == pytest.approx(train_local(run, dataset), abs=1e-5)
+
+
+def test_a_stage_whose_own_output_overflows_replays_instead_of_exiting(dataset):
+    """A diverged model (its own output not finite) is a diverged step: replayed with a log line,
+    no peer blamed, the daemon alive. Here stage 1's output is inf once."""
+    run = build_run(4, **NONE)
+    swarm = Swarm(run, dataset)
+
+    async def scenario():
+        await swarm.start()
+        stage1, hits = swarm.workers[1], []
+        forward = stage1.model.forward
+
+        def overflow_once(x):
+            out = forward(x)
+            if stage1.state.step == 1 and not hits:
+                hits.append(1)
+                return out * math.inf
+            return out
+
+        stage1.model.forward = overflow_once
+        try:
+            await asyncio.wait_for(asyncio.gather(*(w.run(4) for w in swarm.workers)), 120)
+        finally:
+            await swarm.close()
+        return hits
+
+    assert asyncio.run(scenario()) == [1]
+    assert swarm.workers[0].stats.replays == 1 and not any(w.stats.offences for w in swarm.workers)
+    assert swarm.losses() == pytest.approx(train_local(run, dataset), abs=1e-5)
+
+
+def test_a_message_in_another_codec_or_with_a_forged_stale_header_is_refused(dataset):
+    """Finding 7: the decoder was the message's choice (aqsgd messages with fresh sample ids grew a
+    receiver's cache for ever) and a stale micro-batch was decoded before any header check."""
+    run = build_run(4, **NONE)
+    swarm = Swarm(run, dataset)
+    aq = get_codec("aqsgd")
+
+    def lie(direction, env):
+        mb = env.micro_batch
+        if direction == FORWARD and env.WhichOneof("body") == "micro_batch" and mb.step == 1 and mb.index == 0:
+            bad = copy(env)
+            x = torch.zeros(len(mb.sample_ids), run.train.seq_len, run.model.dim)
+            from tahnode.codecs import CodecContext
+            bad.micro_batch.tensor.CopyFrom(aq.encode(x, CodecContext(sample_ids=list(mb.sample_ids))))
+            return bad
+
+    tamper(swarm, 0, lie)
+    asyncio.run(train(swarm, 4))
+    assert swarm.workers[1].stats.offences == {"n0": 1}
+    assert swarm.workers[1].codecs.cache_bytes() == 0  # no AQ-SGD state grew
+    assert swarm.losses() == pytest.approx(train_local(run, dataset), abs=1e-5)
+
+
+def test_a_stale_micro_batch_with_a_forged_header_is_counted_and_dropped(dataset):
+    from tahnode.net.inproc import InProcessNetwork
+    from tahnode.pipeline.worker import StageWorker
+
+    run = build_run(4, **{"codec.forward": "aqsgd"})
+
+    async def scenario():
+        worker = StageWorker(run, 1, InProcessNetwork().transport("n1"), "cpu")
+        worker.restart_step(0, 7)
+        forged = pb.MicroBatch(step=0, index=0, attempt=6, sample_ids=list(range(10**4)), tensor=pb.EncodedTensor(codec="aqsgd"))
+        await worker.handle(Inbound(FORWARD, "n0", 1, pb.Envelope(micro_batch=forged)))
+        worker.close()
+        return worker
+
+    worker = asyncio.run(scenario())
+    assert worker.stats.offences == {"n0": 1} and worker.codecs.cache_bytes() == 0
+
+
+@pytest.mark.parametrize("kind", ["shutdown", "gradient", "sync_ack_forward"])
+def test_an_envelope_from_the_wrong_side_is_dropped(dataset, kind):
+    """Finding 10: a message's direction was not tied to the neighbour that sent it: the next
+    stage's Shutdown ended a stage; a previous stage could send gradients."""
+    run = build_run(5, **NONE)
+    sent = []
+
+    def inject(worker):
+        if worker.stage != 1 or worker.committed != 2 or sent:
+            return
+        if kind == "shutdown":  # from n2, on the backward direction: shutdowns only come from the previous stage
+            item = Inbound(BACKWARD, "n2", 99, pb.Envelope(shutdown=pb.Shutdown(step=2)))
+        elif kind == "gradient":  # from n0 (the previous stage) as if it were the next one
+            item = Inbound(BACKWARD, "n0", 99, pb.Envelope(micro_batch=pb.MicroBatch(step=2, index=0, sample_ids=[1])))
+        else:  # a sync ack travels backward only
+            item = Inbound(FORWARD, "n0", 99, pb.Envelope(sync_ack=pb.SyncAck(step=2, abort=True)))
+        sent.append(item)
+        worker.t.inbox.put_nowait(Inbound(item.direction, item.sender, 99, None))
+        worker.t.inbox.put_nowait(item)
+
+    swarm = Swarm(run, dataset, on_step=inject)
+    asyncio.run(train(swarm, 5))
+    assert sent and swarm.workers[1].stats.offences == {sent[0].sender: 1}
+    assert swarm.workers[0].stats.replays == 0 and all(w.committed == 5 for w in swarm.workers)
+    assert swarm.losses() == pytest.approx(train_local(run, dataset), abs=1e-5)
