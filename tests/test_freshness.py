@@ -89,3 +89,24 @@ def test_a_sealed_message_is_checked_mac_first_then_seal_then_speaker():
         coordinator.check(bob_speaks_for_alice, speaks_for="alice")
     assert err.value.reason is RefusalReason.WRONG_SENDER
     assert coordinator.guard.refused[RefusalReason.BAD_MAC] == 1
+
+
+def test_a_replay_after_the_receiver_restarted_is_refused(tmp_path):
+    """Issue 26, finding 9: the seen counters lived in memory and the start-time slack used the
+    sender's clock, so a message recorded shortly before a restart, from a sender whose clock runs
+    ahead, was accepted again after it. Each sender's highest counter is now kept on disk."""
+    now = [1000.0]
+    store = tmp_path / "seen-counters.json"
+    first = ReplayGuard("b", "run", clock=lambda: now[0], store=store)
+    ahead = int((now[0] + 50) * 1e6)  # the sender's clock runs 50 s ahead (within the window)
+    first.check("run", "a", "b", ahead)
+    first.save()
+    now[0] += 10  # b restarts
+    again = ReplayGuard("b", "run", clock=lambda: now[0], store=store)
+    with pytest.raises(SealRefused, match="before this process restarted") as refused:
+        again.check("run", "a", "b", ahead)
+    assert refused.value.reason is RefusalReason.REPLAYED
+    again.check("run", "a", "b", ahead + 1)  # what a sends next is fine
+    assert store.stat().st_mode & 0o777 == 0o600
+    store.write_text("not json")
+    assert ReplayGuard("b", "run", clock=lambda: now[0], store=store).floor == {}  # a damaged file is not fatal

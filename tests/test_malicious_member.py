@@ -105,3 +105,86 @@ def test_only_the_loss_stage_holder_reports_losses_and_only_numbers(servers):
                                   pb.LossPoint(step=50, loss=math.inf)])
     assert sorted(reg.ledger()) == list(range(50))
     assert all(math.isfinite(p.loss) for p in reg.ledger().values())
+
+
+def test_a_heartbeat_cannot_grow_the_coordinators_state(servers):
+    """Finding 6: a node's links were never cleared: one 1.4 MB heartbeat added 60 000 of them."""
+    reg = servers.registry
+    links = [pb.LinkStats(dst=f"ghost-{k}", bytes=k, seconds=1.0) for k in range(60_000)]
+    links.insert(0, pb.LinkStats(dst=NODE, bytes=1, seconds=1.0))  # to itself: not a link
+    msg = servers.sealer(NODE).seal(pb.HeartbeatRequest(node_id=NODE, links=links), COORDINATOR)
+    send(servers, RPCS["Heartbeat"], [msg.SerializeToString()])
+    assert reg.nodes[NODE].links == {}  # none of them is a node of the swarm
+
+
+def test_records_of_nodes_long_gone_are_forgotten(servers):
+    from tahnode.coordinator.registry import DEAD_RECORD_S
+
+    reg = servers.registry
+    for k in range(3):
+        name = f"gone-{k}"
+        reg.join(servers.sealer(name, run="").seal(pb.JoinRequest(node_id=name, address=f"127.0.0.1:{90 + k}", stage=-1),
+                                                   COORDINATOR))
+    reg.nodes[NODE].links["gone-0"] = (5, 1.0)
+    for k in range(3):
+        reg.nodes[f"gone-{k}"].status = NodeStatus.FAILED if k else NodeStatus.LEFT
+    reg.nodes["gone-2"].last_seen -= DEAD_RECORD_S / 2  # not long enough
+    reg.nodes["gone-0"].last_seen -= DEAD_RECORD_S + 1
+    reg.nodes["gone-1"].last_seen -= DEAD_RECORD_S + 1
+    reg.sweep()
+    assert set(reg.nodes) == {NODE, "gone-2"} and "gone-0" not in reg.identities
+    assert reg.nodes[NODE].links == {}
+
+
+def test_the_status_documents_come_from_a_snapshot():
+    from tahnode.coordinator.server import StateSnapshot
+
+    built = []
+    snapshot = StateSnapshot(lambda: built.append(1) or len(built), max_age=60)
+    assert [snapshot() for _ in range(100)] == [1] * 100 and len(built) == 1
+
+
+@pytest.mark.parametrize("address,refused", [("10.1.2.3:7100", True), ("127.0.0.1:7100", False),
+                                              ("/ip4/10.1.2.3/tcp/7100/p2p/QmYyQSo1c1Ym7orWxLYvCrM2EmxFTANf8wXmmE7DWjhx5N", False)])
+def test_a_node_off_loopback_without_a_certificate_may_not_join(servers, address, refused):
+    """Finding 11: such a node was dialled in plaintext by its neighbours."""
+    join = servers.sealer("plain", run="").seal(pb.JoinRequest(node_id="plain", address=address, stage=-1), COORDINATOR)
+    try:
+        send(servers, RPCS["Join"], [join.SerializeToString()])
+        code = None
+    except grpc.RpcError as exc:
+        code = exc.code()
+    assert code == (grpc.StatusCode.FAILED_PRECONDITION if refused else None)
+
+
+def test_a_ban_holds_the_key_and_the_address_and_outlives_a_restart(tmp_path):
+    """Finding 13: a banned node came back at once under a new id and key; bans were lost on a
+    coordinator restart."""
+    from tahnode.config import RunConfig
+    from tahnode.coordinator.registry import SwarmRegistry
+    from tahnode.net.auth import Sealer, SwarmKey
+    from tahnode.net.errors import Banned
+    from tahnode.net.identity import NodeKey
+
+    keys = {name: NodeKey.generate() for name in ("n0", "n1", "n2", "n1-again", "n1-elsewhere")}
+
+    def registry():
+        return SwarmRegistry(RunConfig.build("llama-tiny", None), SwarmKey("t"), heartbeat_timeout=3600, store_dir=tmp_path / "s")
+
+    def join(reg, name, address, stage=-1, key=None):
+        sealer = Sealer(SwarmKey("t"), name, identity=key or keys[name])
+        return reg.join(sealer.seal(pb.JoinRequest(node_id=name, address=address, stage=stage), COORDINATOR))
+
+    reg = registry()
+    join(reg, "n0", "127.0.0.1:1", 0)
+    join(reg, "n1", "93.184.216.34:7100", 1)  # a public address
+    join(reg, "n2", "127.0.0.1:3", 2)
+    beat = Sealer(SwarmKey("t"), "n2", reg.sealer.run, keys["n2"])
+    reg.heartbeat(beat.seal(pb.HeartbeatRequest(node_id="n2", stats=pb.TrainingStats(offences={"n1": 3})), COORDINATOR))
+    assert reg.nodes["n1"].status is NodeStatus.BANNED
+    again = registry()  # the coordinator restarted
+    with pytest.raises(Banned):
+        join(again, "n1-again", "127.0.0.1:9", key=keys["n1"])  # a new id, the same key
+    with pytest.raises(Banned):
+        join(again, "n1-elsewhere", "93.184.216.34:7200")  # a new id and key, the same public host
+    assert join(again, "n1-elsewhere", "93.184.216.99:7100").assignment.stage == -1  # someone else entirely

@@ -206,3 +206,40 @@ def test_an_envelope_from_the_wrong_side_is_dropped(dataset, kind):
     assert sent and swarm.workers[1].stats.offences == {sent[0].sender: 1}
     assert swarm.workers[0].stats.replays == 0 and all(w.committed == 5 for w in swarm.workers)
     assert swarm.losses() == pytest.approx(train_local(run, dataset), abs=1e-5)
+
+
+def test_a_tensor_of_another_shape_is_refused_before_it_is_decoded(dataset):
+    """Finding 12: `group` with 1-bit codes in 256-channel tiles decodes 28 times its payload; a
+    forged shape made a stage allocate that before its shape check. The shape is checked first now."""
+    run = build_run(4, **{"codec.forward": "group", "codec.forward_params": {"bits": 1, "group_size": 256}})
+    swarm = Swarm(run, dataset)
+    group = get_codec("group", bits=1, group_size=256)
+
+    def lie(direction, env):
+        mb = env.micro_batch
+        if direction == FORWARD and env.WhichOneof("body") == "micro_batch" and mb.step == 1 and mb.index == 0:
+            bad = copy(env)
+            bad.micro_batch.tensor.CopyFrom(group.encode(torch.zeros(len(mb.sample_ids), run.train.seq_len, 64 * run.model.dim)))
+            return bad
+
+    decoded = []
+
+    async def scenario():
+        await swarm.start()
+        decode = swarm.workers[1].codecs.decode
+
+        def watched(direction, stream, mb, dtype):
+            decoded.append(tuple(mb.tensor.shape))
+            return decode(direction, stream, mb, dtype)
+
+        swarm.workers[1].codecs.decode = watched
+        try:
+            await asyncio.wait_for(asyncio.gather(*(w.run(4) for w in swarm.workers)), 120)
+        finally:
+            await swarm.close()
+
+    tamper(swarm, 0, lie)
+    asyncio.run(scenario())
+    assert swarm.workers[1].stats.offences == {"n0": 1}
+    assert all(shape[-1] == run.model.dim for shape in decoded)  # the forged one was never decoded
+    assert all(w.committed == 4 for w in swarm.workers)

@@ -27,6 +27,7 @@ from tahnode.net.identity import NodeKey  # noqa: E402
 from tahnode.net.p2p_host import P2PAddress, P2PHost  # noqa: E402
 from tahnode.net.p2p_records import MAX_RECORD_BYTES, RecordKind, protocol_name, read_record, write_record  # noqa: E402
 from tahnode.net.p2p_transport import P2PTransport  # noqa: E402
+from tahnode.net.tls import TlsCertificate  # noqa: E402
 from tahnode.net.transport import BACKWARD, FORWARD  # noqa: E402
 from tahnode.proto import tahnode_pb2 as pb  # noqa: E402
 from tahnode.proto import tahnode_pb2_grpc as pb_grpc  # noqa: E402
@@ -131,6 +132,33 @@ def test_status_codes_cross_as_codes_and_bad_requests_leave_the_server_serving()
     assert out["after"] == b"again"
 
 
+def test_idle_streams_of_one_peer_neither_block_others_nor_stay_open(monkeypatch):
+    """Issue 26, finding 8: the call limit was counted before authentication, per libp2p peer id, with
+    no read deadline; relayed calls all arrive under the relay's id, so 16 idle streams from one
+    token holder blocked every relayed call to a node behind NAT. Now a stream waits for its first
+    request at most FIRST_RECORD_S, and calls count against the authenticated sender."""
+    from tahnode.net import p2p_rpc
+
+    monkeypatch.setattr(p2p_rpc, "FIRST_RECORD_S", 1.0)
+
+    async def scenario():
+        sender, receiver, hosts = await pair()
+        host_a, _ = hosts
+        idle = [await host_a.open_stream(receiver.address, protocol_name("/tahnode.v1.StageService/Ping")) for _ in range(24)]
+        stub = pb_grpc.StageServiceStub(open_channel(receiver.address, b"", []))
+        reply = await stub.Ping(sender.sealer.seal(pb.PingRequest(nonce=b"through"), "b"), timeout=10)  # same libp2p peer
+        closed = 0
+        for reader, writer in idle:
+            kind, data = await asyncio.wait_for(read_record(reader), 10)  # each idle one is told, then closed
+            closed += kind is RecordKind.STATUS and pb.RpcStatus.FromString(data).code == grpc.StatusCode.DEADLINE_EXCEEDED.value[0]
+            writer.close()
+        await close(sender, receiver, *hosts)
+        return reply.nonce, closed
+
+    nonce, closed = asyncio.run(scenario())
+    assert nonce == b"through" and closed == 24
+
+
 def test_a_link_to_a_peer_that_went_away_fails_and_moves_its_generation_on():
     async def scenario():
         sender, receiver, hosts = await pair()
@@ -160,7 +188,9 @@ def test_the_directory_believes_only_entries_made_with_the_swarm_token():
         address = (await first.maddrs())[0]
         second = await P2PHost.start(P2PSettings(listen=["/ip4/127.0.0.1/tcp/0"], initial_peers=[address]))
         ours, theirs = SwarmDirectory(first.dht, KEY), SwarmDirectory(second.dht, KEY)
-        await ours.publish(COORDINATOR_KIND, "", {"grpc": "10.0.0.1:7000", "p2p": address, "fingerprint": ""})
+        real = TlsCertificate.generate()
+        await ours.publish(COORDINATOR_KIND, "", {"grpc": "10.0.0.1:7000", "p2p": address, "fingerprint": real.fingerprint},
+                           signer=real)
         await ours.publish(NODE_KIND, "n1", {"stage": 1, "address": address})
         # a forger without the token writes under our prefix: readers drop its entry
         forged = pb.DirectoryRecord(kind=NODE_KIND, name="n2", json="{}", expires=time.time() + 60, mac=b"\0" * 32)
@@ -177,6 +207,48 @@ def test_the_directory_believes_only_entries_made_with_the_swarm_token():
     assert found.grpc == "10.0.0.1:7000" and found.address_for(p2p=True).startswith("/ip4/127.0.0.1/")
     assert nodes == {"n1": {"stage": 1, "address": nodes["n1"]["address"]}}
     assert other == {}
+
+
+def test_the_coordinator_cannot_be_impersonated_through_the_dht():
+    """Issue 26, finding 4: a coordinator entry was authenticated by the token's MAC alone, so any
+    volunteer published one with its own address and fingerprint and a far-future expiry, and
+    joiners that found the coordinator through the DHT pinned the impostor. Now each entry is signed
+    by its certificate and filed under its fingerprint: a pinned joiner finds the real one, an
+    unpinned one refuses to choose, and unsigned or far-future entries are dropped."""
+    from hivemind.utils import get_dht_time
+
+    from tahnode.net.errors import UntrustedCoordinator
+
+    async def scenario():
+        first = await P2PHost.start(LOOPBACK)
+        address = (await first.maddrs())[0]
+        second = await P2PHost.start(P2PSettings(listen=["/ip4/127.0.0.1/tcp/0"], initial_peers=[address]))
+        real, impostor, eternal = TlsCertificate.generate(), TlsCertificate.generate(), TlsCertificate.generate()
+        coordinator, volunteer, joiner = SwarmDirectory(first.dht, KEY), SwarmDirectory(second.dht, KEY), SwarmDirectory(second.dht, KEY)
+        await coordinator.publish(COORDINATOR_KIND, "", {"grpc": "10.0.0.1:7000", "p2p": "", "fingerprint": real.fingerprint},
+                                  signer=real)
+        alone = await joiner.coordinator(timeout=10)
+        await volunteer.publish(COORDINATOR_KIND, "", {"grpc": "10.6.6.6:7000", "p2p": "", "fingerprint": eternal.fingerprint},
+                                ttl=10**6, signer=eternal)  # it would outlive the real one: dropped
+        await volunteer.publish(COORDINATOR_KIND, "", {"grpc": "10.6.6.7:7000", "p2p": "", "fingerprint": impostor.fingerprint},
+                                signer=impostor)
+        unsigned = KEY.sign(pb.DirectoryRecord(kind=COORDINATOR_KIND, json='{"grpc": "10.6.6.8:7000"}', expires=time.time() + 60))
+        await asyncio.to_thread(second.dht.store, f"{joiner.prefix}/{COORDINATOR_KIND}", unsigned.SerializeToString(),
+                                get_dht_time() + 60, subkey=COORDINATOR_KIND)
+        pinned = await joiner.coordinator(timeout=10, pin=real.fingerprint)
+        claims = await joiner.coordinators()
+        try:
+            await joiner.coordinator(timeout=1)
+            unpinned = None
+        except UntrustedCoordinator as exc:
+            unpinned = str(exc)
+        await close(second, first)
+        return alone, pinned, claims, unpinned
+
+    alone, pinned, claims, unpinned = asyncio.run(scenario())
+    assert alone.grpc == pinned.grpc == "10.0.0.1:7000"
+    assert {r.grpc for r in claims.values()} == {"10.0.0.1:7000", "10.6.6.7:7000"}  # signed, live, each under its own name
+    assert unpinned is not None and "--coordinator-fingerprint" in unpinned
 
 
 def test_a_daemon_that_cannot_start_says_why_within_seconds():

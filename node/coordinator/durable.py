@@ -1,6 +1,6 @@
 """The coordinator's durable state in SQLite (WAL, synchronous writes) in the run's store folder:
 the ledger of committed steps (loss, samples, wall time), the membership epoch, the node
-identities (node id -> public key) and who holds each stage, so that a coordinator restarted after
+identities (node id -> public key), the bans and who holds each stage, so that a coordinator restarted after
 a crash goes on where it was: the holders keep their stages, the others rejoin by themselves."""
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value INTEGER NOT NULL);
 CREATE TABLE IF NOT EXISTS identities (node_id TEXT PRIMARY KEY, public_key BLOB NOT NULL);
 CREATE TABLE IF NOT EXISTS holders (stage INTEGER PRIMARY KEY, node_id TEXT NOT NULL, address TEXT NOT NULL,
                                     device TEXT NOT NULL, tls_cert BLOB NOT NULL);
+CREATE TABLE IF NOT EXISTS bans (mark TEXT PRIMARY KEY, until REAL NOT NULL);
 """
 
 
@@ -64,6 +65,19 @@ class SwarmDB:
 
     def bind(self, node_id: str, public_key: bytes) -> None:
         self.db.execute("INSERT INTO identities VALUES (?, ?)", (node_id, public_key))
+
+    def forget(self, node_id: str) -> None:
+        """Drop a node id's binding to its key (its record was pruned: the id is free again)."""
+        self.db.execute("DELETE FROM identities WHERE node_id = ?", (node_id,))
+
+    def bans(self) -> dict[str, float]:
+        """Ban mark -> when it ends (wall clock), for the bans not over yet."""
+        return dict(self.db.execute("SELECT mark, until FROM bans"))
+
+    def ban(self, marks: dict[str, float]) -> None:
+        with self.db:
+            self.db.execute("BEGIN")
+            self.db.executemany("INSERT OR REPLACE INTO bans VALUES (?, ?)", list(marks.items()))
 
     def holders(self) -> list[tuple[int, str, str, str, bytes]]:
         """(stage, node id, address, device, TLS certificate) of every stage's holder when last saved."""

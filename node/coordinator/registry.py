@@ -17,7 +17,7 @@ from ..net.freshness import COORDINATOR, SealRefused
 from ..net.identity import NodeKey
 from ..pipeline.checkpoint import CheckpointStore
 from ..proto import tahnode_pb2 as pb
-from .bans import BanPolicy, Bans
+from .bans import BanPolicy, Bans, ban_marks
 from .durable import SwarmDB
 from .health import LossHistory, LossWatch
 from .state import STANDBY, Census, NodeRecord, NodeStatus
@@ -28,6 +28,9 @@ __all__ = ["SwarmRegistry", "run_identity", "LOSS_HISTORY"]
 
 LOSS_HISTORY = 2000  # recent steps whose losses stay in memory (the whole ledger is in SQLite)
 LEDGER_SLACK = 200  # steps a stage may run ahead of the ledger (the loss stage's reports come with its heartbeats)
+SEEN_COUNTERS_FILE = "seen-counters.json"  # each sender's highest seal counter, so replays fail after a restart too
+MAX_LINKS_PER_NODE = 16  # links a node's heartbeat may report (it sends on two, and probes a few)
+DEAD_RECORD_S = 600.0    # a node that left, failed or was banned is forgotten this long after it was last heard
 HEARTBEATS_PER_S = 300  # the heartbeat rate the coordinator aims at: beyond this many nodes, they beat less often
 
 
@@ -53,12 +56,15 @@ class SwarmRegistry:
         # one folder per run configuration: a checkpoint of another run is never handed out
         run_id = hashlib.sha256(run.to_json().encode()).hexdigest()[:12]
         self.store = CheckpointStore(Path(store_dir) / f"run-{run_id}", keep=3)
-        self.sealer = Sealer(key, COORDINATOR, run_identity(self.store.dir), NodeKey.load_or_create(self.store.dir / "coordinator.key"))
+        self.sealer = Sealer(key, COORDINATOR, run_identity(self.store.dir), NodeKey.load_or_create(self.store.dir / "coordinator.key"),
+                             seen_file=self.store.dir / SEEN_COUNTERS_FILE)
         self.timeout = heartbeat_timeout
         self.bans = bans or Bans(BanPolicy())
         self.nodes: dict[str, NodeRecord] = {}
         self.db = SwarmDB(self.store.dir / "coordinator.sqlite")
         self._epoch = self.db.get("epoch", 1)
+        for mark, until in self.db.bans().items():  # bans outlive a restart
+            self.bans.until[mark] = until
         self.last_join = 0.0
         # the ledger lives in the database; memory holds only the losses the status page draws
         self.history = LossHistory(self.db.losses(LOSS_HISTORY), LOSS_HISTORY)
@@ -192,8 +198,9 @@ class SwarmRegistry:
         if not req.node_id or not req.address:
             raise InvalidRequest("join needs a node id and an address")
         self.check(req, req.node_id, run_optional=True, bind=True)
-        if self.bans.left(req.node_id):
-            raise Banned(f"node {req.node_id} is banned for another {self.bans.left(req.node_id):.0f} s: its neighbours "
+        banned = self.bans.left_any(ban_marks(req.node_id, req.seal.public_key, req.address))
+        if banned:
+            raise Banned(f"node {req.node_id} (or its key or address) is banned for another {banned:.0f} s: its neighbours "
                          "kept refusing its micro-batches (malformed, non-finite or oversized)")
         if req.stage < -1 or req.stage >= self.run.stages:
             raise InvalidRequest(f"stage {req.stage} does not exist: this swarm has stages 0..{self.run.stages - 1}")
@@ -226,8 +233,11 @@ class SwarmRegistry:
         node.stats.CopyFrom(req.stats)
         if req.layer_ms > 0:
             node.layer_ms = req.layer_ms
-        for link in req.links:
-            node.links[link.dst] = (link.bytes, link.seconds)
+        for link in req.links[:MAX_LINKS_PER_NODE]:  # to nodes it could have sent to, a few at most
+            if link.dst in self.nodes and link.dst != node.node_id:
+                node.links[link.dst] = (link.bytes, link.seconds)
+        while len(node.links) > MAX_LINKS_PER_NODE:
+            del node.links[next(iter(node.links))]
         self._judge(node, req.stats.offences)
         self._record(node, list(req.stats.losses))
         if req.stats.finished and node.status is NodeStatus.ACTIVE and node.stage == self.run.stages - 1 \
@@ -246,6 +256,9 @@ class SwarmRegistry:
         for sender in self.bans.report(reporter.node_id, {s: c for s, c in offences.items() if s in neighbours}):
             node = self.nodes[sender]
             node.status = NodeStatus.BANNED
+            marks = ban_marks(sender, self.identities.get(sender, b""), node.address)
+            self.bans.extend(marks, self.bans.until[sender])
+            self.db.ban({m: self.bans.until[m] for m in marks})
             self.epoch += 1
             self.event(f"banned: {sender} (stage {node.stage}) for {self.bans.policy.ban_s:.0f} s: {reporter.node_id} "
                        f"refused {self.bans.policy.threshold} of its micro-batches within {self.bans.policy.window_s:.0f} s")
@@ -308,9 +321,24 @@ class SwarmRegistry:
         """The step after the newest one in the ledger (0 before any)."""
         return max(self.history.points, default=-1) + 1
 
+    def prune(self) -> None:
+        """Forget nodes that left, failed or were banned DEAD_RECORD_S ago: their records, the links
+        others reported to them, and their ids' keys (a ban outlives the record: Bans keeps it)."""
+        now = time.monotonic()
+        gone = [n.node_id for n in self.nodes.values() if not n.status.live and now - n.last_seen > DEAD_RECORD_S]
+        for node_id in gone:
+            del self.nodes[node_id]
+            if self.identities.pop(node_id, None) is not None:
+                self.db.forget(node_id)
+        if gone:
+            for n in self.nodes.values():
+                for node_id in gone:
+                    n.links.pop(node_id, None)
+
     def sweep(self) -> None:
-        """Declare nodes that missed their heartbeats for `timeout` seconds failed (the coordinator
-        runs it every second, and before a join)."""
+        """Declare nodes that missed their heartbeats for `timeout` seconds failed, and forget the
+        long gone (the coordinator runs it every second, and before a join)."""
+        self.prune()
         now = time.monotonic()
         self.census.live = sum(n.status.live for n in self.nodes.values())
         for node in self.nodes.values():

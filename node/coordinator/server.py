@@ -7,8 +7,10 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
+import math
 import signal
 import sys
+import time
 from pathlib import Path
 
 import grpc
@@ -38,8 +40,23 @@ log = logging.getLogger("tahnode.coordinator")
 __all__ = ["serve", "http_app", "control_plane"]
 
 
+class StateSnapshot:
+    """The status documents' view, built at most every `max_age` seconds: however many clients poll,
+    the loop that also serves the control plane builds the (bounded) state once per interval."""
+
+    def __init__(self, build, max_age: float = 1.0):
+        self.build, self.max_age = build, max_age
+        self.view, self.at = None, -math.inf
+
+    def __call__(self) -> SwarmView:
+        now = time.monotonic()
+        if now - self.at >= self.max_age:
+            self.view, self.at = self.build(), now
+        return self.view
+
+
 def http_app(registry: SwarmRegistry, placement: Placement, p2p_maddrs: list[str] = ()) -> web.Application:
-    app = make_app(lambda: SwarmView.from_state(swarm_state(registry, placement, p2p_maddrs)),
+    app = make_app(StateSnapshot(lambda: SwarmView.from_state(swarm_state(registry, placement, p2p_maddrs))),
                    lambda offset, limit: all_links(registry, placement, offset, limit))
     app.router.add_get("/api/v1/ledger", lambda _r: web.json_response(ledger_json(registry)))
     return app
@@ -80,7 +97,7 @@ async def start_p2p(cfg: CoordinatorConfig, servicer: CoordinatorServicer) -> P2
     """The coordinator's p2p daemon and DHT (before any gRPC server: the DHT forks a process), with
     the control plane on it."""
     host = await P2PHost.start(cfg.p2p, identity=Path(cfg.store) / IDENTITY_FILE)
-    await serve_service(host, "Coordinator", servicer)
+    await serve_service(host, "Coordinator", servicer, servicer.r.sealer.key)
     return host
 
 
@@ -122,7 +139,7 @@ async def serve(run: RunConfig, cfg: CoordinatorConfig) -> None:
     registry = SwarmRegistry(run, key, cfg.heartbeat_timeout, store_dir=cfg.store)
     channels = ChannelPool(DIRECT)
     placement = Placement(registry, cfg.placement, measurer(registry, channels))
-    servicer = CoordinatorServicer(registry)
+    servicer = CoordinatorServicer(registry, node_tls=cfg.tls is not TlsMode.OFF)
     p2p = await start_p2p(cfg, servicer) if TransportKind.P2P in cfg.transports else None
     p2p_maddrs = (await p2p.address()).split(",") if p2p else []
     server, tls = None, None
@@ -149,9 +166,13 @@ async def serve(run: RunConfig, cfg: CoordinatorConfig) -> None:
     if p2p:
         print("tahnode coordinator: p2p at " + " ".join(p2p_maddrs) + "\n  volunteers join with --initial-peers "
               f"{p2p_maddrs[0]} (behind NAT: also --transport p2p --use-auto-relay)", flush=True)
+        identity = tls or TlsCertificate.load_or_create(Path(cfg.store))  # its entry is signed even without TLS
         record = {"grpc": grpc_address(cfg.listen, p2p_maddrs) if server else "", "p2p": ",".join(p2p_maddrs),
-                  "fingerprint": tls.fingerprint if tls else ""}
-        publishing = asyncio.ensure_future(republish(SwarmDirectory(p2p.dht, key), directory_entries(registry, record), stop))
+                  "fingerprint": identity.fingerprint}
+        print(f"tahnode coordinator: its DHT entry is signed by certificate {identity.fingerprint}; volunteers who find it "
+              f"through --initial-peers pin it with --coordinator-fingerprint {identity.fingerprint}", flush=True)
+        publishing = asyncio.ensure_future(republish(SwarmDirectory(p2p.dht, key), directory_entries(registry, record), stop,
+                                                     signer=identity))
     gc.freeze()  # what start-up made (torch, protobuf, the servers) is never collected: shorter pauses at scale
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

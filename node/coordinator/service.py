@@ -10,6 +10,8 @@ import math
 import grpc
 
 from ..net.errors import Refused
+from ..net.p2p_host import is_p2p_address
+from ..net.tls import is_loopback
 from ..pipeline.checkpoint import EXTRA_LIMIT_PER_DIM, CheckpointTooLarge, ChunkWriter, CorruptCheckpoint, check_fits, read_chunks
 from ..pipeline.checkpoint import stage_shapes
 from ..proto import tahnode_pb2 as pb
@@ -49,8 +51,11 @@ class StageForm:
 
 
 class CoordinatorServicer(pb_grpc.CoordinatorServicer):
-    def __init__(self, registry: SwarmRegistry):
-        self.r = registry
+    """`node_tls`: nodes that serve their data plane off loopback over gRPC must present a TLS
+    certificate (their neighbours would dial them in clear otherwise); off only with --insecure."""
+
+    def __init__(self, registry: SwarmRegistry, node_tls: bool = True):
+        self.r, self.node_tls = registry, node_tls
         self.form = StageForm(registry)
 
     async def _call(self, fn, request, context):
@@ -61,6 +66,10 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             await context.abort(exc.code, str(exc))
 
     async def Join(self, request, context):
+        if self.node_tls and not request.tls_cert and not is_loopback(request.address) and not is_p2p_address(request.address):
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"{request.address} is off loopback and the node offers no "
+                                "TLS certificate: its neighbours would send it the swarm's traffic in clear (this swarm runs "
+                                "TLS; start the node without --insecure)")
         return await self._call(self.r.join, request, context)
 
     async def Heartbeat(self, request, context):

@@ -110,7 +110,8 @@ class StageNode:
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
         identity = NodeKey.load_or_create(folder / KEY_FILE)
-        sealer = Sealer(key, node_id, identity=identity)  # one counter and one replay guard for all it sends and receives
+        # one counter and one replay guard for all it sends and receives; the guard's counters outlive a restart
+        sealer = Sealer(key, node_id, identity=identity, seen_file=folder / "seen-counters.json")
         tls = data_plane_tls(cfg, folder)
         transport = make_transport(cfg, sealer, tls, host)
         trust = CoordinatorTrust(cfg.tls, cfg.coordinator_fingerprint or coordinator.fingerprint, folder / PINNED_COORDINATOR_FILE)

@@ -55,7 +55,7 @@ async def find_coordinator(cfg: NodeConfig, host: P2PHost | None, key: SwarmKey)
         return CoordinatorAddress(cfg.coordinator)
     if host is None or host.dht is None:
         return CoordinatorAddress(DEFAULT_COORDINATOR)
-    record = await SwarmDirectory(host.dht, key).coordinator(FIND_WAIT_S)
+    record = await SwarmDirectory(host.dht, key).coordinator(FIND_WAIT_S, pin=cfg.coordinator_fingerprint)
     address = record.address_for(p2p=cfg.transport is TransportKind.P2P)
     log.info("found the coordinator through the DHT at %s", address)
     return CoordinatorAddress(address, "" if is_p2p_address(address) else record.fingerprint)

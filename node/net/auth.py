@@ -84,10 +84,10 @@ class Sealer:
     what it receives (`check`, `check_frame`: the MAC, then the seal with its ReplayGuard). `run`
     is the swarm's run id once known (a node learns it when it joins)."""
 
-    def __init__(self, key: SwarmKey, me: str, run: str = "", identity: NodeKey | None = None):
+    def __init__(self, key: SwarmKey, me: str, run: str = "", identity: NodeKey | None = None, seen_file=None):
         self.key, self.me, self.identity = key, me, identity
         self.counter = SealCounter()
-        self.guard = ReplayGuard(me, run)
+        self.guard = ReplayGuard(me, run, store=seen_file)  # seen_file: the senders' counters kept across a restart
 
     @property
     def run(self) -> str:

@@ -1,17 +1,25 @@
 """Freshness and binding of signed messages: a sender seals each one with the run, itself, its
 recipient and a strictly increasing clock counter (`SealCounter`); a receiver's `ReplayGuard`
-refuses a seal meant for someone else, from another run, off its clock, or seen before."""
+refuses a seal meant for someone else, from another run, off its clock, or seen before, also
+before the receiver restarted: the highest counter of each sender is kept on disk."""
 
 from __future__ import annotations
 
 import enum
+import json
+import logging
+import os
 import time
 from collections import Counter
+from pathlib import Path
+
+log = logging.getLogger("tahnode.auth")
 
 __all__ = ["CLOCK_WINDOW_S", "START_SLACK_S", "COORDINATOR", "SealCounter", "SealRefused", "RefusalReason", "ReplayGuard"]
 
 CLOCK_WINDOW_S = 60.0   # a seal's counter may differ from the receiver's clock by this much, either way
 START_SLACK_S = 5.0     # seals from more than this before the receiver started are refused (recorded earlier)
+SAVE_S = 2.0            # how often a guard with a file writes its senders' highest counters
 COORDINATOR = "coordinator"  # the recipient name of every control-plane request
 
 
@@ -54,12 +62,37 @@ class ReplayGuard:
     clock anyway), so memory stays bounded by what senders can send in one window. `refused`
     counts the refusals by reason."""
 
-    def __init__(self, me: str, run: str = "", window_s: float = CLOCK_WINDOW_S, clock=time.time):
+    def __init__(self, me: str, run: str = "", window_s: float = CLOCK_WINDOW_S, clock=time.time, store: Path | None = None):
         self.me, self.run, self.window, self.clock = me, run, window_s, clock
         self.started = clock()
         self.seen: dict[str, dict[int, float]] = {}
         self.refused: Counter[RefusalReason] = Counter()
-        self.last_prune = self.started
+        self.last_prune = self.last_save = self.started
+        # each sender's highest counter: those of an earlier run of this process (`floor`, refused
+        # whatever the sender's clock says) and this run's (`high`, saved to `store` every SAVE_S)
+        self.store = store
+        self.floor: dict[str, int] = self._load()
+        self.high: dict[str, int] = dict(self.floor)
+
+    def _load(self) -> dict[str, int]:
+        if self.store is None or not self.store.exists():
+            return {}
+        try:
+            return {str(k): int(v) for k, v in json.loads(self.store.read_text()).items()}
+        except (ValueError, OSError, AttributeError) as exc:
+            log.warning("could not read the counters seen before a restart from %s (%s): starting without them", self.store, exc)
+            return {}
+
+    def save(self) -> None:
+        """Write each sender's highest counter (owner-only, replaced atomically)."""
+        if self.store is None:
+            return
+        tmp = self.store.with_suffix(".tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as fh:
+            json.dump(self.high, fh)
+        os.replace(tmp, self.store)
+        self.last_save = self.clock()
 
     def check(self, run: str, sender: str, recipient: str, counter: int, *, run_optional: bool = False) -> None:
         try:
@@ -82,10 +115,16 @@ class ReplayGuard:
                               f"clocks differ by more than {self.window:.0f} s (synchronise them with NTP)")
         if sent < self.started - START_SLACK_S:
             raise SealRefused(RefusalReason.OFF_CLOCK, f"sealed {self.started - sent:.0f} s before this process started: replayed")
+        if counter <= self.floor.get(sender, 0):
+            raise SealRefused(RefusalReason.REPLAYED, f"counter {counter} of {sender!r} is from before this process restarted: replayed")
         seen = self.seen.setdefault(sender, {})
         if counter in seen:
             raise SealRefused(RefusalReason.REPLAYED, f"counter {counter} of {sender!r} was seen before: replayed")
         seen[counter] = sent
+        if counter > self.high.get(sender, 0):
+            self.high[sender] = counter
+        if self.store is not None and now - self.last_save > SAVE_S:
+            self.save()
         if now - self.last_prune > self.window:
             self._prune(now)
 

@@ -6,7 +6,12 @@ One call is one libp2p stream, named /tahnode/1/<Service>/<Method>, of records
 (tahnode.net.p2p_records). The caller sends MESSAGE records and one END; the callee answers with
 MESSAGE records and one STATUS (an RpcStatus: gRPC's code and details, so errors keep their
 type). Records above MAX_RECORD_BYTES are refused, like gRPC's message limit, and a request that
-does not parse is INVALID_ARGUMENT, as RefuseUnparsable does."""
+does not parse is INVALID_ARGUMENT, as RefuseUnparsable does.
+
+Calls are counted per authenticated sender (the node id a first request's MAC vouches for), not per
+libp2p peer: relayed calls all arrive under their relay's id. A stream whose first request does not
+come within FIRST_RECORD_S, or is not authentic, is closed; until then it counts against its
+libp2p peer, at most PENDING_PER_PEER at once."""
 
 from __future__ import annotations
 
@@ -26,7 +31,19 @@ log = logging.getLogger("tahnode.p2p")
 
 __all__ = ["serve_service", "P2PChannel", "P2PServicerContext", "RpcAborted", "CALLS_PER_PEER"]
 
-CALLS_PER_PEER = 16                   # calls one peer may have open here at once (each may hold a record in memory)
+CALLS_PER_PEER = 16                   # calls one sender may have open here at once (each may hold a record in memory)
+PENDING_PER_PEER = 64                 # streams of one libp2p peer (a relay carries many senders) waiting for a first request
+FIRST_RECORD_S = 10.0                 # a stream's first request must arrive within this
+
+
+def authentic_sender(message, key) -> str | None:
+    """The node id a request's MAC vouches for (a frame's sender, a sealed message's seal), or None."""
+    if isinstance(message, pb.Frame):
+        return message.sender if key.verify_frame(message) else None
+    seal = getattr(message, "seal", None)
+    if seal is None or not hasattr(message, "mac"):
+        return None
+    return (seal.sender or "?") if key.verify(message) else None
 
 
 class RpcAborted(Exception):
@@ -50,8 +67,21 @@ class P2PServicerContext:
         raise RpcAborted(code, details)
 
 
-async def _requests(reader: asyncio.StreamReader, message_type) -> AsyncIterator[Any]:
-    """The caller's requests, parsed, until its END."""
+def _parse(kind: RecordKind, payload: bytes, message_type):
+    if kind is not RecordKind.MESSAGE:
+        raise RpcAborted(grpc.StatusCode.INVALID_ARGUMENT, f"unexpected {kind.name} record from the caller")
+    try:
+        return message_type.FromString(payload)
+    except DecodeError:
+        raise RpcAborted(grpc.StatusCode.INVALID_ARGUMENT,
+                         f"the request does not parse as a {message_type.DESCRIPTOR.full_name} message") from None
+
+
+async def _requests(reader: asyncio.StreamReader, message_type, first) -> AsyncIterator[Any]:
+    """The caller's requests, parsed, `first` (already read) then the rest until its END."""
+    if first is None:
+        return
+    yield first
     while True:
         try:
             kind, payload = await read_record(reader)
@@ -59,35 +89,61 @@ async def _requests(reader: asyncio.StreamReader, message_type) -> AsyncIterator
             raise RpcAborted(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)) from None
         if kind is RecordKind.END:
             return
-        if kind is not RecordKind.MESSAGE:
-            raise RpcAborted(grpc.StatusCode.INVALID_ARGUMENT, f"unexpected {kind.name} record from the caller")
-        try:
-            yield message_type.FromString(payload)
-        except DecodeError:
-            raise RpcAborted(grpc.StatusCode.INVALID_ARGUMENT,
-                             f"the request does not parse as a {message_type.DESCRIPTOR.full_name} message") from None
+        yield _parse(kind, payload, message_type)
 
 
-def _handler(behaviour: Callable, method, input_type, open_calls: StreamsPerPeer) -> Callable:
-    """The libp2p stream handler that runs one method of a servicer; `open_calls` counts each
-    peer's calls in progress on every method of the service."""
+class CallLimits:
+    """The streams each libp2p peer has waiting for a first request, and the calls each authenticated
+    sender has open, over every method of a service."""
+
+    def __init__(self, key):
+        self.key, self.pending, self.calls = key, StreamsPerPeer(), StreamsPerPeer()
+
+
+async def _first(reader: asyncio.StreamReader, input_type):
+    """The call's first request (None if the caller sent END at once), within FIRST_RECORD_S."""
+    try:
+        kind, payload = await asyncio.wait_for(read_record(reader), FIRST_RECORD_S)
+    except RecordTooLarge as exc:
+        raise RpcAborted(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)) from None
+    except asyncio.TimeoutError:
+        raise RpcAborted(grpc.StatusCode.DEADLINE_EXCEEDED, f"no request within {FIRST_RECORD_S:.0f} s") from None
+    return None if kind is RecordKind.END else _parse(kind, payload, input_type)
+
+
+def _handler(behaviour: Callable, method, input_type, limits: CallLimits) -> Callable:
+    """The libp2p stream handler that runs one method of a servicer."""
 
     async def handle(stream_info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         peer = str(stream_info.peer_id)
-        with open_calls.holding(peer) as calls_of_peer:
-            await _run_call(behaviour, method, input_type, P2PServicerContext(peer), reader, writer, calls_of_peer)
+        try:
+            with limits.pending.holding(peer) as waiting:
+                if waiting > PENDING_PER_PEER:
+                    raise RpcAborted(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{peer} has {PENDING_PER_PEER} calls starting here already")
+                first = await _first(reader, input_type)
+            sender = authentic_sender(first, limits.key) if first is not None and limits.key is not None else peer
+            if sender is None:
+                raise RpcAborted(grpc.StatusCode.UNAUTHENTICATED, "the call's first request failed authentication (wrong swarm token?)")
+        except RpcAborted as exc:
+            await _finish(writer, reader, pb.RpcStatus(code=exc.code.value[0], details=exc.details))
+            return
+        except (asyncio.IncompleteReadError, ConnectionError):
+            writer.close()
+            return
+        with limits.calls.holding(sender) as calls_of_sender:
+            await _run_call(behaviour, method, input_type, P2PServicerContext(peer), reader, writer, calls_of_sender, sender, first)
 
     return handle
 
 
 async def _run_call(behaviour: Callable, method, input_type, context: P2PServicerContext, reader: asyncio.StreamReader,
-                    writer: asyncio.StreamWriter, calls_of_peer: int) -> None:
+                    writer: asyncio.StreamWriter, calls_of_sender: int, sender: str, first) -> None:
     """One call: the requests in, the servicer's responses out, and the status last."""
     status = pb.RpcStatus(code=grpc.StatusCode.OK.value[0])
     try:
-        if calls_of_peer > CALLS_PER_PEER:
-            raise RpcAborted(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{context.peer()} has {CALLS_PER_PEER} calls open here already")
-        requests = _requests(reader, input_type)
+        if calls_of_sender > CALLS_PER_PEER:
+            raise RpcAborted(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{sender} has {CALLS_PER_PEER} calls open here already")
+        requests = _requests(reader, input_type, first)
         if method.client_streaming:
             argument = requests
         else:
@@ -108,6 +164,10 @@ async def _run_call(behaviour: Callable, method, input_type, context: P2PService
     except Exception as exc:  # a servicer's bug must not end the daemon; the caller gets UNKNOWN, as from gRPC
         log.exception("p2p handler %s failed", method.full_name)
         status = pb.RpcStatus(code=grpc.StatusCode.UNKNOWN.value[0], details=f"{type(exc).__name__} in {method.name}")
+    await _finish(writer, reader, status)
+
+
+async def _finish(writer: asyncio.StreamWriter, reader: asyncio.StreamReader, status: pb.RpcStatus) -> None:
     try:
         await write_record(writer, RecordKind.STATUS, status.SerializeToString())
         await _until_caller_closes(reader)
@@ -130,15 +190,16 @@ async def _until_caller_closes(reader: asyncio.StreamReader, timeout: float = 5.
         pass
 
 
-async def serve_service(host, service_name: str, servicer) -> None:
+async def serve_service(host, service_name: str, servicer, key=None) -> None:
     """Serve every method of the gRPC service `service_name` (as in tahnode.proto) of `servicer`
-    on `host` (tahnode.net.p2p_host.P2PHost)."""
+    on `host` (tahnode.net.p2p_host.P2PHost); `key` (the SwarmKey) counts calls per authenticated
+    sender (without it, per libp2p peer: tests of the carrier alone)."""
     service = pb.DESCRIPTOR.services_by_name[service_name]
-    open_calls = StreamsPerPeer()
+    limits = CallLimits(key)
     for method in service.methods:
         input_type = getattr(pb, method.input_type.name)
         path = f"/{service.full_name}/{method.name}"
-        await host.handle(protocol_name(path), _handler(getattr(servicer, method.name), method, input_type, open_calls))
+        await host.handle(protocol_name(path), _handler(getattr(servicer, method.name), method, input_type, limits))
 
 
 _STATUS_BY_VALUE = {code.value[0]: code for code in grpc.StatusCode}

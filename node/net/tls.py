@@ -29,7 +29,7 @@ from .p2p_host import is_p2p_address
 
 log = logging.getLogger("tahnode.tls")
 
-__all__ = ["TlsCertificate", "CoordinatorTrust", "fingerprint", "is_loopback", "wants_tls", "open_grpc_channel", "add_port",
+__all__ = ["TlsCertificate", "CoordinatorTrust", "fingerprint", "signed_by", "is_loopback", "wants_tls", "open_grpc_channel", "add_port",
            "fetch_certificate", "NotTls", "TLS_NAME", "CERT_FILE", "KEY_FILE", "PINNED_COORDINATOR_FILE"]
 
 TLS_NAME = "tahnode"                          # the name in every certificate; channels check it, not the address
@@ -98,6 +98,24 @@ class TlsCertificate:
 
     def server_credentials(self) -> grpc.ServerCredentials:
         return grpc.ssl_server_credentials([(self.key_pem, self.cert_pem)])
+
+    def sign(self, data: bytes) -> bytes:
+        """ECDSA (SHA-256) signature of `data` by the certificate's key: what the fingerprint vouches for."""
+        key = serialization.load_pem_private_key(self.key_pem, password=None)
+        return key.sign(data, ec.ECDSA(hashes.SHA256()))
+
+
+def signed_by(cert_pem: bytes, data: bytes, signature: bytes) -> bool:
+    """Whether `signature` is the key of the certificate `cert_pem` signing `data` (False for anything
+    malformed: a certificate or signature from a stranger is just wrong)."""
+    try:
+        public = x509.load_pem_x509_certificate(cert_pem).public_key()
+        if not isinstance(public, ec.EllipticCurvePublicKey):
+            return False
+        public.verify(signature, data, ec.ECDSA(hashes.SHA256()))
+    except Exception:  # InvalidSignature, a malformed PEM or signature
+        return False
+    return True
 
 
 def add_port(server: grpc.aio.Server, listen: str, cert: TlsCertificate | None) -> int:

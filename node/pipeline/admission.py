@@ -71,9 +71,19 @@ class Admission:
         if mb.count and not mb.index < mb.count:
             raise BadMicroBatch(f"micro-batch index {mb.index} of {mb.count}")
 
+    def activation_shape(self, mb: pb.MicroBatch) -> tuple[int, int, int]:
+        return len(mb.sample_ids), self.seq_len, self.dim
+
+    @staticmethod
+    def encoded_shape(mb: pb.MicroBatch, shape: tuple[int, ...]) -> None:
+        """Before decoding: the message describes the tensor this stage expects (a decoder allocates
+        by the shape it is told, up to 28 times a payload of 1-bit codes)."""
+        if tuple(mb.tensor.shape) != tuple(shape):
+            raise BadMicroBatch(f"a tensor of shape {list(mb.tensor.shape)}, {list(shape)} expected")
+
     def activations(self, mb: pb.MicroBatch, x: torch.Tensor) -> None:
         """A decoded forward input: (samples, seq_len, dim), finite."""
-        self._tensor(x, (len(mb.sample_ids), self.seq_len, self.dim), "activations")
+        self._tensor(x, self.activation_shape(mb), "activations")
 
     def gradient(self, grad: torch.Tensor, out: torch.Tensor) -> None:
         """A decoded gradient of this stage's output `out`: its shape, finite."""

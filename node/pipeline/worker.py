@@ -202,6 +202,7 @@ class StageWorker:
             return self._stale(item, mb)
         self.admission.header(mb)
         labels = self.admission.labels(mb) if self.computes_loss else None
+        self.admission.encoded_shape(mb, self.admission.activation_shape(mb))  # before decoding allocates anything
         x = self._decode(item, mb)
         self.admission.activations(mb, x)
         if mb.count:  # stage 0 cuts every step anew (tahnode.pipeline.schedule)
@@ -242,6 +243,7 @@ class StageWorker:
             return self._stale(item, mb)
         self.admission.header(mb)
         partial = self.admission.grad_sumsq(mb.extras["grad_sumsq"]) if "grad_sumsq" in mb.extras else None
+        self.admission.encoded_shape(mb, tuple(st.pending[mb.index].out.shape))
         grad = self._decode(item, mb)
         self.admission.gradient(grad, st.pending[mb.index].out)
         p = st.pending.pop(mb.index)
