@@ -23,6 +23,8 @@ BENCHES = {  # `tahnode bench NAME`: tahnode.tools.bench_NAME.main
                    "and memory, probe traffic, HTTP endpoints",
     "convergence": "codec pairs x seeds trained on the pipeline's math in one process: held-out loss against uncompressed "
                    "training, bits per element, time to the same loss",
+    "abuse": "a real coordinator's memory and status latency while one token holder sends oversized heartbeats and "
+             "Sybil joins",
 }
 
 

@@ -137,11 +137,25 @@ def test_records_of_nodes_long_gone_are_forgotten(servers):
 
 
 def test_the_status_documents_come_from_a_snapshot():
+    """Finding 6: GET / took 2.5 s at 180 000 rows on the loop that serves the control plane. The
+    view is rebuilt by a task once a second; requests take the last one, and its JSON is made once."""
+    import asyncio
+
     from tahnode.coordinator.server import StateSnapshot
 
     built = []
-    snapshot = StateSnapshot(lambda: built.append(1) or len(built), max_age=60)
+    snapshot = StateSnapshot(lambda: built.append(1) or len(built), max_age=0.05)
     assert [snapshot() for _ in range(100)] == [1] * 100 and len(built) == 1
+
+    async def refreshing():
+        stop = asyncio.Event()
+        task = asyncio.ensure_future(snapshot.refresh(stop))
+        await asyncio.sleep(0.3)
+        stop.set()
+        await task
+
+    asyncio.run(refreshing())
+    assert 3 <= len(built) <= 10 and snapshot() == len(built)
 
 
 @pytest.mark.parametrize("address,refused", [("10.1.2.3:7100", True), ("127.0.0.1:7100", False),

@@ -204,7 +204,8 @@ class SwarmRegistry:
                          "kept refusing its micro-batches (malformed, non-finite or oversized)")
         if req.stage < -1 or req.stage >= self.run.stages:
             raise InvalidRequest(f"stage {req.stage} does not exist: this swarm has stages 0..{self.run.stages - 1}")
-        self.sweep()
+        if time.monotonic() - self.census.swept >= 1.0:  # the coordinator sweeps every second anyway
+            self.sweep()
         stage = req.stage
         if stage >= 0:
             held = self.holder(stage)
@@ -339,7 +340,7 @@ class SwarmRegistry:
         """Declare nodes that missed their heartbeats for `timeout` seconds failed, and forget the
         long gone (the coordinator runs it every second, and before a join)."""
         self.prune()
-        now = time.monotonic()
+        now = self.census.swept = time.monotonic()
         self.census.live = sum(n.status.live for n in self.nodes.values())
         for node in self.nodes.values():
             if node.status.live and now - node.last_seen > self.timeout:

@@ -41,23 +41,31 @@ __all__ = ["serve", "http_app", "control_plane"]
 
 
 class StateSnapshot:
-    """The status documents' view, built at most every `max_age` seconds: however many clients poll,
-    the loop that also serves the control plane builds the (bounded) state once per interval."""
+    """The status documents' view, rebuilt every `max_age` seconds by `refresh` (a task of the
+    coordinator): however many clients poll, none waits for a build, and the loop that also serves
+    the control plane builds the (bounded) state once per interval."""
 
     def __init__(self, build, max_age: float = 1.0):
         self.build, self.max_age = build, max_age
-        self.view, self.at = None, -math.inf
+        self.view = None
 
     def __call__(self) -> SwarmView:
-        now = time.monotonic()
-        if now - self.at >= self.max_age:
-            self.view, self.at = self.build(), now
+        if self.view is None:
+            self.view = self.build()
         return self.view
 
+    async def refresh(self, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            view = self.build()
+            self.view = await view.prepare() if hasattr(view, "prepare") else view
+            try:
+                await asyncio.wait_for(stop.wait(), self.max_age)
+            except asyncio.TimeoutError:
+                pass
 
-def http_app(registry: SwarmRegistry, placement: Placement, p2p_maddrs: list[str] = ()) -> web.Application:
-    app = make_app(StateSnapshot(lambda: SwarmView.from_state(swarm_state(registry, placement, p2p_maddrs))),
-                   lambda offset, limit: all_links(registry, placement, offset, limit))
+
+def http_app(snapshot: StateSnapshot, registry: SwarmRegistry, placement: Placement) -> web.Application:
+    app = make_app(snapshot, lambda offset, limit: all_links(registry, placement, offset, limit))
     app.router.add_get("/api/v1/ledger", lambda _r: web.json_response(ledger_json(registry)))
     return app
 
@@ -150,7 +158,8 @@ async def serve(run: RunConfig, cfg: CoordinatorConfig) -> None:
             await close_process_host()
             raise OSError(f"cannot listen on {cfg.listen} for the control plane")
         await server.start()
-    runner = web.AppRunner(http_app(registry, placement, p2p_maddrs), access_log=None)
+    snapshot = StateSnapshot(lambda: SwarmView.from_state(swarm_state(registry, placement, p2p_maddrs)))
+    runner = web.AppRunner(http_app(snapshot, registry, placement), access_log=None)
     await runner.setup()
     host, _, port = cfg.http.rpartition(":")
     site = web.TCPSite(runner, host or "0.0.0.0", int(port), shutdown_timeout=0.5)  # SIGTERM ends it within 2 s
@@ -173,6 +182,7 @@ async def serve(run: RunConfig, cfg: CoordinatorConfig) -> None:
               f"through --initial-peers pin it with --coordinator-fingerprint {identity.fingerprint}", flush=True)
         publishing = asyncio.ensure_future(republish(SwarmDirectory(p2p.dht, key), directory_entries(registry, record), stop,
                                                      signer=identity))
+    refreshing = asyncio.ensure_future(snapshot.refresh(stop))
     gc.freeze()  # what start-up made (torch, protobuf, the servers) is never collected: shorter pauses at scale
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -181,6 +191,7 @@ async def serve(run: RunConfig, cfg: CoordinatorConfig) -> None:
         await until_stopped(placement.run(stop), stop)  # a failure of placement ends the coordinator, loudly
     finally:
         stop.set()
+        await refreshing
         if publishing is not None:
             await publishing
         if server is not None:

@@ -65,3 +65,4 @@ class Census:
 
     holders: dict[int, NodeRecord] | None = None
     live: int = 0
+    swept: float = 0.0  # when the last sweep ran (time.monotonic): a join sweeps only if a second has passed

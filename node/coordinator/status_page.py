@@ -73,6 +73,13 @@ class SwarmView:
     events: list[str] = field(default_factory=list)
     stages: int | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    prepared: tuple[dict[str, Any], str] | None = field(default=None, repr=False, compare=False)  # (document, JSON), made ahead
+
+    async def prepare(self) -> "SwarmView":
+        """Make the document and its JSON ahead of any request (the JSON in a thread)."""
+        doc = self.to_state_json()
+        self.prepared = (doc, await asyncio.to_thread(json.dumps, doc))
+        return self
 
     def to_state_json(self) -> dict[str, Any]:
         """The /api/v1/state document: `nodes`, `links`, `training` with exactly the schema's keys,
@@ -210,7 +217,11 @@ def make_app(view_provider: ViewProvider, link_pages: LinkPages | None = None) -
     rendering = asyncio.Lock()  # one scrape at a time renders the shared gauges
     page = importlib.resources.files(__package__).joinpath("status_page.html").read_text(encoding="utf-8")
 
-    async def state(query: Mapping[str, str] | None = None) -> dict[str, Any]:
+    cached: dict[str, Any] = {"view": None}  # the last view's document and its JSON: a provider that hands out
+    #                                              the same view again (a snapshot) costs a request nothing more
+
+    async def state(query: Mapping[str, str] | None = None) -> tuple[dict[str, Any], str | None]:
+        """The document, and its JSON text when it is the shared one (not a page of links)."""
         query = query or {}
         view = view_provider()
         if inspect.isawaitable(view):
@@ -220,24 +231,30 @@ def make_app(view_provider: ViewProvider, link_pages: LinkPages | None = None) -
             page, total = link_pages(offset, limit)
             view = replace(view, links=page, extra={**view.extra, "links_page": {
                 "offset": offset, "limit": limit, "total": total, "next": offset + limit if offset + limit < total else None}})
-        return view.to_state_json()
+            return view.to_state_json(), None
+        if view.prepared is not None:
+            return view.prepared
+        if cached["view"] is not view:
+            doc = view.to_state_json()
+            cached.update(view=view, doc=doc, text=await asyncio.to_thread(json.dumps, doc))
+        return cached["doc"], cached["text"]
 
     async def index(request: web.Request) -> web.Response:
-        doc = await state()
-        embedded = (await asyncio.to_thread(json.dumps, doc)).replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")
+        _, text = await state()
+        embedded = text.replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")
         return web.Response(text=page.replace("__STATE__", embedded), content_type="text/html",
                             headers={"Cache-Control": "no-store", "X-Content-Type-Options": "nosniff"})
 
     async def api_state(request: web.Request) -> web.Response:
         try:
-            doc = await state(request.query)
+            doc, text = await state(request.query)
         except BadQuery as exc:
             return web.json_response({"error": str(exc)}, status=400)
-        return web.Response(text=await asyncio.to_thread(json.dumps, doc), content_type="application/json",
-                            headers={"Cache-Control": "no-store"})
+        return web.Response(text=text if text is not None else await asyncio.to_thread(json.dumps, doc),
+                            content_type="application/json", headers={"Cache-Control": "no-store"})
 
     async def prometheus(request: web.Request) -> web.Response:
-        doc = await state()
+        doc, _ = await state()
         async with rendering:
             body = await asyncio.to_thread(metrics.render, doc)
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})

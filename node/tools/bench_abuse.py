@@ -1,0 +1,182 @@
+"""`tahnode bench abuse`: does one token holder's abuse grow the coordinator or slow its status page?
+A fresh `tahnode coordinator` (a subprocess on loopback) with three stage holders; then one client
+with the token (a process of its own) sends --heartbeats oversized heartbeats (--links made-up
+links each) as a member, and --joins joins under fresh ids and keys. The coordinator's memory (RSS)
+and GET /api/v1/state latency are measured before, during and after; a row per phase goes to
+docs/benchmarks.md."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing
+import sys
+import tempfile
+import time
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from .bench_coordinator import BenchError, CoordinatorProcess, Spread
+from .bench_probes import POLL_S, fetch, memory_mb, process_tree
+from .bench_report import markdown_table, write_section
+
+__all__ = ["main", "PhaseRow"]
+
+COLUMNS = ("phase", "seconds", "coordinator RSS MB (peak)", "vs before", "state ms p50 / p99", "p50 vs before", "state KB",
+           "nodes in state", "heartbeats sent / refused", "joins sent / refused")
+
+
+@dataclass
+class PhaseRow:
+    phase: str
+    seconds: float
+    rss_mb: float
+    state: Spread
+    state_kb: float
+    nodes: int
+    heartbeats: tuple[int, int] = (0, 0)
+    joins: tuple[int, int] = (0, 0)
+
+
+async def _join(stub, key, name: str, stage: int, identity=None):
+    """A join under `name` (a fresh key unless given); its sealer with the run id, or None if refused."""
+    from ..net.auth import Sealer
+    from ..net.freshness import COORDINATOR
+    from ..net.identity import NodeKey
+    from ..proto import tahnode_pb2 as pb
+
+    sealer = Sealer(key, name, identity=identity or NodeKey.generate())
+    try:
+        reply = await stub.Join(sealer.seal(pb.JoinRequest(node_id=name, address=f"127.0.0.1:{10000 + len(name)}", stage=stage),
+                                            COORDINATOR))
+    except Exception:  # grpc.aio.AioRpcError: refused
+        return None
+    sealer.guard.run = reply.run
+    return sealer
+
+
+async def _abuse(address: str, token: str, heartbeats: int, links: int, joins: int, in_flight: int = 8) -> dict:
+    import grpc
+
+    from ..net.auth import SwarmKey
+    from ..net.freshness import COORDINATOR
+    from ..proto import tahnode_pb2 as pb
+    from ..proto import tahnode_pb2_grpc as pb_grpc
+
+    key = SwarmKey(token)
+    async with grpc.aio.insecure_channel(address, options=[("grpc.max_send_message_length", 64 << 20)]) as channel:
+        stub = pb_grpc.CoordinatorStub(channel)
+        member = await _join(stub, key, "evil", -1)
+        fake = [pb.LinkStats(dst=f"ghost-{k}", bytes=k, seconds=1.0) for k in range(links)]
+        refused, gate = {"heartbeats": 0, "joins": 0}, asyncio.Semaphore(in_flight)
+
+        async def beat():
+            async with gate:
+                try:
+                    await stub.Heartbeat(member.seal(pb.HeartbeatRequest(node_id="evil", links=fake), COORDINATOR))
+                except grpc.aio.AioRpcError:
+                    refused["heartbeats"] += 1
+
+        async def sybil(k: int):
+            async with gate:
+                refused["joins"] += await _join(stub, key, f"sybil-{k}", -1) is None
+
+        await asyncio.gather(*(beat() for _ in range(heartbeats)), *(sybil(k) for k in range(joins)))
+    return refused
+
+
+def abuse(address: str, token: str, heartbeats: int, links: int, joins: int) -> dict:
+    """The abuser, in a process of its own: what the coordinator refused of what it sent."""
+    return asyncio.run(_abuse(address, token, heartbeats, links, joins))
+
+
+def observe(coord: CoordinatorProcess, phase: str, done) -> PhaseRow:
+    """GET /api/v1/state and sample the coordinator's RSS every POLL_S until `done()`."""
+    started, latencies, sizes, peak, nodes = time.monotonic(), [], [], 0.0, 0
+    while True:
+        coord.alive()
+        peak = max(peak, memory_mb(process_tree(coord.proc.pid), "VmRSS"))
+        got = fetch(f"{coord.http}/api/v1/state")
+        if got is not None:
+            latencies.append(got[0] * 1e3)
+            sizes.append(len(got[1]) / 1024)
+            nodes = len(json.loads(got[1]).get("nodes", []))
+        if done():
+            return PhaseRow(phase, time.monotonic() - started, peak, Spread.of(latencies), max(sizes, default=0.0), nodes)
+        time.sleep(POLL_S)
+
+
+def run(args, workdir: Path) -> list[PhaseRow]:
+    coord = CoordinatorProcess(workdir, stages=3)
+    coord.start()
+    try:
+        coord.wait_ready()
+        import grpc
+
+        from ..net.auth import SwarmKey
+        from ..proto import tahnode_pb2_grpc as pb_grpc
+
+        async def holders():
+            async with grpc.aio.insecure_channel(coord.address) as channel:
+                for stage in range(3):
+                    await _join(pb_grpc.CoordinatorStub(channel), SwarmKey(coord.token), f"holder-{stage}", stage)
+
+        asyncio.run(holders())
+
+        def after(seconds: float):
+            end = time.monotonic() + seconds
+            return lambda: time.monotonic() >= end
+
+        rows = [observe(coord, "before", after(args.settle))]
+        with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+            attack = pool.submit(abuse, coord.address, coord.token, args.heartbeats, args.links, args.joins)
+            during = observe(coord, "during", attack.done)
+            refused = attack.result()
+        during.heartbeats, during.joins = (args.heartbeats, refused["heartbeats"]), (args.joins, refused["joins"])
+        rows += [during, observe(coord, "after", after(args.settle))]
+        return rows
+    finally:
+        coord.stop()
+
+
+def cells(r: PhaseRow, before: PhaseRow) -> list[str]:
+    def rel(a, b):
+        return f"{100 * (a / b - 1):+.0f}%" if a and b else "—"
+
+    return [r.phase, f"{r.seconds:.0f}", f"{r.rss_mb:.0f}", rel(r.rss_mb, before.rss_mb), str(r.state),
+            rel(r.state.p50_ms, before.state.p50_ms), f"{r.state_kb:.0f}", str(r.nodes), f"{r.heartbeats[0]} / {r.heartbeats[1]}",
+            f"{r.joins[0]} / {r.joins[1]}"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="tahnode bench abuse", description=__doc__)
+    ap.add_argument("--heartbeats", type=int, default=10_000, help="oversized heartbeats the abuser sends (default 10000)")
+    ap.add_argument("--links", type=int, default=5_000, help="made-up links in each (default 5000: about 120 KB)")
+    ap.add_argument("--joins", type=int, default=2_000, help="joins under fresh ids and keys (default 2000)")
+    ap.add_argument("--settle", type=float, default=10.0, help="seconds measured before and after the abuse (default 10)")
+    ap.add_argument("--out", default="docs/benchmarks.md", help="where the rows go (default docs/benchmarks.md)")
+    ap.add_argument("--no-write", action="store_true", help="do not write the rows to --out")
+    ap.add_argument("--json", action="store_true", help="print the rows as JSON")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        with tempfile.TemporaryDirectory(prefix="tahnode-abuse-") as tmp:
+            rows = run(args, Path(tmp))
+    except BenchError as exc:
+        print(f"tahnode bench abuse: {exc}", file=sys.stderr)
+        return 1
+    text = markdown_table(COLUMNS, [cells(r, rows[0]) for r in rows])
+    command = ("tahnode bench abuse " + " ".join(sys.argv[3:] if argv is None else argv)).strip()
+    if not args.no_write:
+        write_section(Path(args.out), "abuse", "Coordinator under one token holder's abuse", [
+            text, "", f"A real coordinator (`tahnode coordinator`, plain gRPC on loopback, 3 stages held); one client with the "
+            f"token, in a process of its own, sends {args.heartbeats} heartbeats of {args.links} made-up links each as a "
+            f"member, and {args.joins} joins under fresh ids and keys, 8 requests in flight. RSS: the coordinator's peak in "
+            f"the phase; state: GET /api/v1/state every {POLL_S} s.", "", f"Command: `{command}`"], [])
+    print(json.dumps([asdict(r) for r in rows]) if args.json else text)
+    return 0
