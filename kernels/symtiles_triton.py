@@ -72,6 +72,16 @@ def _load_plane(base, first, rows_ok, BR: tl.constexpr, G: tl.constexpr, W: tl.c
 
 
 @triton.jit
+def _block(n_rows, BR: tl.constexpr, G: tl.constexpr):
+    """This program's tokens [r*BR, +BR) and tile t: (t, rows, rows_ok, j = 0..G-1, channels c)."""
+    rb = tl.program_id(0)
+    t = tl.program_id(1)
+    rows = rb * BR + tl.arange(0, BR)
+    j = tl.arange(0, G)
+    return t, rows, rows < n_rows, j, t * G + j
+
+
+@triton.jit
 def _encode_kernel(x_ptr, stride_x, signs_ptr, n_rows, n_chan, n_tpt, width, scale_ptr, out_ptr, n_pad, codes_ptr, status_ptr,
                    G: tl.constexpr, QMAX: tl.constexpr, ROTATE: tl.constexpr, PACKED: tl.constexpr, BR: tl.constexpr,
                    S8: tl.constexpr, S4: tl.constexpr, S2: tl.constexpr, S1: tl.constexpr):
@@ -79,12 +89,7 @@ def _encode_kernel(x_ptr, stride_x, signs_ptr, n_rows, n_chan, n_tpt, width, sca
     of a token (i < width: C, or T*G when ROTATE) is code token*width + i of the payload's planes
     (S<w>: the bit offset of the width-w plane, -1 if absent), or of codes_ptr unpacked when not
     PACKED. status[0] |= 1 for a non-finite input, |= 2 for a rotated value too large."""
-    rb = tl.program_id(0)
-    t = tl.program_id(1)
-    rows = rb * BR + tl.arange(0, BR)
-    rows_ok = rows < n_rows
-    j = tl.arange(0, G)
-    c = t * G + j
+    t, rows, rows_ok, j, c = _block(n_rows, BR, G)
     m = rows_ok[:, None] & (c < n_chan)[None, :]
     x = tl.load(x_ptr + rows.to(tl.int64)[:, None] * stride_x + c[None, :], mask=m, other=0.0).to(tl.float32)
     bad = tl.max(tl.max(((x != x) | (tl.abs(x) == float("inf"))).to(tl.int32), axis=1), axis=0)
@@ -143,12 +148,7 @@ def _decode_kernel(codes_ptr, n_pad, scale_ptr, signs_ptr, out_ptr, bad_ptr, n_r
                    S8: tl.constexpr, S4: tl.constexpr, S2: tl.constexpr, S1: tl.constexpr):
     """Program (r, t): tokens [r*BR, +BR), tile t. bad[program] = 2 if one of its scales is not +0 or
     a positive normal float32, else 1 if a code exceeds 2*QMAX, else 0."""
-    rb = tl.program_id(0)
-    t = tl.program_id(1)
-    rows = rb * BR + tl.arange(0, BR)
-    rows_ok = rows < n_rows
-    j = tl.arange(0, G)
-    c = t * G + j
+    t, rows, rows_ok, j, c = _block(n_rows, BR, G)
     in_row = (c < width)[None, :]
     first = rows.to(tl.int64) * width + t * G
     q = tl.zeros([BR, G], dtype=tl.int32)
@@ -165,7 +165,7 @@ def _decode_kernel(codes_ptr, n_pad, scale_ptr, signs_ptr, out_ptr, bad_ptr, n_r
     bad_scale = rows_ok & (sbits != 0) & ((sbits < 0x00800000) | (sbits >= 0x7F800000))  # sign set, subnormal, inf or nan
     bad_code = rows_ok[:, None] & in_row & (q > 2 * QMAX)
     bad = tl.where(tl.max(bad_scale.to(tl.int32), axis=0) > 0, 2, tl.max(tl.max(bad_code.to(tl.int32), axis=1), axis=0))
-    tl.store(bad_ptr + rb * tl.num_programs(1) + t, bad.to(tl.uint8))
+    tl.store(bad_ptr + tl.program_id(0) * tl.num_programs(1) + t, bad.to(tl.uint8))
     y = (q.to(tl.float32) - QMAX) * s[:, None]
     if ROTATE:
         y = _fwht(y, BR, G) * (1.0 / G) * tl.load(signs_ptr + j)[None, :]

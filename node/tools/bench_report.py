@@ -8,7 +8,8 @@ import os
 import platform
 from pathlib import Path
 
-__all__ = ["machine", "markdown_table", "write_section", "pyplot_for", "plot_throughput", "plot_losses", "plot_convergence"]
+__all__ = ["machine", "markdown_table", "write_section", "pyplot_for", "save_figure", "plot_throughput", "plot_losses",
+           "plot_convergence"]
 
 BEGIN, END = "<!-- bench-swarm:{name}:begin -->", "<!-- bench-swarm:{name}:end -->"
 
@@ -64,6 +65,17 @@ def pyplot_for(out: Path):
     return plt
 
 
+def save_figure(plt, fig, axes, out: Path, legend_size: int = 8) -> Path:
+    """Grid and legend on every axis, then the PNG at `out`."""
+    for ax in axes:
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=legend_size)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
 def plot_throughput(rows, out: Path) -> Path:
     """tokens/s against link rate per codec pair (and transport), its limit dashed; one panel per (stages, RTT)."""
     plt = pyplot_for(out)
@@ -99,12 +111,7 @@ def plot_losses(rows, out: Path) -> Path:
             longest = max(runs, key=lambda r: len(r.losses))
             ax.plot(range(len(longest.losses)), longest.losses, color=f"C{k}", label=pair)
     ax.set(xlabel="step", ylabel="loss", title="loss per step (same seed and data)")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out
+    return save_figure(plt, fig, [ax], out)
 
 
 def plot_convergence(rows, reference: str, out: Path) -> Path:

@@ -9,7 +9,7 @@ import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
-from .bench_report import markdown_table, pyplot_for
+from .bench_report import markdown_table, pyplot_for, save_figure
 from .convergence_runs import RunResult
 
 __all__ = ["PairSummary", "summarize", "table", "plot", "steps_to_reach", "COLUMNS"]
@@ -136,10 +136,4 @@ def plot(summaries: list[PairSummary], reference: str, out: Path, smooth: int = 
     left.set(xlabel="step", ylabel="held-out loss", title="held-out loss (mean over seeds)")
     right.axhline(0, color="0.5", lw=0.8)
     right.set(xlabel="step", ylabel=f"% above {reference}", title=f"training loss vs {reference} (smoothed over {smooth} steps)")
-    for ax in (left, right):
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out
+    return save_figure(plt, fig, (left, right), out, legend_size=7)

@@ -1,0 +1,71 @@
+"""`tahnode bench convergence` end to end on a few steps: runs in worker processes, a result file per
+(pair, seed) that a second invocation reuses, the table (gaps to the reference of the same seed,
+bits, error per crossing, tokens and link time to the reference's loss) and the plot in the doc;
+and the arithmetic of the summary on made-up runs."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from tahnode.tools import bench_convergence
+from tahnode.tools.convergence_report import steps_to_reach, summarize
+from tahnode.tools.convergence_runs import RunResult
+
+ARGS = ["--steps", "3", "--seeds", "2", "--seq-len", "32", "--tokens-per-message", "256", "--data-mb", "1",
+        "--eval-every", "2", "--eval-samples", "16", "--jobs", "2"]
+
+
+@pytest.mark.slow
+def test_the_bench_trains_reports_and_resumes(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("TAHNODE_CACHE", str(tmp_path / "cache"))
+    doc, plots, work = tmp_path / "bench.md", tmp_path / "plots", tmp_path / "work"
+    argv = [*ARGS, "--pairs", "none/none,tahquant/pertoken", "--workdir", str(work), "--doc", str(doc), "--plots", str(plots),
+            "--json"]
+    assert bench_convergence.main(argv) == 0
+    runs = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert sorted((r["pair"], r["seed"]) for r in runs) == [("none/none", 0), ("none/none", 1), ("tahquant/pertoken", 0),
+                                                          ("tahquant/pertoken", 1)]
+    for r in runs:
+        assert len(r["losses"]) == 3 and [e[0] for e in r["evals"]] == [0, 2, 3] and not r["diverged"]
+        assert all(math.isfinite(x) for x in r["losses"])
+    quant = next(r for r in runs if r["pair"] == "tahquant/pertoken")
+    assert 4.2 < quant["bits_fwd"] < 4.5 and 6.1 < quant["bits_bwd"] < 6.2 and 0.03 < quant["error_fwd"] < 0.3
+    text = doc.read_text()
+    assert "| tahquant/pertoken |" in text and "Command: `tahnode bench convergence" in text
+    assert (plots / "convergence.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert len(list(work.glob("*.json"))) == 4
+    before = {p.name: p.stat().st_mtime_ns for p in work.glob("*.json")}
+    assert bench_convergence.main(argv) == 0  # nothing trained again
+    assert {p.name: p.stat().st_mtime_ns for p in work.glob("*.json")} == before
+
+
+def test_bad_arguments_are_refused_before_anything_runs(capsys):
+    assert bench_convergence.main(["--pairs", "tahquant/zstd"]) == 2
+    assert bench_convergence.main(["--tokens-per-message", "100", "--seq-len", "64"]) == 2
+    assert bench_convergence.main(["--seeds", "0"]) == 2
+    err = capsys.readouterr().err
+    assert "zstd" in err and "tokens-per-message" in err and "--seeds" in err
+
+
+def run(pair: str, seed: int, evals, bits=(4.25, 6.125), diverged: str = "") -> RunResult:
+    return RunResult(pair, seed, tokens_per_step=1000, losses=[1.0] * 10, evals=[list(e) for e in evals], bits_fwd=bits[0],
+                     bits_bwd=bits[1], dim=128, diverged=diverged)
+
+
+def test_gaps_and_tokens_compare_each_seed_with_its_own_reference():
+    results = [run("none/none", 0, [(0, 5.0), (10, 2.0), (20, 1.0)], bits=(32, 32)),
+               run("none/none", 1, [(0, 5.0), (10, 2.2), (20, 1.1)], bits=(32, 32)),
+               run("q/q", 0, [(0, 5.0), (10, 1.5), (20, 1.02)]),
+               run("q/q", 1, [(0, 5.0), (10, 1.1), (20, 1.0)]),
+               run("bad/q", 0, [(0, 5.0)], diverged="step 3: NaN")]
+    s = {x.pair: x for x in summarize(results, "none/none")}
+    assert s["q/q"].gaps == pytest.approx({0: 2.0, 1: 100 * (1.0 / 1.1 - 1)})
+    assert s["q/q"].tokens_to_target[0] == math.inf  # never reached 1.0 within the run
+    assert s["q/q"].tokens_to_target[1] == pytest.approx(10_000)  # reached 1.1 at step 10
+    assert s["bad/q"].gaps[0] == math.inf
+    assert steps_to_reach([[0, 5.0], [10, 3.0], [20, 1.0]], 2.0) == pytest.approx(15.0)  # interpolated
+    # a link's busier direction carries the 6.125-bit gradients: 1e6 tokens of width 128 at 10 Mbit/s
+    assert s["q/q"].link_seconds(1e6, 10) == pytest.approx(1e6 * 128 * 6.125 / 10e6)
