@@ -44,7 +44,8 @@ def test_bad_requests_are_refused_and_change_nothing(swarm):
         stub = pb_grpc.CoordinatorStub(ch)
         joined = sealed(pb.JoinRequest(node_id="good", address="127.0.0.1:1", stage=1, device="cpu"))
         assert stub.Join(joined, timeout=5).run == run
-        before = swarm.state()
+        # the status documents come from a snapshot made once a second
+        before = swarm.wait_for(lambda s: nodes_of(s) == [("good", 1, "active")], 10, "the join on the status page")
 
         def refused(call, request, code, text):
             with pytest.raises(grpc.RpcError) as err:
@@ -69,11 +70,14 @@ def test_bad_requests_are_refused_and_change_nothing(swarm):
         with pytest.raises(grpc.RpcError) as err:
             garbage(b"\xff\xff\xff\xff", timeout=5)
         assert err.value.code() in (grpc.StatusCode.INTERNAL, grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.UNKNOWN)
-        after = swarm.state()
+
+    def refusals(state: dict) -> dict:
+        return {(r["receiver"], r["reason"]): r["count"] for r in state["refused"]}
+
+    expected = {("coordinator", "bad_mac"): 2, ("coordinator", "replayed"): 1}
+    after = swarm.wait_for(lambda s: refusals(s) == expected, 10, "the refusals on the status page")
     assert nodes_of(after) == nodes_of(before) == [("good", 1, "active")]
     assert after["epoch"] == before["epoch"]
-    refusals = {(r["receiver"], r["reason"]): r["count"] for r in after["refused"]}
-    assert refusals == {("coordinator", "bad_mac"): 2, ("coordinator", "replayed"): 1}
     metrics = swarm.metrics()
     assert 'tahnode_refused_messages{reason="replayed",receiver="coordinator"} 1.0' in metrics
 

@@ -184,8 +184,8 @@ def test_a_standby_leaves_when_the_run_finishes(swarm):
     assert swarm.wait_exit("spare", timeout=30) == 0
     log = swarm.log("spare")
     assert "waiting for a stage" in log and "a standby is no longer needed" in log
-    spare = next(n for n in swarm.state()["nodes"] if n["id"] == "spare")
-    assert spare["status"] == "left"
+    swarm.wait_for(lambda s: next(n for n in s["nodes"] if n["id"] == "spare")["status"] == "left", 10,
+                   "the spare's leave on the status page (a snapshot made once a second)")
 
 
 def test_demo_runs_the_whole_swarm_and_prints_a_json_summary(tmp_path, cache):

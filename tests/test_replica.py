@@ -65,3 +65,22 @@ def test_crossing_errors_are_measured(dataset):
     fwd, bwd = replica.errors.mean(FORWARD), replica.errors.mean(BACKWARD)
     assert 0.03 < fwd < 0.3 and 0.005 < bwd < 0.1, (fwd, bwd)
     assert replica.errors.counts[FORWARD] == replica.errors.counts[BACKWARD] == 2 * run.train.micro_batches
+
+
+def test_a_precision_schedule_sends_the_first_and_last_steps_at_its_bits(dataset):
+    """codec.forward_high_*: the first and last shares of the run's steps carry activations with
+    other parameters (here 8 bits instead of 4); the pipeline and the replica agree on which."""
+    steps = 4
+    schedule = {"codec.forward": "tahquant", "codec.forward_params": {"layout": 2}, "codec.forward_high_params": {"bits_high": 8},
+                "codec.forward_high_start": 0.25, "codec.forward_high_end": 0.25, "codec.backward": "pertoken",
+                "codec.backward_params": {}, "train.pipeline_micro_batches": 2}
+    run = build_run(steps, **schedule)
+    assert [run.codec.high_phase(k, steps) for k in range(steps)] == [True, False, False, True]
+    swarm = asyncio.run(train(Swarm(run, dataset), steps))
+    replica = PipelineReplica(run, dataset)
+    assert [replica.train_step(k) for k in range(steps)] == swarm.losses()
+    plain = PipelineReplica(build_run(steps, **{**schedule, "codec.forward_high_params": {}}), dataset)
+    for k in range(steps):
+        plain.train_step(k)
+    bits, plain_bits = replica.stats.bits_per_element(FORWARD), plain.stats.bits_per_element(FORWARD)
+    assert bits == pytest.approx(plain_bits + 2, rel=0.01)  # half the steps at 4 more bits per element

@@ -90,19 +90,37 @@ class CodecConfig:
     backward: str = "pertoken"      # 6 bits, a scale per token and 128 channels: its error does not grow with the message
     forward_params: dict[str, float] = field(default_factory=dict)
     backward_params: dict[str, float] = field(default_factory=dict)
+    # a precision schedule: the run's first `forward_high_start` and last `forward_high_end` share of
+    # steps send activations with forward_params updated by `forward_high_params` (e.g. 8 bits)
+    forward_high_params: dict[str, float] = field(default_factory=dict)
+    forward_high_start: float = 0.0
+    forward_high_end: float = 0.0
 
     @property
     def label(self) -> str:
-        """fwd[:k=v,...]/bwd[:k=v,...], as the benchmarks write a pair."""
+        """fwd[:k=v,...][@start=..,end=..,k=v]/bwd[:k=v,...], as the benchmarks write a pair."""
         def one(name: str, params: dict) -> str:
             return name + (":" + ",".join(f"{k}={v:g}" for k, v in sorted(params.items())) if params else "")
-        return f"{one(self.forward, self.forward_params)}/{one(self.backward, self.backward_params)}"
+        schedule = {"start": self.forward_high_start, "end": self.forward_high_end, **self.forward_high_params}
+        high = "@" + ",".join(f"{k}={v:g}" for k, v in schedule.items()) if self.scheduled else ""
+        return f"{one(self.forward, self.forward_params)}{high}/{one(self.backward, self.backward_params)}"
+
+    @property
+    def scheduled(self) -> bool:
+        return bool(self.forward_high_params) and (self.forward_high_start > 0 or self.forward_high_end > 0)
+
+    def high_phase(self, step: int, steps: int) -> bool:
+        """Whether optimizer step `step` of `steps` sends activations with forward_high_params."""
+        return self.scheduled and (step < self.forward_high_start * steps or step >= steps - self.forward_high_end * steps)
 
     def validate(self) -> "CodecConfig":
         from ..codecs import get_codec
 
         get_codec(self.forward, **self.forward_params)
         get_codec(self.backward, **self.backward_params)
+        get_codec(self.forward, **{**self.forward_params, **self.forward_high_params})
+        if not (0 <= self.forward_high_start <= 1 and 0 <= self.forward_high_end <= 1):
+            raise ValueError("codec.forward_high_start and codec.forward_high_end are shares of the run's steps, in [0, 1]")
         if self.backward in ("aqsgd", "amaq"):
             raise ValueError(f"codec {self.backward!r} is a forward (activation) codec; use pertoken, none, naive, group or tahquant backward")
         return self

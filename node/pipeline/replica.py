@@ -77,10 +77,10 @@ class PipelineReplica:
         self.errors = CrossingErrors()
 
     # -- one boundary ---------------------------------------------------------------------------
-    def _cross_forward(self, sender: int, out: torch.Tensor, ids: list[int]) -> torch.Tensor:
+    def _cross_forward(self, sender: int, out: torch.Tensor, ids: list[int], step: int) -> torch.Tensor:
         """`out` of stage `sender` as the next stage decodes it, ready for its backward pass."""
         receiver = (sender + 1) % self.run.stages
-        enc, _ = self.streams[sender].encode(FORWARD, out, ids)
+        enc, _ = self.streams[sender].encode(FORWARD, out, ids, step)
         x = self.streams[receiver].decode(FORWARD, 0, pb.MicroBatch(sample_ids=ids, tensor=enc), self.dtype)
         self.errors.add(FORWARD, out, x)
         return x.requires_grad_(True)
@@ -103,14 +103,14 @@ class PipelineReplica:
         x: torch.Tensor = tokens.to(self.device)
         for k in range(s):
             if k > 0:
-                x = self._cross_forward(k - 1, out, ids)
+                x = self._cross_forward(k - 1, out, ids, step)
             out = self.models[k](x)
             if k == s - 1 and not ring:
                 logits, inp = out, x
                 break
             pending.append(Pending(x if k else None, self.streams[k].sent(out), ids))
         else:  # a ring: the last stage's hidden states go back to stage 0's head
-            inp = self._cross_forward(s - 1, out, ids)
+            inp = self._cross_forward(s - 1, out, ids, step)
             logits = self.models[0].head(inp)
         loss = StageModel.loss(logits, labels.to(self.device))
         (loss * (len(ids) / self.split.samples)).backward()

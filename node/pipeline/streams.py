@@ -38,6 +38,9 @@ class CodecStreams:
         c = run.codec
         self.codecs = {FORWARD: codecs.get_codec(c.forward, **c.forward_params),
                        BACKWARD: codecs.get_codec(c.backward, **c.backward_params)}
+        # the precision schedule's other forward codec (the same codec, other parameters), if any
+        self.high = codecs.get_codec(c.forward, **{**c.forward_params, **c.forward_high_params}) if c.scheduled else None
+        self.run_cfg = run
         sends = {FORWARD: run.neighbour(stage, 1) is not None, BACKWARD: run.neighbour(stage, -1) is not None}
         self.states: dict[Direction, CodecState] = {
             d: self.codecs[d].sender_state(run.model.dim, device) if sends[d] else CodecState() for d in (FORWARD, BACKWARD)}
@@ -50,13 +53,19 @@ class CodecStreams:
             table[direction] = (number, fresh())
         return table[direction][1]
 
-    def encode(self, direction: Direction, tensor: torch.Tensor, sample_ids) -> tuple[pb.EncodedTensor, int]:
+    def codec_for(self, direction: Direction, step: int):
+        """The codec that encodes `direction` at optimizer step `step` (codec.forward_high_*)."""
+        if direction is FORWARD and self.high is not None and self.run_cfg.codec.high_phase(step, self.run_cfg.train.steps):
+            return self.high
+        return self.codecs[direction]
+
+    def encode(self, direction: Direction, tensor: torch.Tensor, sample_ids, step: int = 0) -> tuple[pb.EncodedTensor, int]:
         """The encoded tensor and the link generation whose stream state encoded it."""
         gen = self.t.generation(direction)
         ctx = self._context(self.sending, direction, gen, self.states[direction].new_context)
         ctx.sample_ids = sample_ids
         started = self._clock()
-        msg = self.codecs[direction].encode(tensor.detach(), ctx)  # ends with the payload's bytes on the host
+        msg = self.codec_for(direction, step).encode(tensor.detach(), ctx)  # ends with the payload's bytes on the host
         self.stats.codec_seconds += self._clock() - started
         self.stats.counted(direction, msg.ByteSize(), tensor)
         return msg, gen

@@ -126,7 +126,7 @@ class StageWorker:
         """This stage's own output (or input gradient), encoded: a codec that cannot encode it (a
         non-finite or overflowing value) means the step diverged here, not that a peer misbehaved."""
         try:
-            return self.codecs.encode_gradient(tensor, ids) if gradient else self.codecs.encode(direction, tensor, ids)
+            return self.codecs.encode_gradient(tensor, ids) if gradient else self.codecs.encode(direction, tensor, ids, self.state.step)
         except CodecError as exc:
             raise DivergedStep(f"stage {self.stage} cannot encode its own {'gradient' if gradient else 'output'} of step "
                                f"{self.state.step}: {exc}") from None

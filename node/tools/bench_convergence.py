@@ -94,7 +94,8 @@ def plan(args) -> list[RunSpec]:
                 seq_len=args.seq_len, samples_per_message=args.tokens_per_message // args.seq_len,
                 messages_per_step=args.messages_per_step, config=args.config, data=args.data, data_mb=args.data_mb,
                 device=args.device, dtype=args.dtype or ("bfloat16" if on_gpu else "float32"), init_from=args.init_from,
-                eval_every=args.eval_every, eval_samples=args.eval_samples, threads=0 if on_gpu or jobs == 1 else 1))
+                eval_every=args.eval_every, eval_samples=args.eval_samples, threads=0 if on_gpu or jobs == 1 else 1,
+                schedule=pair.schedule))
     specs[0].run_config()  # a bad model, config or codec parameter fails here, before any run starts
     return specs
 

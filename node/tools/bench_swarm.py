@@ -35,13 +35,16 @@ CONVERGENCE_COLUMNS = ("codec fwd/bwd", "steps", "seeds", "final loss (mean of l
 
 @dataclass(frozen=True)
 class CodecPair:
-    """A forward and a backward codec with their parameters, written `fwd[:k=v,...]/bwd[:k=v,...]`."""
+    """A forward and a backward codec with their parameters, written `fwd[:k=v,...]/bwd[:k=v,...]`;
+    the forward one may carry a precision schedule, `fwd[:k=v]@start=S,end=E,k=v` (the run's first
+    S and last E share of steps with those parameters: codec.forward_high_*)."""
 
     label: str
     forward: str
     forward_params: dict
     backward: str
     backward_params: dict
+    schedule: dict = field(default_factory=dict)  # the [codec] settings of the schedule (forward_high_*)
 
     @classmethod
     def parse(cls, text: str) -> "CodecPair":
@@ -50,8 +53,9 @@ class CodecPair:
         halves = text.strip().split("/")
         if len(halves) != 2:
             raise ValueError(f"a codec pair is FORWARD/BACKWARD (e.g. tahquant/naive), got {text!r}")
+        forward, _, high = halves[0].partition("@")
         parsed = []
-        for half in halves:
+        for half in (forward, halves[1]):
             name, _, params = half.partition(":")
             values = parse_param_args(name, [p for p in params.split(",") if p])
             get_codec(name, **values)  # unknown names and bad values fail here, not in the swarm
@@ -59,7 +63,21 @@ class CodecPair:
         (fw, fwp), (bw, bwp) = parsed
         if bw == "naive" and "bits" not in bwp:
             bwp = {"bits": 6}  # the paper's gradient codec
-        return cls(text.strip(), fw, fwp, bw, bwp)
+        return cls(text.strip(), fw, fwp, bw, bwp, cls._schedule(fw, high))
+
+    @staticmethod
+    def _schedule(forward: str, text: str) -> dict:
+        if not text:
+            return {}
+        from ..codecs import parse_param_args
+
+        items = dict(p.partition("=")[::2] for p in text.split(",") if p)
+        try:
+            start, end = float(items.pop("start", 0)), float(items.pop("end", 0))
+        except ValueError:
+            raise ValueError(f"a schedule's start and end are shares of the run's steps, got {text!r}") from None
+        high = parse_param_args(forward, [f"{k}={v}" for k, v in items.items()])
+        return {"forward_high_params": high, "forward_high_start": start, "forward_high_end": end}
 
 
 @dataclass
@@ -144,7 +162,7 @@ class BenchConfig:
                  "pipeline_micro_batches": self.pipeline_micro_batches, "seed": seed, "checkpoint_every": 10**6,
                  "warmup_steps": self.lr_warmup_steps}
         codec = {"forward": pair.forward, "backward": pair.backward, "forward_params": pair.forward_params,
-                 "backward_params": pair.backward_params}
+                 "backward_params": pair.backward_params, **pair.schedule}
         return toml_table("train", train) + toml_table("codec", codec)
 
     def validate(self) -> "BenchConfig":

@@ -41,11 +41,15 @@ class RunSpec:
     eval_every: int = 25
     eval_samples: int = 512
     threads: int = 0             # torch threads in the worker (0: torch's default)
+    schedule: dict = field(default_factory=dict)  # the forward codec's precision schedule (codec.forward_high_*)
 
     @property
     def key(self) -> str:
         """A name for the run's result file: the pair and seed, and a hash of every other setting."""
-        text = json.dumps(asdict(self), sort_keys=True)
+        settings = asdict(self)
+        if not settings["schedule"]:  # runs without one keep the names they had before schedules existed
+            del settings["schedule"]
+        text = json.dumps(settings, sort_keys=True)
         digest = hashlib.sha256(text.encode()).hexdigest()[:10]
         pair = "".join(ch if ch.isalnum() or ch in "=.-" else "_" for ch in self.pair)
         return f"{pair}-seed{self.seed}-{digest}"
@@ -63,7 +67,8 @@ class RunSpec:
             "train.micro_batches": self.messages_per_step, "train.pipeline_micro_batches": self.messages_per_step,
             "train.seed": self.seed, "train.dtype": self.dtype,
             "codec.forward": self.forward, "codec.forward_params": dict(self.forward_params),
-            "codec.backward": self.backward, "codec.backward_params": dict(self.backward_params)})
+            "codec.backward": self.backward, "codec.backward_params": dict(self.backward_params),
+            **{f"codec.{k}": v for k, v in self.schedule.items()}})
 
 
 @dataclass
