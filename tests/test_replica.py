@@ -84,3 +84,24 @@ def test_a_precision_schedule_sends_the_first_and_last_steps_at_its_bits(dataset
         plain.train_step(k)
     bits, plain_bits = replica.stats.bits_per_element(FORWARD), plain.stats.bits_per_element(FORWARD)
     assert bits == pytest.approx(plain_bits + 2, rel=0.01)  # half the steps at 4 more bits per element
+
+
+def test_the_replica_fine_tunes_a_hugging_face_checkpoint(dataset, tmp_path):
+    """--init-from: every stage starts from its slice of a transformers-saved Llama (the paper's
+    own setting is fine-tuning), and trains from there."""
+    import torch
+    import transformers
+
+    from tahnode.config import RunConfig
+
+    torch.manual_seed(0)
+    hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(vocab_size=320, hidden_size=64, intermediate_size=128,
+                                                                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2))
+    hf.save_pretrained(tmp_path / "hf")
+    run = RunConfig.build(str(tmp_path / "hf"), **{"stages": 2, "train.steps": 2, "train.micro_batches": 2, "train.batch_size": 2,
+                                                    "train.seq_len": 32})
+    replica = PipelineReplica(run, dataset, init_from=str(tmp_path / "hf"))
+    assert torch.equal(replica.models[0].model.embed_tokens.weight, hf.model.embed_tokens.weight)
+    assert torch.equal(replica.models[1].lm_head.weight, hf.lm_head.weight)
+    losses = [replica.train_step(k) for k in range(2)]
+    assert all(0 < x < 10 for x in losses)
