@@ -69,3 +69,7 @@ def test_gaps_and_tokens_compare_each_seed_with_its_own_reference():
     assert steps_to_reach([[0, 5.0], [10, 3.0], [20, 1.0]], 2.0) == pytest.approx(15.0)  # interpolated
     # a link's busier direction carries the 6.125-bit gradients: 1e6 tokens of width 128 at 10 Mbit/s
     assert s["q/q"].link_seconds(1e6, 10) == pytest.approx(1e6 * 128 * 6.125 / 10e6)
+    # the reference reaches q/q's final loss of seed 0 (1.02) after 19.8 steps of 1000 tokens, at 32 bits; never
+    # its seed-1 one (1.0, below its own 1.1). q/q took its 20 steps at 6.125 bits
+    assert s["q/q"].reference_tokens_to_own == pytest.approx({0: 19_800, 1: math.inf})
+    assert s["q/q"].race(10) == f"{20_000 * 128 * 6.125 / 10e6:.0f} s / {19_800 * 128 * 32 / 10e6:.0f} s"

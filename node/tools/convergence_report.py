@@ -16,7 +16,7 @@ __all__ = ["PairSummary", "summarize", "table", "plot", "steps_to_reach", "COLUM
 
 COLUMNS = ("codec fwd/bwd", "bits/elem fwd / bwd", "seeds", "held-out loss (mean)", "vs reference: mean (per seed)",
            "rel. error per crossing fwd / bwd", "tokens to the reference's final held-out loss",
-           "link time to it at {rates} Mbit/s")
+           "link time to it at {rates} Mbit/s", "link time to this pair's final loss at {rates} Mbit/s: this pair / the reference")
 
 
 def steps_to_reach(evals: list[list[float]], target: float) -> float:
@@ -37,6 +37,8 @@ class PairSummary:
     runs: list[RunResult]
     gaps: dict[int, float]           # seed -> % above the reference's final held-out loss
     tokens_to_target: dict[int, float]  # seed -> tokens to reach the reference's final held-out loss
+    reference_tokens_to_own: dict[int, float]  # seed -> tokens the reference needs to reach this pair's final loss
+    reference_bits: float = 32.0     # the reference's busier direction, bits per element
 
     @property
     def mean_gap(self) -> float:
@@ -50,25 +52,36 @@ class PairSummary:
         """Bits per element on a link's busier direction (forward activations or backward gradients)."""
         return max(self.mean("bits_fwd"), self.mean("bits_bwd"))
 
-    def link_seconds(self, tokens: float, rate_mbps: float) -> float:
+    def link_seconds(self, tokens: float, rate_mbps: float, bits: float | None = None) -> float:
         """Seconds a link of `rate_mbps` needs to carry `tokens` tokens' boundary tensors (its limit)."""
-        return tokens * self.runs[0].dim * self.busiest_bits / (rate_mbps * 1e6)
+        return tokens * self.runs[0].dim * (self.busiest_bits if bits is None else bits) / (rate_mbps * 1e6)
+
+    def race(self, rate_mbps: float) -> str:
+        """Link time to this pair's own final loss, for this pair and for the reference (mean over seeds)."""
+        ours = statistics.fmean(r.tokens_per_step * r.evals[-1][0] for r in self.runs if not r.diverged) if self.runs else math.nan
+        theirs = [t for t in self.reference_tokens_to_own.values() if math.isfinite(t)]
+        if not theirs or not math.isfinite(ours):
+            return "—"
+        return (f"{_duration(self.link_seconds(ours, rate_mbps))} / "
+                f"{_duration(self.link_seconds(statistics.fmean(theirs), rate_mbps, self.reference_bits))}")
 
 
 def summarize(results: list[RunResult], reference: str) -> list[PairSummary]:
     """One summary per pair, in the order the pairs first appear."""
     ref = {r.seed: r for r in results if r.pair == reference}
+    ref_bits = statistics.fmean(max(r.bits_fwd, r.bits_bwd) for r in ref.values()) if ref else 32.0
     out = []
     for pair in dict.fromkeys(r.pair for r in results):
         runs = sorted((r for r in results if r.pair == pair), key=lambda r: r.seed)
-        gaps, tokens = {}, {}
+        gaps, tokens, back = {}, {}, {}
         for r in runs:
             base = ref.get(r.seed)
             if base is None or not math.isfinite(base.final_eval):
                 continue
             gaps[r.seed] = 100 * (r.final_eval / base.final_eval - 1)
             tokens[r.seed] = steps_to_reach(r.evals, base.final_eval) * r.tokens_per_step
-        out.append(PairSummary(pair, runs, gaps, tokens))
+            back[r.seed] = steps_to_reach(base.evals, r.final_eval) * base.tokens_per_step
+        out.append(PairSummary(pair, runs, gaps, tokens, back, ref_bits))
     return out
 
 
@@ -93,11 +106,12 @@ def _cells(s: PairSummary, rates: list[float]) -> list[str]:
         to_target, times = (f"not reached in {missed} of {len(s.tokens_to_target)} seeds" if s.tokens_to_target else "—"), "—"
     return [s.pair, f"{s.mean('bits_fwd'):.2f} / {s.mean('bits_bwd'):.2f}", str(len(s.runs)),
             f"{loss:.4f}" if math.isfinite(loss) else "diverged", gap,
-            f"{s.mean('error_fwd'):.3f} / {s.mean('error_bwd'):.3f}", to_target, times]
+            f"{s.mean('error_fwd'):.3f} / {s.mean('error_bwd'):.3f}", to_target, times, " ; ".join(s.race(r) for r in rates)]
 
 
 def table(summaries: list[PairSummary], rates: list[float]) -> str:
-    columns = tuple(c.format(rates=" / ".join(f"{r:g}" for r in rates)) for c in COLUMNS)
+    columns = tuple(c.format(rates=" ; ".join(f"{r:g}" for r in rates) if "this pair" in c else " / ".join(f"{r:g}" for r in rates))
+                    for c in COLUMNS)
     return markdown_table(columns, [_cells(s, rates) for s in summaries])
 
 
@@ -133,7 +147,11 @@ def plot(summaries: list[PairSummary], reference: str, out: Path, smooth: int = 
             train = _smooth(train, smooth)
             n = min(len(train), len(ref_train))
             right.plot(xs[:n], [100 * (train[i] / ref_train[i] - 1) for i in range(n)], color=f"C{k % 10}", label=s.pair)
-    left.set(xlabel="step", ylabel="held-out loss", title="held-out loss (mean over seeds)")
+    late = [loss for line in left.get_lines() for step, loss in zip(*line.get_data()) if step >= 0.15 * max(line.get_xdata())]
+    if late:  # the first steps' fall would flatten the differences that matter
+        span = max(late) - min(late)
+        left.set_ylim(min(late) - 0.05 * span, max(late) + 0.05 * span)
+    left.set(xlabel="step", ylabel="held-out loss", title="held-out loss (mean over seeds; from 15% of the run)")
     right.axhline(0, color="0.5", lw=0.8)
     right.set(xlabel="step", ylabel=f"% above {reference}", title=f"training loss vs {reference} (smoothed over {smooth} steps)")
     return save_figure(plt, fig, (left, right), out, legend_size=7)
