@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing
+import shlex
 import sys
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict
@@ -191,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
     results = run_all(specs, Path(args.workdir), jobs_for(args))
     if not results:
         return 1
-    command = ("tahnode bench convergence " + " ".join(sys.argv[3:] if argv is None else argv)).strip()
+    command = ("tahnode bench convergence " + shlex.join(sys.argv[3:] if argv is None else argv)).strip()
     print(report(results, specs, args, command))
     if not args.no_doc:
         print(f"written to {args.doc}; plot in {args.plots}")
