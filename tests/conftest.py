@@ -1,5 +1,5 @@
-"""Shared pytest setup: Triton runs in its CPU interpreter where there is no GPU, hypothesis gets a
-CI profile sized for 2 cores, and after the whole session no p2p daemon (`p2pd`) the tests started
+"""Shared pytest setup: Triton runs in its CPU interpreter where there is no GPU, torch computes on
+one thread, hypothesis gets a CI profile sized for 2 cores, and after the whole session no p2p daemon (`p2pd`) the tests started
 may still run: each must end with the process that started it."""
 
 import os
@@ -11,6 +11,10 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# The tests' models are tiny, and the slow tests' daemons share the machine's cores with this
+# process: torch's threads spinning beside other busy processes made a 5-step single-process
+# training take 35 s instead of 0.3 s (2 cores, two other trainings running).
+torch.set_num_threads(1)
 
 from hypothesis import HealthCheck, settings  # noqa: E402
 
