@@ -1,5 +1,6 @@
 """`tahnode bench kernels` as users call it: its flags reach its own parser, bad input and a machine
-without a GPU get clear errors, and the rows it appends to docs/benchmarks.md keep one table header."""
+without a GPU get clear errors, the rows it appends to docs/benchmarks.md keep one table header, and
+its host-path rows carry a whole message there and back."""
 
 from __future__ import annotations
 
@@ -9,7 +10,10 @@ import sys
 import pytest
 import torch
 
+from tahnode.codecs import decode
+from tahnode.net.framing import FrameError
 from tahnode.tools import bench_kernels
+from tahnode.tools.host_path import HostPath
 
 TAHNODE = [sys.executable, "-m", "tahnode.cli"]
 
@@ -51,3 +55,20 @@ def test_shapes_and_rows(tmp_path):
     text = page.read_text()
     assert text.startswith("# Benchmarks\n\nearlier text\n")
     assert text.count("| date | GPU |") == 1 and text.count(line) == 2
+
+
+def test_a_whole_messages_host_path_gives_the_decoded_tensor():
+    """The host-path rows (issue 27) run on any device: every codec's frames come back as what its
+    decode gives, and a frame list is received once (the bench makes one per timed run)."""
+    x = bench_kernels.activations((2, 64, 256), torch.bfloat16, device="cpu")
+    rows = bench_kernels.host_path_rows(x, 2, codecs=("none", "tahquant"))
+    assert [r["op"] for r in rows] == ["x.cpu()", "none: tensor -> frames", "none: frames -> tensor",
+                                       "tahquant: tensor -> frames", "tahquant: frames -> tensor"]
+    assert all(r["diff"] == "" and r["t"] > 0 for r in rows)
+    path = HostPath("pertoken")
+    frames = path.send(x)
+    got = path.receive(frames, "cpu")
+    assert torch.equal(got, decode(path.codec.encode(x)))
+    assert got.shape == x.shape and float((got.float() - x.float()).norm() / x.float().norm()) < 0.1  # 0.08: 6 bits, outlier channels ×20
+    with pytest.raises(FrameError):  # the same frames again are a replay
+        path.receive(frames, "cpu")

@@ -5,7 +5,9 @@ results, dated and naming the GPU, to docs/benchmarks.md.
 Timing: CUDA events around each call after warm-up (the first calls compile the kernels), the
 median of --iters runs (at most 5 for the much slower references). Effective GB/s = bytes of the
 input tensor / time, for every op, so the columns compare directly with clone (which moves twice
-those bytes: read and write)."""
+those bytes: read and write). The host path of a whole message per codec (tensor -> sealed frames
+on the host and back, tahnode.tools.host_path) is timed on the wall clock beside copying the raw
+tensor to pinned host memory."""
 
 from __future__ import annotations
 
@@ -14,11 +16,17 @@ import datetime
 import os
 import statistics
 import sys
+import time
 from typing import Callable
 
 import torch
 
+from ..codecs import decode
+from .host_path import HostPath
+
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+HOST_PATH_CODECS = ("none", "naive", "tahquant", "pertoken")
+HOST_PATH_ITERS = 10  # whole messages kept in host memory at once (64 MB each uncompressed at 4,2048,4096 bf16)
 ALL_SHAPES = [(4, 2048, 4096), (1, 1024, 1600), (8, 4096, 8192)]
 HEADER = """
 ### Kernel timings
@@ -27,7 +35,11 @@ Written by `tahnode bench kernels` (node/tools/bench_kernels.py): median of CUDA
 warm-up. GB/s = bytes of the input tensor / time; `× clone` = time / time of `x.clone()` of the same
 tensor; `ref / kernel` = the pure-torch reference on the same GPU / the kernel. `bytes ≠ ref`: payload
 bytes that differ from the reference's (the Hadamard rounding of docs/wire-format.md).
-Input: Gaussian activations with 1% outlier channels (×20).
+Input: Gaussian activations with 1% outlier channels (×20). Rows `CODEC: tensor -> frames` and
+`CODEC: frames -> tensor` (since 2026-11-25) time a whole message's host path on the wall clock
+(encode, envelope, sealed 1 MiB frames on the host; reassembly, checks, decode onto the GPU), beside
+`x -> pinned host` (the raw tensor copied to pinned host memory, the limit the issue 27 sets) and
+`x.cpu()`; their `bytes ≠ ref` counts elements that differ from decoding the message directly.
 
 | date | GPU | torch / triton | shape | dtype | op | µs | GB/s | × clone | ref µs | ref / kernel | bytes ≠ ref |
 |---|---|---|---|---|---|---|---|---|---|---|---|
@@ -142,6 +154,7 @@ def bench_shape(shape, dtype, iters: int) -> list[dict]:
     rows.append(dict(op="naive decode", t=time_cuda(lambda: naive_triton.decode(nr, shape, nv, er, dtype), iters),
                      ref=time_cuda(lambda: naive_ref.decode(nr, shape, nv, er, dtype), ref_iters), diff=""))
     rows += symtiles_rows(x, iters, ref_iters)
+    rows += host_path_rows(x, min(iters, HOST_PATH_ITERS))
     for r in rows:
         r.update(shape=shape, nbytes=nbytes, clone=t_clone)
     return rows
@@ -162,6 +175,44 @@ def symtiles_rows(x: torch.Tensor, iters: int, ref_iters: int) -> list[dict]:
                          ref=time_cuda(lambda: ref.encode(x, params), ref_iters), diff=diff))
         rows.append(dict(op=op.replace("encode", "decode"), t=time_cuda(lambda: kernel.decode(pay_r, shape, params, dtype), iters),
                          ref=time_cuda(lambda: ref.decode(pay_r, shape, params, dtype), ref_iters), diff=""))
+    return rows
+
+
+def time_wall(fn: Callable[[], object], iters: int, warmup: int = 2) -> float:
+    """Median wall seconds of fn() over `iters` runs, each ending with the device idle: for work that
+    waits on the host (the codec's copy of its payload to the host, protobuf, the MAC)."""
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        sync()
+        start = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def host_path_rows(x: torch.Tensor, iters: int, codecs: tuple[str, ...] = HOST_PATH_CODECS) -> list[dict]:
+    """A whole message per codec (tahnode.tools.host_path): "tensor -> frames" (encode, envelope,
+    sealed frames on the host) and "frames -> tensor" (reassembly, checks, decode onto x's device),
+    beside copying the raw tensor to pinned and to pageable host memory. `diff`: elements where the
+    received tensor differs from decode(encode(x)) (must be 0)."""
+    rows = []
+    if x.is_cuda:
+        pinned = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
+        rows.append(dict(op="x -> pinned host", t=time_wall(lambda: pinned.copy_(x, non_blocking=True), iters), ref=None, diff=""))
+    rows.append(dict(op="x.cpu()", t=time_wall(lambda: x.cpu(), iters), ref=None, diff=""))
+    for name in codecs:
+        path = HostPath(name)
+        expected = decode(path.codec.encode(x), device=x.device)
+        rows.append(dict(op=f"{name}: tensor -> frames", t=time_wall(lambda: path.send(x), iters), ref=None, diff=""))
+        sent = [path.send(x) for _ in range(iters + 3)]  # a frame list is received once: no replays
+        received = path.receive(sent.pop(), x.device)
+        diff = str(int((received != expected).sum())) if received.shape == expected.shape else "shape differs"
+        rows.append(dict(op=f"{name}: frames -> tensor", t=time_wall(lambda: path.receive(sent.pop(), x.device), iters),
+                         ref=None, diff=diff if diff != "0" else ""))
     return rows
 
 
