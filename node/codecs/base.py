@@ -33,6 +33,7 @@ __all__ = [
     "parse_message",
     "bits_per_element",
     "checksum",
+    "payload_tensor",
 ]
 
 MAX_NDIM = 8
@@ -92,6 +93,11 @@ class Codec:
         ctx = ctx if ctx is not None else CodecContext()
         _check_input(x, self.name)
         payload, extra = self.encode_payload(x.cpu() if self.on_cpu else x, ctx)
+        return self.message(x, payload, extra)
+
+    def message(self, x: torch.Tensor, payload: torch.Tensor, extra: dict[str, float]) -> pb.EncodedTensor:
+        """The wire message of `x`'s encoded payload: where a message's host path starts (the
+        payload's bytes leave its device here; tahnode.tools.bench_copies counts what follows)."""
         data = payload.cpu().numpy().tobytes()
         msg = pb.EncodedTensor(codec=self.name, version=self.wire_version(), shape=list(x.shape), dtype=DTYPES[x.dtype], payload=data)
         for key, value in {**self.header_params(), **extra}.items():
@@ -114,7 +120,7 @@ class Codec:
             if self.version_param in header:
                 raise CodecError(f"{self.name} header has unknown parameters: {self.version_param}")
             header[self.version_param] = float(msg.version)
-        payload = torch.frombuffer(bytearray(msg.payload), dtype=torch.uint8) if msg.payload else torch.empty(0, dtype=torch.uint8)
+        payload = payload_tensor(msg)
         if self.on_cpu:
             return self.decode_payload(payload, shape, dtype, header, ctx).to(device)
         return self.decode_payload(payload.to(device), shape, dtype, header, ctx)
@@ -148,6 +154,12 @@ def checksum(msg: pb.EncodedTensor) -> int:
     for key in sorted(msg.params):
         head += key.encode() + b"\0" + struct.pack("<d", msg.params[key])
     return zlib.crc32(msg.payload, zlib.crc32(bytes(head)))
+
+
+def payload_tensor(msg: pb.EncodedTensor) -> torch.Tensor:
+    """A received message's payload as a writable uint8 tensor on the host (where its host path ends
+    and decoding starts)."""
+    return torch.frombuffer(bytearray(msg.payload), dtype=torch.uint8) if msg.payload else torch.empty(0, dtype=torch.uint8)
 
 
 def _check_input(x: torch.Tensor, name: str) -> None:
