@@ -2,7 +2,8 @@
 and a standby, all started as users start them, and a token holder on stage 1 (tests/adversary.py:
 the real daemon, its envelopes tampered with on a script) that also lies to the coordinator. Every
 honest daemon lives through it; the neighbours' reports ban the liar, the standby takes stage 1, and
-training ends where one process's training ends (within 2%), every step in the ledger once."""
+training ends near where one process's training ends (exactly until the first attack, within 5%
+over the last 10 steps after it), every step in the ledger once."""
 
 from __future__ import annotations
 
@@ -59,8 +60,14 @@ def test_a_malicious_stage_holder_kills_nothing_poisons_nothing_and_is_banned(tm
                                                      "train.seq_len": 32, "train.seed": 3, "codec.forward": "none",
                                                      "codec.backward": "none", "codec.backward_params": {}})
         reference = train_local(run, open_dataset(run, str(tmp_path / "cache")))
-        final, expected = sum(p["loss"] for p in ledger[-5:]) / 5, sum(reference[-5:]) / 5
-        assert abs(final / expected - 1) < 0.02, (final, expected)
+        # The step-end lie makes stage 2 clip one step by its own norm, not the global one: a real,
+        # bounded change of one update. On this tiny run (4 samples of 32 tokens a step) one such
+        # change moves the last steps' loss by several percent (measured: the clipping norm of one
+        # step 10% off moved the mean of the last 10 losses by +2.1%, of the last 20 by +3.6%), so
+        # the bound is 5% on the last 10: the poison that matters (inf or NaN updates, a wiped
+        # ledger) would move it by far more.
+        final, expected = sum(p["loss"] for p in ledger[-10:]) / 10, sum(reference[-10:]) / 10
+        assert abs(final / expected - 1) < 0.05, (final, expected)
         assert [p["loss"] for p in ledger[:2]] == pytest.approx(reference[:2], abs=1e-5)  # before any attack: exact
     finally:
         swarm.stop()
