@@ -89,17 +89,23 @@ class Codec:
         """The version of the payloads this instance writes."""
         return int(getattr(self.params, self.version_param)) if self.version_param else self.version
 
-    def encode(self, x: torch.Tensor, ctx: CodecContext | None = None) -> pb.EncodedTensor:
+    def encode(self, x: torch.Tensor, ctx: CodecContext | None = None, out: pb.EncodedTensor | None = None) -> pb.EncodedTensor:
+        """`x` encoded, into `out` if given (e.g. the tensor field of the envelope that will carry
+        it: nesting a finished message in another copies its payload)."""
         ctx = ctx if ctx is not None else CodecContext()
         _check_input(x, self.name)
         payload, extra = self.encode_payload(x.cpu() if self.on_cpu else x, ctx)
-        return self.message(x, payload, extra)
+        return self.message(x, payload, extra, out)
 
-    def message(self, x: torch.Tensor, payload: torch.Tensor, extra: dict[str, float]) -> pb.EncodedTensor:
-        """The wire message of `x`'s encoded payload: where a message's host path starts (the
-        payload's bytes leave its device here; tahnode.tools.bench_copies counts what follows)."""
-        data = payload.cpu().numpy().tobytes()
-        msg = pb.EncodedTensor(codec=self.name, version=self.wire_version(), shape=list(x.shape), dtype=DTYPES[x.dtype], payload=data)
+    def message(self, x: torch.Tensor, payload: torch.Tensor, extra: dict[str, float],
+                out: pb.EncodedTensor | None = None) -> pb.EncodedTensor:
+        """The wire message of `x`'s encoded payload (written into `out` if given): where a
+        message's host path starts (the payload's bytes leave its device here;
+        tahnode.tools.bench_copies counts what follows)."""
+        msg = out if out is not None else pb.EncodedTensor()
+        msg.codec, msg.version, msg.dtype = self.name, self.wire_version(), DTYPES[x.dtype]
+        msg.shape[:] = list(x.shape)
+        msg.payload = payload.cpu().numpy().tobytes()
         for key, value in {**self.header_params(), **extra}.items():
             msg.params[key] = value
         msg.crc32 = checksum(msg)

@@ -20,11 +20,12 @@ class BadMac(ValueError):
     was altered on the way)."""
 
 
-def frame_parts(frame: pb.Frame) -> tuple[bytes, ...]:
+def frame_parts(frame: pb.Frame, data: bytes | None = None) -> tuple[bytes, ...]:
     """What a frame's MAC covers (and so its signature, which signs the MAC): run, sender,
-    recipient, seq, index, count, data."""
+    recipient, seq, index, count, data. `data`: the frame's data where the caller holds it already
+    (each read of `frame.data` copies it out of protobuf)."""
     head = b"\0".join(s.encode() for s in (frame.run, frame.sender, frame.recipient))
-    return head, b"\0", struct.pack("<QII", frame.seq, frame.index, frame.count), frame.data
+    return head, b"\0", struct.pack("<QII", frame.seq, frame.index, frame.count), frame.data if data is None else data
 
 
 def canonical_bytes(msg, without_signature: bool) -> bytes:
@@ -61,8 +62,8 @@ class SwarmKey:
             h.update(part)
         return h.digest()
 
-    def frame_mac(self, frame: pb.Frame) -> bytes:
-        return self._mac(*frame_parts(frame))
+    def frame_mac(self, frame: pb.Frame, data: bytes | None = None) -> bytes:
+        return self._mac(*frame_parts(frame, data))
 
     def message_mac(self, msg) -> bytes:
         """MAC of a protobuf message over its deterministic bytes with the `mac` field empty."""
@@ -75,8 +76,8 @@ class SwarmKey:
     def verify(self, msg) -> bool:
         return hmac.compare_digest(msg.mac, self.message_mac(msg))
 
-    def verify_frame(self, frame: pb.Frame) -> bool:
-        return hmac.compare_digest(frame.mac, self.frame_mac(frame))
+    def verify_frame(self, frame: pb.Frame, data: bytes | None = None) -> bool:
+        return hmac.compare_digest(frame.mac, self.frame_mac(frame, data))
 
 
 class Sealer:
@@ -128,16 +129,17 @@ class Sealer:
 
     def frame(self, recipient: str, seq: int, index: int, count: int, data: bytes) -> pb.Frame:
         f = pb.Frame(run=self.run, sender=self.me, recipient=recipient, seq=seq, index=index, count=count, data=data)
-        f.mac = self.key.frame_mac(f)
+        f.mac = self.key.frame_mac(f, data)
         if self.identity is not None:  # the MAC commits to every byte of the frame: signing it is signing them
             f.signature = self.identity.sign(f.mac)
         return f
 
-    def check_frame(self, frame: pb.Frame, first: bool, signed_by: bytes | None) -> None:
+    def check_frame(self, frame: pb.Frame, first: bool, signed_by: bytes | None, data: bytes | None = None) -> None:
         """Raises BadMac or SealRefused. Every frame must be signed by `signed_by`, the sender's
         bound key (None: the sender is no neighbour of this node, refused); the first frame of an
-        envelope carries its seal (`seq`), the later ones are held to it by the reassembler."""
-        if not self.key.verify_frame(frame):
+        envelope carries its seal (`seq`), the later ones are held to it by the reassembler.
+        `data`: the frame's data, if the caller read it already."""
+        if not self.key.verify_frame(frame, data):
             self.guard.refused[RefusalReason.BAD_MAC] += 1
             raise BadMac(f"frame from {frame.sender or '?'} failed authentication (wrong swarm token?)")
         if signed_by is None:

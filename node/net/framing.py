@@ -55,8 +55,9 @@ class Reassembler:
 
     def add(self, frame: pb.Frame) -> bytes | None:
         """The envelope's bytes once its last frame arrived, else None; raises FrameError."""
+        data = frame.data  # read once: each read copies the bytes out of protobuf
         try:
-            self.sealer.check_frame(frame, first=frame.index == 0, signed_by=self.peer_keys.get(frame.sender))
+            self.sealer.check_frame(frame, first=frame.index == 0, signed_by=self.peer_keys.get(frame.sender), data=data)
         except BadMac as exc:
             raise FrameNotAuthenticated(str(exc)) from None
         except SealRefused as exc:
@@ -69,10 +70,10 @@ class Reassembler:
             self.parts, self.seq, self.sender, self.size = [], frame.seq, frame.sender, 0
         if frame.index == 0 and (frame.count - 1) * CHUNK_BYTES >= self.cap:
             raise FrameTooLarge(f"an envelope of {frame.count} frames is larger than the largest this run sends ({self.cap} bytes)")
-        self.size += len(frame.data)
+        self.size += len(data)
         if self.size > self.cap:
             raise FrameTooLarge(f"envelope larger than the largest this run sends ({self.cap} bytes)")
-        self.parts.append(frame.data)
+        self.parts.append(data)
         if frame.index + 1 == frame.count:
             data, self.parts = b"".join(self.parts), []
             return data

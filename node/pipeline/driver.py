@@ -150,11 +150,11 @@ class StepDriver:
                 if not await self._admit():
                     return False
                 try:
-                    mb, gen = await self.w.compute(self._forward, index)
+                    env, gen = await self.w.compute(self._forward, index)
                 except DivergedStep as exc:
                     log.error("%s: the model diverged; the step will be replayed", exc)
                     return False
-                await self.w.send(FORWARD, gen, micro_batch=mb)
+                await self.w.send(FORWARD, gen, envelope=env)
             waiter = asyncio.ensure_future(self.all_backward.wait())
             aborted = asyncio.ensure_future(self.abort.wait())
             done, _ = await asyncio.wait({waiter, aborted}, return_when=asyncio.FIRST_COMPLETED)

@@ -106,10 +106,10 @@ class Inbox:
             return
         if item.direction == FORWARD:
             direction, out, gen = result
-            await w.send(direction, gen, micro_batch=out)
+            await w.send(direction, gen, envelope=out)
             return
         if result is not None:
-            await w.send(BACKWARD, result[1], micro_batch=result[0])
+            await w.send(BACKWARD, result[1], envelope=result[0])
         if w.first:
             w.driver.backward_done(w.state.all_backward)
 

@@ -59,23 +59,24 @@ class CodecStreams:
             return self.high
         return self.codecs[direction]
 
-    def encode(self, direction: Direction, tensor: torch.Tensor, sample_ids, step: int = 0) -> tuple[pb.EncodedTensor, int]:
-        """The encoded tensor and the link generation whose stream state encoded it."""
+    def encode(self, direction: Direction, tensor: torch.Tensor, sample_ids, step: int = 0,
+               out: pb.EncodedTensor | None = None) -> tuple[pb.EncodedTensor, int]:
+        """The encoded tensor (in `out` if given) and the link generation whose stream state encoded it."""
         gen = self.t.generation(direction)
         ctx = self._context(self.sending, direction, gen, self.states[direction].new_context)
         ctx.sample_ids = sample_ids
         started = self._clock()
-        msg = self.codec_for(direction, step).encode(tensor.detach(), ctx)  # ends with the payload's bytes on the host
+        msg = self.codec_for(direction, step).encode(tensor.detach(), ctx, out)  # ends with the payload's bytes on the host
         self.stats.codec_seconds += self._clock() - started
         self.stats.counted(direction, msg.ByteSize(), tensor)
         return msg, gen
 
-    def encode_gradient(self, tensor: torch.Tensor, sample_ids) -> tuple[pb.EncodedTensor, int, int]:
+    def encode_gradient(self, tensor: torch.Tensor, sample_ids, out: pb.EncodedTensor | None = None) -> tuple[pb.EncodedTensor, int, int]:
         """A gradient to send backward: encoded, its generation, and the power of two it was
         multiplied by first. Gradients shrink as training goes on, down to where a codec's fp16
         zero-points and scales underflow (`needs_prescale`); a power of two moves them up exactly."""
         k = prescale_exponent(tensor) if self.codecs[BACKWARD].needs_prescale else 0
-        msg, gen = self.encode(BACKWARD, tensor * 2.0 ** k if k else tensor, sample_ids)
+        msg, gen = self.encode(BACKWARD, tensor * 2.0 ** k if k else tensor, sample_ids, out=out)
         return msg, gen, k
 
     def decode(self, direction: Direction, stream: int, mb: pb.MicroBatch, dtype: torch.dtype) -> torch.Tensor:

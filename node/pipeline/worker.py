@@ -105,9 +105,11 @@ class StageWorker:
         """Run `fn` on the compute thread (every change to the step state happens there)."""
         return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
 
-    async def send(self, direction: Direction, gen: int | None = None, **body) -> None:
-        """Send an envelope with `body`; with the link's current generation unless `gen` is given."""
-        await self.t.send(direction, pb.Envelope(**body), self.t.generation(direction) if gen is None else gen)
+    async def send(self, direction: Direction, gen: int | None = None, envelope: pb.Envelope | None = None, **body) -> None:
+        """Send `envelope`, or an envelope with `body`; with the link's current generation unless
+        `gen` is given."""
+        await self.t.send(direction, envelope if envelope is not None else pb.Envelope(**body),
+                          self.t.generation(direction) if gen is None else gen)
 
     def _link_down(self, direction: Direction, reason: str) -> None:
         if self.stopping or self.shutdown.is_set():
@@ -122,14 +124,32 @@ class StageWorker:
         self.stats.refused_from(item.sender)
         log.warning("stage %d dropped an envelope from %s: %s", self.stage, item.sender or "?", exc)
 
-    def _encoded(self, direction, tensor: torch.Tensor, ids: list[int], gradient: bool = False):
-        """This stage's own output (or input gradient), encoded: a codec that cannot encode it (a
-        non-finite or overflowing value) means the step diverged here, not that a peer misbehaved."""
+    def _message(self, direction: Direction, tensor: torch.Tensor, ids: list[int], src: pb.MicroBatch | None = None,
+                 **fields) -> tuple[pb.Envelope, int]:
+        """An envelope with one micro-batch (`src`'s step, index, attempt and count, then `fields`)
+        and this stage's own output (or input gradient, going BACKWARD) encoded in place (nesting a
+        finished message in another copies its payload); and the link generation that encoded it.
+        A codec that cannot encode the tensor (a non-finite or overflowing value) means the step
+        diverged here, not that a peer misbehaved."""
+        env = pb.Envelope()
+        mb = env.micro_batch
+        if src is not None:
+            mb.step, mb.index, mb.attempt, mb.count = src.step, src.index, src.attempt, src.count
+        extras = fields.pop("extras", {})
+        for name, value in fields.items():
+            setattr(mb, name, value)
+        mb.sample_ids.extend(ids)
+        mb.extras.update(extras)
+        gradient = direction == BACKWARD
         try:
-            return self.codecs.encode_gradient(tensor, ids) if gradient else self.codecs.encode(direction, tensor, ids, self.state.step)
+            if gradient:
+                _, gen, mb.scale_log2 = self.codecs.encode_gradient(tensor, ids, out=mb.tensor)
+            else:
+                _, gen = self.codecs.encode(direction, tensor, ids, self.state.step, out=mb.tensor)
         except CodecError as exc:
             raise DivergedStep(f"stage {self.stage} cannot encode its own {'gradient' if gradient else 'output'} of step "
                                f"{self.state.step}: {exc}") from None
+        return env, gen
 
     def replay_step(self, reason: str, tell: bool) -> None:
         """Have stage 0 replay the step in flight; a later stage tells it (if `tell`) through the
@@ -165,17 +185,15 @@ class StageWorker:
 
     # -- compute (runs on the compute thread) -------------------------------------------------
     def forward_first(self, index: int, count: int, ids: list[int], tokens: torch.Tensor,
-                      labels: torch.Tensor) -> tuple[pb.MicroBatch, int]:
-        """Stage 0: embed and run micro-batch `index` of the `count` of the current step; its message
+                      labels: torch.Tensor) -> tuple[pb.Envelope, int]:
+        """Stage 0: embed and run micro-batch `index` of the `count` of the current step; its envelope
         and generation."""
         st = self.state
         st.micro_batches = count
         out = self.model(tokens.to(self.device))
         st.pending[index] = Pending(None, self.codecs.sent(out), ids)
-        enc, gen = self._encoded(FORWARD, out, ids)
-        mb = pb.MicroBatch(step=st.step, index=index, sample_ids=ids, labels=labels.to(torch.int32).numpy().tobytes(),
-                           tensor=enc, attempt=st.attempt, count=count)
-        return mb, gen
+        return self._message(FORWARD, out, ids, step=st.step, index=index, labels=labels.to(torch.int32).numpy().tobytes(),
+                             attempt=st.attempt, count=count)
 
     def _stale(self, item: Inbound, mb: pb.MicroBatch):
         """Drop a micro-batch of another attempt; its stream's codec state still takes it in (the
@@ -219,14 +237,10 @@ class StageWorker:
                 st.sent_sumsq = grad_sumsq(self.opt.params)
             extras = {"grad_sumsq": st.sent_sumsq} if st.all_backward else {}
         if self.computes_loss:
-            enc, gen, k = self._encoded(BACKWARD, x.grad, ids, gradient=True)
-            return BACKWARD, pb.MicroBatch(step=mb.step, index=mb.index, sample_ids=ids, tensor=enc, attempt=mb.attempt, extras=extras,
-                                           count=mb.count, scale_log2=k), gen
+            return (BACKWARD, *self._message(BACKWARD, x.grad, ids, mb, extras=extras))
         out = self.model(x)
         st.pending[mb.index] = Pending(x, self.codecs.sent(out), ids)
-        enc, gen = self._encoded(FORWARD, out, ids)
-        return FORWARD, pb.MicroBatch(step=mb.step, index=mb.index, sample_ids=ids, labels=mb.labels, tensor=enc, attempt=mb.attempt,
-                                      count=mb.count), gen
+        return (FORWARD, *self._message(FORWARD, out, ids, mb, labels=mb.labels))
 
     def _loss_backward(self, logits: torch.Tensor, labels, ids: list[int]) -> None:
         """The loss of one micro-batch and its backward pass, weighted so that the step's loss is the
@@ -256,9 +270,7 @@ class StageWorker:
         extras = {}
         if st.all_backward:
             extras["grad_sumsq"] = st.sent_sumsq = st.partial_sumsq + grad_sumsq(self.opt.params)
-        enc, gen, k = self._encoded(BACKWARD, p.inp.grad, p.sample_ids, gradient=True)
-        return pb.MicroBatch(step=mb.step, index=mb.index, sample_ids=p.sample_ids, tensor=enc, attempt=mb.attempt, extras=extras,
-                             count=mb.count, scale_log2=k), gen
+        return self._message(BACKWARD, p.inp.grad, p.sample_ids, mb, extras=extras)
 
     def _apply(self, step: int, total_sumsq: float) -> tuple[float, list[int]]:
         """Clip and step (runs on the compute thread, like every change to the step state); the

@@ -95,7 +95,7 @@ def _measure(shape: tuple[int, ...], codecs: tuple[str, ...]) -> list[CopyCount]
 
     from ..codecs import get_codec, payload_tensor
     from ..codecs.state import CodecContext
-    from ..net.framing import Reassembler, frames_of, parse_envelope
+    from ..net.framing import Reassembler, parse_envelope
     from ..proto import tahnode_pb2 as pb
     from .bench_kernels import activations
     from .host_path import HostPath
@@ -108,11 +108,12 @@ def _measure(shape: tuple[int, ...], codecs: tuple[str, ...]) -> list[CopyCount]
         payload, extra = codec.encode_payload(x, CodecContext())
         payload = payload.contiguous()
         before = allocated()
-        msg = codec.message(x, payload, extra)
-        env = pb.Envelope(micro_batch=pb.MicroBatch(step=1, index=0, tensor=msg))
-        wire = [frame.SerializeToString() for frame in frames_of(path.sender, "b", env.SerializeToString())]
+        env = pb.Envelope()
+        env.micro_batch.step = 1
+        codec.message(x, payload, extra, out=env.micro_batch.tensor)  # in place, as Worker._message does
+        wire = [frame.SerializeToString() for frame in path.frames(env)]
         sent = allocated() - before
-        del msg, env
+        del env
         before = allocated()
         asm = Reassembler(path.receiver, peer_keys={"a": path.public})
         for data in wire:

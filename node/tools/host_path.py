@@ -29,7 +29,12 @@ class HostPath:
         self.public = identity.public
 
     def send(self, x: torch.Tensor) -> list[pb.Frame]:
-        env = pb.Envelope(micro_batch=pb.MicroBatch(step=1, index=0, tensor=self.codec.encode(x)))
+        env = pb.Envelope()
+        env.micro_batch.step = 1
+        self.codec.encode(x, out=env.micro_batch.tensor)  # in place, as the stage does (Worker._message)
+        return self.frames(env)
+
+    def frames(self, env: pb.Envelope) -> list[pb.Frame]:
         return list(frames_of(self.sender, "b", env.SerializeToString()))
 
     def receive(self, frames: list[pb.Frame], device: torch.device | str) -> torch.Tensor:
