@@ -59,7 +59,8 @@ def test_held_out_samples_are_never_trained_on(dataset):
 
 
 def test_crossing_errors_are_measured(dataset):
-    run = build_run(1, **{"codec.forward": "tahquant", "codec.backward": "pertoken", "codec.backward_params": {}})
+    run = build_run(1, **{"codec.forward": "tahquant", "codec.backward": "pertoken", "codec.backward_params": {},
+                          "codec.forward_high_params": {}})  # 4 bits in step 0 too: no precision schedule
     replica = PipelineReplica(run, dataset)
     replica.train_step(0)
     fwd, bwd = replica.errors.mean(FORWARD), replica.errors.mean(BACKWARD)
@@ -84,6 +85,25 @@ def test_a_precision_schedule_sends_the_first_and_last_steps_at_its_bits(dataset
         plain.train_step(k)
     bits, plain_bits = replica.stats.bits_per_element(FORWARD), plain.stats.bits_per_element(FORWARD)
     assert bits == pytest.approx(plain_bits + 2, rel=0.01)  # half the steps at 4 more bits per element
+
+
+def test_tahquant_runs_with_its_precision_schedule_unless_told_otherwise():
+    """The default [codec]: tahquant's own high-precision parameters (every token at 8 bits) for the
+    first 2% and last 4% of the steps; {} turns it off; another forward codec has none; a TOML or
+    JSON round trip keeps the choice."""
+    from tahnode.config import RunConfig
+
+    run = RunConfig.build("llama-tiny", None, **{"train.steps": 100})
+    assert run.codec.scheduled and run.codec.high_params == {"bits_high": 8, "bits_low": 8}
+    assert [k for k in range(100) if run.codec.high_phase(k, 100)] == [0, 1, 96, 97, 98, 99]
+    assert run.codec.label == "tahquant@start=0.02,end=0.04,bits_high=8,bits_low=8/pertoken"
+    assert not RunConfig.build("llama-tiny", None, **{"codec.forward_high_params": {}}).codec.scheduled
+    assert not any(run.codec.high_phase(k, 8) for k in range(8))  # 2% and 4% of 8 steps: no whole step
+    naive = RunConfig.build("llama-tiny", None, **{"codec.forward": "naive"})
+    assert not naive.codec.scheduled and naive.codec.label == "naive/pertoken"
+    off = RunConfig.build("llama-tiny", None, **{"codec.forward_high_params": {}})
+    assert RunConfig.from_json(run.to_json()).codec == run.codec and RunConfig.from_json(off.to_json()).codec == off.codec
+    assert "forward_high_params" not in run.to_toml() and "forward_high_params = {}" in off.to_toml()
 
 
 def test_the_replica_fine_tunes_a_hugging_face_checkpoint(dataset, tmp_path):

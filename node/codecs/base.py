@@ -53,6 +53,9 @@ class Codec:
     version_param: ClassVar[str] = ""
     versions: ClassVar[tuple[int, ...]] = (1,)  # the versions this build decodes
     Params: ClassVar[type]
+    # the parameters a run's precision schedule sends with by default (codec.forward_high_params
+    # unset): its first and last steps at these, e.g. 8 bits; {} for none
+    high_params: ClassVar[dict[str, float]] = {}
     keeps_stream_state: ClassVar[bool] = False  # both ends update per-stream state on every message
     # per-group fp16 zero/scale and no shared exponent: values around 1e-7 and below underflow, so
     # the pipeline scales gradients by a power of two before encoding (tahnode.pipeline.streams)

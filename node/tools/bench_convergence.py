@@ -25,7 +25,9 @@ from .convergence_runs import RunResult, RunSpec, train_one
 
 __all__ = ["main", "build_parser", "plan"]
 
-DEFAULT_PAIRS = "none/none,none/pertoken,tahquant/naive,tahquant/none,tahquant/pertoken"
+# the product's default pair last: tahquant with its precision schedule (docs/codecs.md)
+DEFAULT_PAIRS = ("none/none;none/pertoken;tahquant/naive;tahquant/none;tahquant/pertoken;"
+                 "tahquant@start=0.02,end=0.04,bits_high=8,bits_low=8/pertoken")
 
 
 def build_parser() -> argparse.ArgumentParser:

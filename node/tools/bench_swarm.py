@@ -26,6 +26,7 @@ from .swarm import LocalSwarm, Shaper, SwarmError, SwarmSpec
 __all__ = ["CodecPair", "Row", "Cell", "BenchConfig", "convergence_cells", "mean_curves", "main"]
 
 DEFAULT_PAIRS = "none/none,group/naive,aqsgd/naive,aqsgd/naive:bits=8,amaq/naive,tahquant/naive,tahquant/tahquant"
+NO_SCHEDULE = {"forward_high_params": {}}  # the [codec] settings of a pair written without '@': no precision schedule
 MAIN_PAIRS = ("none/none", "tahquant/naive", "tahquant/tahquant")
 COLUMNS = ("link Mbit/s", "RTT ms", "stages", "codec fwd/bwd", "transport", "tokens/s", "limit tokens/s", "limit", "share of limit",
            "bits/elem fwd/bwd", "busiest direction bytes/step", "final loss", "peak RSS MB")
@@ -162,7 +163,7 @@ class BenchConfig:
                  "pipeline_micro_batches": self.pipeline_micro_batches, "seed": seed, "checkpoint_every": 10**6,
                  "warmup_steps": self.lr_warmup_steps}
         codec = {"forward": pair.forward, "backward": pair.backward, "forward_params": pair.forward_params,
-                 "backward_params": pair.backward_params, **pair.schedule}
+                 "backward_params": pair.backward_params, **(pair.schedule or NO_SCHEDULE)}
         return toml_table("train", train) + toml_table("codec", codec)
 
     def validate(self) -> "BenchConfig":

@@ -13,6 +13,8 @@ import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from .bench_swarm import NO_SCHEDULE
+
 __all__ = ["RunSpec", "RunResult", "train_one"]
 
 
@@ -68,7 +70,7 @@ class RunSpec:
             "train.seed": self.seed, "train.dtype": self.dtype,
             "codec.forward": self.forward, "codec.forward_params": dict(self.forward_params),
             "codec.backward": self.backward, "codec.backward_params": dict(self.backward_params),
-            **{f"codec.{k}": v for k, v in self.schedule.items()}})
+            **{f"codec.{k}": v for k, v in (self.schedule or NO_SCHEDULE).items()}})
 
 
 @dataclass
