@@ -25,8 +25,7 @@ BENCHES = {  # `tahnode bench NAME`: tahnode.tools.bench_NAME.main
                    "training, bits per element, time to the same loss",
     "abuse": "a real coordinator's memory and status latency while one token holder sends oversized heartbeats and "
              "Sybil joins",
-    "copies": "how many times a message's payload is copied on the host between its codec and the wire (counted, "
-              "not timed; needs a C compiler)",
+    "copies": "how many times a message's payload is copied on the host from codec to wire (counted; needs cc)",
 }
 
 
