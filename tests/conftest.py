@@ -1,6 +1,6 @@
 """Shared pytest setup: Triton runs in its CPU interpreter where there is no GPU, torch computes on
-one thread, hypothesis gets a CI profile sized for 2 cores, and after the whole session no p2p daemon (`p2pd`) the tests started
-may still run: each must end with the process that started it."""
+one thread, hypothesis gets a CI profile sized for 2 cores, and after the whole session no p2p
+daemon (`p2pd`) the tests started may still run: each must end with the process that started it."""
 
 import os
 import time

@@ -26,10 +26,11 @@ import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from .host_path import CODECS
+
 __all__ = ["CopyCount", "count_copies", "build_shim", "main"]
 
 MIN_BLOCK = 64 * 1024
-CODECS = ("none", "naive", "tahquant", "pertoken")
 SHIM_ENV = "TAHNODE_ALLOC_SHIM"
 SHIM_SOURCE = r"""
 #include <stddef.h>
@@ -38,10 +39,9 @@ extern void *__libc_malloc(size_t);
 extern void *__libc_calloc(size_t, size_t);
 extern void *__libc_realloc(void *, size_t);
 extern void *__libc_memalign(size_t, size_t);
-static size_t big_bytes = 0, big_blocks = 0;
-static void note(size_t n) { if (n >= %(min_block)d) { __atomic_add_fetch(&big_bytes, n, __ATOMIC_RELAXED); __atomic_add_fetch(&big_blocks, 1, __ATOMIC_RELAXED); } }
+static size_t big_bytes = 0;
+static void note(size_t n) { if (n >= %(min_block)d) __atomic_add_fetch(&big_bytes, n, __ATOMIC_RELAXED); }
 size_t tahnode_big_bytes(void) { return big_bytes; }
-size_t tahnode_big_blocks(void) { return big_blocks; }
 void *malloc(size_t n) { note(n); return __libc_malloc(n); }
 void *calloc(size_t k, size_t n) { note(k * n); return __libc_calloc(k, n); }
 void *realloc(void *p, size_t n) { note(n); return __libc_realloc(p, n); }
@@ -95,7 +95,6 @@ def _measure(shape: tuple[int, ...], codecs: tuple[str, ...]) -> list[CopyCount]
 
     from ..codecs import get_codec, payload_tensor
     from ..codecs.state import CodecContext
-    from ..net.framing import Reassembler, parse_envelope
     from ..proto import tahnode_pb2 as pb
     from .bench_kernels import activations
     from .host_path import HostPath
@@ -115,12 +114,9 @@ def _measure(shape: tuple[int, ...], codecs: tuple[str, ...]) -> list[CopyCount]
         sent = allocated() - before
         del env
         before = allocated()
-        asm = Reassembler(path.receiver, peer_keys={"a": path.public})
-        for data in wire:
-            whole = asm.add(pb.Frame.FromString(data))
-        got = payload_tensor(parse_envelope(whole).micro_batch.tensor)
+        got = payload_tensor(path.message(pb.Frame.FromString(data) for data in wire))
         received = allocated() - before
-        if not torch.equal(got, payload.view(-1).view(torch.uint8) if payload.dtype != torch.uint8 else payload.view(-1)):
+        if not torch.equal(got, payload.reshape(-1).view(torch.uint8)):
             raise AssertionError(f"{name}: the received payload differs from the sent one")
         n = payload.numel() * payload.element_size()
         out.append(CopyCount(name, n, sent / n, received / n))

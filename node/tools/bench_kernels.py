@@ -22,10 +22,10 @@ from typing import Callable
 import torch
 
 from ..codecs import decode
+from .host_path import CODECS as HOST_PATH_CODECS
 from .host_path import HostPath
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-HOST_PATH_CODECS = ("none", "naive", "tahquant", "pertoken")
 HOST_PATH_ITERS = 10  # whole messages kept in host memory at once (64 MB each uncompressed at 4,2048,4096 bf16)
 ALL_SHAPES = [(4, 2048, 4096), (1, 1024, 1600), (8, 4096, 8192)]
 HEADER = """

@@ -14,7 +14,9 @@ from ..net.framing import Reassembler, frames_of, parse_envelope
 from ..net.identity import NodeKey
 from ..proto import tahnode_pb2 as pb
 
-__all__ = ["HostPath"]
+__all__ = ["HostPath", "CODECS"]
+
+CODECS = ("none", "naive", "tahquant", "pertoken")  # the codecs whose host path the benchmarks measure
 
 
 class HostPath:
@@ -37,9 +39,13 @@ class HostPath:
     def frames(self, env: pb.Envelope) -> list[pb.Frame]:
         return list(frames_of(self.sender, "b", env.SerializeToString()))
 
-    def receive(self, frames: list[pb.Frame], device: torch.device | str) -> torch.Tensor:
-        """The tensor on `device`; each list of frames is received once (a second time is a replay)."""
+    def message(self, frames) -> pb.EncodedTensor:
+        """The codec message the frames carry: reassembled, checked, the envelope parsed."""
         asm = Reassembler(self.receiver, peer_keys={"a": self.public})
         for frame in frames:
             data = asm.add(frame)
-        return decode(parse_envelope(data).micro_batch.tensor, device=device)
+        return parse_envelope(data).micro_batch.tensor
+
+    def receive(self, frames: list[pb.Frame], device: torch.device | str) -> torch.Tensor:
+        """The tensor on `device`; each list of frames is received once (a second time is a replay)."""
+        return decode(self.message(frames), device=device)
