@@ -44,6 +44,11 @@ def run_swarm(swarm: Swarm, steps: int, *flags: str, stages: int = 3) -> dict:
     return swarm.wait_finished(steps)
 
 
+def plain_frames(sealer, to: str, data: bytes) -> list[pb.Frame]:
+    """The frames of `data` as protobuf Frames (what the generated stub serializes)."""
+    return [pb.Frame.FromString(f.SerializeToString()) for f in frames_of(sealer, to, data)]
+
+
 def test_pipeline_equals_single_process(swarm, cache):
     """Codec none, fp32, fixed seed: 5 steps of 3 stages give the losses of one process to 1e-5."""
     state = run_swarm(swarm, 5, "--codec", "none", "--backward-codec", "none", "--seed", "3")
@@ -146,16 +151,16 @@ def test_bad_peers_get_clear_errors_and_the_daemon_keeps_serving(swarm):
         wrong = Sealer(SwarmKey("not-the-token"), "intruder", run)
         env = pb.Envelope(shutdown=pb.Shutdown(step=1)).SerializeToString()
         with pytest.raises(grpc.RpcError) as err:
-            stub.Forward(iter(frames_of(wrong, "n1", env)), timeout=5)
+            stub.Forward(iter(plain_frames(wrong, "n1", env)), timeout=5)
         assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
         assert "authentication" in err.value.details()
         right = Sealer(SwarmKey(swarm.token), "confused", run, NodeKey.generate())  # a token holder, but no neighbour of n1
         with pytest.raises(grpc.RpcError) as err:
-            stub.Forward(iter(frames_of(right, "n1", b"\xff\xff\xff garbage")), timeout=5)
+            stub.Forward(iter(plain_frames(right, "n1", b"\xff\xff\xff garbage")), timeout=5)
         assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED and "not a neighbour" in err.value.details()
         impostor = Sealer(SwarmKey(swarm.token), "n0", run, NodeKey.generate())  # n0's name, not n0's key
         with pytest.raises(grpc.RpcError) as err:
-            stub.Forward(iter(frames_of(impostor, "n1", env)), timeout=5)
+            stub.Forward(iter(plain_frames(impostor, "n1", env)), timeout=5)
         assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED and "not signed by the key" in err.value.details()
         for sealer in (None, wrong):  # who is here and which stage it holds: only for the swarm
             ping = pb.PingRequest(nonce=b"12345678")

@@ -14,6 +14,7 @@ import pytest
 import torch
 from tahnode.codecs import checksum, get_codec
 from tahnode.config import RunConfig
+from tahnode.net.body import Body
 from tahnode.net.inproc import InProcessNetwork
 from tahnode.net.transport import BACKWARD, FORWARD, Inbound
 from tahnode.pipeline.checkpoint import CheckpointStore
@@ -166,8 +167,9 @@ def test_a_lost_micro_batch_stalls_the_step_until_stage_0_replays_it(dataset):
     original = None
 
     async def send_dropping_one(direction, envelope, generation):
-        if direction == BACKWARD and envelope.WhichOneof("body") == "micro_batch" and envelope.micro_batch.step == 2 and not dropped:
-            dropped.append(envelope.micro_batch.index)
+        env = envelope.envelope() if isinstance(envelope, Body) else envelope  # a micro-batch travels as its body
+        if direction == BACKWARD and env.WhichOneof("body") == "micro_batch" and env.micro_batch.step == 2 and not dropped:
+            dropped.append(env.micro_batch.index)
             return True
         return await original(direction, envelope, generation)
 

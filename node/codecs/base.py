@@ -12,6 +12,7 @@ import struct
 import zlib
 from typing import Any, ClassVar
 
+import crc32c
 import torch
 
 from ..kernels.wire import CodecError
@@ -95,26 +96,42 @@ class Codec:
     def encode(self, x: torch.Tensor, ctx: CodecContext | None = None, out: pb.EncodedTensor | None = None) -> pb.EncodedTensor:
         """`x` encoded, into `out` if given (e.g. the tensor field of the envelope that will carry
         it: nesting a finished message in another copies its payload)."""
+        msg = out if out is not None else pb.EncodedTensor()
+        msg.payload = self.encode_apart(x, msg, ctx).tobytes()
+        return msg
+
+    def encode_apart(self, x: torch.Tensor, out: pb.EncodedTensor, ctx: CodecContext | None = None) -> memoryview:
+        """`x` encoded into `out` but for its payload, which is returned as a view of its bytes on
+        the host: the transport writes it to the wire from there (tahnode.net.body)."""
         ctx = ctx if ctx is not None else CodecContext()
         _check_input(x, self.name)
         payload, extra = self.encode_payload(x.cpu() if self.on_cpu else x, ctx)
-        return self.message(x, payload, extra, out)
+        return self.header(x, payload, extra, out)
+
+    def header(self, x: torch.Tensor, payload: torch.Tensor, extra: dict[str, float], out: pb.EncodedTensor) -> memoryview:
+        """Everything of `x`'s message but the payload, written into `out` (its checksum covers the
+        payload); the payload's bytes on the host, uncopied where they are there already. Where a
+        message's host path starts (tahnode.tools.bench_copies counts what follows)."""
+        out.codec, out.version, out.dtype = self.name, self.wire_version(), DTYPES[x.dtype]
+        out.shape[:] = list(x.shape)
+        out.checksum = pb.CRC32C
+        for key, value in {**self.header_params(), **extra}.items():
+            out.params[key] = value
+        data = host_bytes(payload)
+        out.crc32 = checksum(out, data)
+        return data
 
     def message(self, x: torch.Tensor, payload: torch.Tensor, extra: dict[str, float],
                 out: pb.EncodedTensor | None = None) -> pb.EncodedTensor:
-        """The wire message of `x`'s encoded payload (written into `out` if given): where a
-        message's host path starts (the payload's bytes leave its device here;
-        tahnode.tools.bench_copies counts what follows)."""
+        """The whole wire message of `x`'s encoded payload (written into `out` if given)."""
         msg = out if out is not None else pb.EncodedTensor()
-        msg.codec, msg.version, msg.dtype = self.name, self.wire_version(), DTYPES[x.dtype]
-        msg.shape[:] = list(x.shape)
-        msg.payload = payload.cpu().numpy().tobytes()
-        for key, value in {**self.header_params(), **extra}.items():
-            msg.params[key] = value
-        msg.crc32 = checksum(msg)
+        msg.payload = self.header(x, payload, extra, msg).tobytes()
         return msg
 
-    def decode(self, msg: pb.EncodedTensor, ctx: CodecContext | None = None, device: torch.device | str = "cpu") -> torch.Tensor:
+    def decode(self, msg: pb.EncodedTensor, ctx: CodecContext | None = None, device: torch.device | str = "cpu",
+               payload=None) -> torch.Tensor:
+        """`payload`: the message's payload where it travelled apart from it (a writable buffer;
+        tahnode.net.body), else None (the message's own)."""
         ctx = ctx if ctx is not None else CodecContext()
         if msg.codec != self.name:
             raise CodecError(f"message was encoded with codec {msg.codec!r}, not {self.name!r}")
@@ -122,14 +139,14 @@ class Codec:
             readable = ", ".join(map(str, self.versions))
             raise CodecError(f"codec {self.name} version {msg.version} is not supported (this build reads version {readable})")
         shape, dtype = _check_header(msg)
-        if checksum(msg) != msg.crc32:
+        if checksum(msg, payload) != msg.crc32:
             raise CodecError(f"{self.name} message checksum mismatch: the message was corrupted in transit")
         header = dict(msg.params)
         if self.version_param:
             if self.version_param in header:
                 raise CodecError(f"{self.name} header has unknown parameters: {self.version_param}")
             header[self.version_param] = float(msg.version)
-        payload = payload_tensor(msg)
+        payload = payload_tensor(msg, payload)
         if self.on_cpu:
             return self.decode_payload(payload, shape, dtype, header, ctx).to(device)
         return self.decode_payload(payload.to(device), shape, dtype, header, ctx)
@@ -153,22 +170,45 @@ class Codec:
         return cls(**kwargs)
 
 
-def checksum(msg: pb.EncodedTensor) -> int:
-    """CRC-32 (zlib) of the canonical header followed by the payload (docs/wire-format.md): codec
-    name, 0, version u32, dtype u32, ndim u32, dims u64, then each param sorted by key as
-    key, 0, value f64; all little-endian."""
+def host_bytes(payload: torch.Tensor) -> memoryview:
+    """A payload's bytes on the host: a view of a CPU payload, and a CUDA payload's one copy, into
+    pinned memory (torch's caching host allocator keeps those blocks for the next message)."""
+    flat = payload.detach().contiguous().reshape(-1).view(torch.uint8)
+    if flat.device.type == "cuda":
+        host = torch.empty(flat.numel(), dtype=torch.uint8, pin_memory=True)
+        host.copy_(flat, non_blocking=True)
+        torch.cuda.current_stream(flat.device).synchronize()
+        flat = host
+    elif flat.device.type != "cpu":
+        flat = flat.cpu()
+    return memoryview(flat.numpy())
+
+
+def checksum(msg: pb.EncodedTensor, payload=None) -> int:
+    """The checksum `msg.checksum` names (CRC-32C, or zlib's CRC-32 of older senders) of the
+    canonical header followed by the payload (docs/wire-format.md): codec name, 0, version u32,
+    dtype u32, ndim u32, dims u64, then each param sorted by key as key, 0, value f64; all
+    little-endian. `payload`: the payload where it is kept apart. Raises CodecError for a checksum
+    this build does not know."""
     head = bytearray(msg.codec.encode() + b"\0")
     head += struct.pack("<III", msg.version, msg.dtype, len(msg.shape))
     head += struct.pack(f"<{len(msg.shape)}Q", *msg.shape)
     for key in sorted(msg.params):
         head += key.encode() + b"\0" + struct.pack("<d", msg.params[key])
-    return zlib.crc32(msg.payload, zlib.crc32(bytes(head)))
+    data = msg.payload if payload is None else payload
+    if msg.checksum == pb.CRC32C:
+        return crc32c.crc32c(data, crc32c.crc32c(bytes(head)))
+    if msg.checksum == pb.CRC32:
+        return zlib.crc32(data, zlib.crc32(bytes(head)))
+    raise CodecError(f"{msg.codec}: unknown checksum {msg.checksum} (this build checks CRC-32 and CRC-32C)")
 
 
-def payload_tensor(msg: pb.EncodedTensor) -> torch.Tensor:
+def payload_tensor(msg: pb.EncodedTensor, payload=None) -> torch.Tensor:
     """A received message's payload as a writable uint8 tensor on the host (where its host path ends
-    and decoding starts)."""
-    return torch.frombuffer(bytearray(msg.payload), dtype=torch.uint8) if msg.payload else torch.empty(0, dtype=torch.uint8)
+    and decoding starts): `payload` in place (a writable buffer kept apart from the message), or a
+    copy of the message's own."""
+    data = bytearray(msg.payload) if payload is None else payload
+    return torch.frombuffer(data, dtype=torch.uint8) if memoryview(data).nbytes else torch.empty(0, dtype=torch.uint8)
 
 
 def _check_input(x: torch.Tensor, name: str) -> None:
@@ -241,11 +281,13 @@ def parse_message(data: bytes) -> pb.EncodedTensor:
     return parse(pb.EncodedTensor, data, CodecError, "EncodedTensor message")
 
 
-def decode(msg: pb.EncodedTensor, ctx: CodecContext | None = None, device: torch.device | str = "cpu") -> torch.Tensor:
-    """Decode any message with the codec it names (its parameters come from its header)."""
+def decode(msg: pb.EncodedTensor, ctx: CodecContext | None = None, device: torch.device | str = "cpu",
+           payload=None) -> torch.Tensor:
+    """Decode any message with the codec it names (its parameters come from its header); `payload`:
+    as Codec.decode."""
     if msg.codec not in CODECS:
         raise CodecError(f"unknown codec {msg.codec!r} in message; known codecs: {', '.join(sorted(CODECS))}")
-    return _bare(CODECS[msg.codec]).decode(msg, ctx, device)
+    return _bare(CODECS[msg.codec]).decode(msg, ctx, device, payload)
 
 
 def _bare(cls: type[Codec]) -> Codec:

@@ -11,6 +11,7 @@ import struct
 from ..proto import tahnode_pb2 as pb
 from .freshness import RefusalReason, ReplayGuard, SealCounter, SealRefused
 from .identity import KEY_BYTES, NodeKey, verify_signature
+from .wire_frame import OutgoingFrame
 
 __all__ = ["SwarmKey", "Sealer", "BadMac"]
 
@@ -20,12 +21,14 @@ class BadMac(ValueError):
     was altered on the way)."""
 
 
-def frame_parts(frame: pb.Frame, data: bytes | None = None) -> tuple[bytes, ...]:
+def frame_parts(frame, data=None) -> tuple:
     """What a frame's MAC covers (and so its signature, which signs the MAC): run, sender,
     recipient, seq, index, count, data. `data`: the frame's data where the caller holds it already
-    (each read of `frame.data` copies it out of protobuf)."""
+    (each read of a Frame's `data` copies it out of protobuf), as one buffer or a list of pieces."""
     head = b"\0".join(s.encode() for s in (frame.run, frame.sender, frame.recipient))
-    return head, b"\0", struct.pack("<QII", frame.seq, frame.index, frame.count), frame.data if data is None else data
+    data = frame.data if data is None else data
+    pieces = tuple(data) if isinstance(data, (list, tuple)) else (data,)
+    return (head, b"\0", struct.pack("<QII", frame.seq, frame.index, frame.count), *pieces)
 
 
 def canonical_bytes(msg, without_signature: bool) -> bytes:
@@ -62,7 +65,7 @@ class SwarmKey:
             h.update(part)
         return h.digest()
 
-    def frame_mac(self, frame: pb.Frame, data: bytes | None = None) -> bytes:
+    def frame_mac(self, frame, data=None) -> bytes:
         return self._mac(*frame_parts(frame, data))
 
     def message_mac(self, msg) -> bytes:
@@ -76,7 +79,7 @@ class SwarmKey:
     def verify(self, msg) -> bool:
         return hmac.compare_digest(msg.mac, self.message_mac(msg))
 
-    def verify_frame(self, frame: pb.Frame, data: bytes | None = None) -> bool:
+    def verify_frame(self, frame, data=None) -> bool:
         return hmac.compare_digest(frame.mac, self.frame_mac(frame, data))
 
 
@@ -127,14 +130,17 @@ class Sealer:
         self.guard.refused[reason] += 1
         raise SealRefused(reason, detail)
 
-    def frame(self, recipient: str, seq: int, index: int, count: int, data: bytes) -> pb.Frame:
-        f = pb.Frame(run=self.run, sender=self.me, recipient=recipient, seq=seq, index=index, count=count, data=data)
-        f.mac = self.key.frame_mac(f, data)
+    def frame(self, recipient: str, seq: int, index: int, count: int, data) -> OutgoingFrame:
+        """A sealed frame whose data is `data` (one buffer or a list of pieces), uncopied until it is
+        written (tahnode.net.wire_frame.OutgoingFrame)."""
+        parts = list(data) if isinstance(data, (list, tuple)) else [data]
+        f = pb.Frame(run=self.run, sender=self.me, recipient=recipient, seq=seq, index=index, count=count)
+        f.mac = self.key.frame_mac(f, parts)
         if self.identity is not None:  # the MAC commits to every byte of the frame: signing it is signing them
             f.signature = self.identity.sign(f.mac)
-        return f
+        return OutgoingFrame(f, parts)
 
-    def check_frame(self, frame: pb.Frame, first: bool, signed_by: bytes | None, data: bytes | None = None) -> None:
+    def check_frame(self, frame, first: bool, signed_by: bytes | None, data=None) -> None:
         """Raises BadMac or SealRefused. Every frame must be signed by `signed_by`, the sender's
         bound key (None: the sender is no neighbour of this node, refused); the first frame of an
         envelope carries its seal (`seq`), the later ones are held to it by the reassembler.

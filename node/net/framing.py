@@ -1,18 +1,23 @@
 """Envelopes on a byte stream: each serialized Envelope travels as authenticated frames of at most
 1 MiB, sealed for one recipient and run; the receiver checks every frame, the envelope's seal,
-their order and the size before parsing the envelope."""
+their order and the size before parsing the envelope.
+
+A frame's data is a view of the envelope's body until the frame is written (one join: the only
+copy of the payload on the way out); a received frame's data is a view of the bytes that came off
+the wire, copied once into the reassembled body (tahnode.tools.bench_copies counts both)."""
 
 from __future__ import annotations
 
 from typing import Mapping
 
 from ..proto import tahnode_pb2 as pb
-from ..proto.parse import parse
 from .auth import BadMac, Sealer
+from .body import Body, open_body
 from .freshness import SealRefused
+from .wire_frame import OutgoingFrame, ReceivedFrame
 
 __all__ = ["CHUNK_BYTES", "MAX_ENVELOPE_BYTES", "FrameError", "FrameNotAuthenticated", "FrameNotFresh", "FrameTooLarge", "frames_of",
-           "Reassembler", "parse_envelope"]
+           "OutgoingFrame", "ReceivedFrame", "Reassembler", "open_envelope", "request_type"]
 
 CHUNK_BYTES = 1 << 20            # an Envelope travels in frames of at most 1 MiB of data
 MAX_ENVELOPE_BYTES = 1 << 31     # refuse reassembling anything larger (until the run sets a tighter cap)
@@ -34,12 +39,18 @@ class FrameNotFresh(FrameError):
     """An envelope whose seal is refused: replayed, for another node or run, or off the clock."""
 
 
-def frames_of(sealer: Sealer, recipient: str, data: bytes):
-    """The frames of one serialized envelope for `recipient`, under one fresh seal counter."""
+def request_type(message_type):
+    """What parses a request of `message_type` on this node's servers: frames as ReceivedFrame."""
+    return ReceivedFrame if message_type is pb.Frame else message_type
+
+
+def frames_of(sealer: Sealer, recipient: str, data: bytes | Body):
+    """The frames of one envelope's body for `recipient`, under one fresh seal counter."""
+    body = data if isinstance(data, Body) else Body((data,))
     seq = sealer.counter.next()
-    count = max(1, -(-len(data) // CHUNK_BYTES))
-    for index in range(count):
-        yield sealer.frame(recipient, seq, index, count, data[index * CHUNK_BYTES : (index + 1) * CHUNK_BYTES])
+    count = max(1, -(-len(body) // CHUNK_BYTES))
+    for index, parts in enumerate(body.chunks(CHUNK_BYTES)):
+        yield sealer.frame(recipient, seq, index, count, parts)
 
 
 class Reassembler:
@@ -53,9 +64,10 @@ class Reassembler:
         self.sender = ""
         self.size = 0
 
-    def add(self, frame: pb.Frame) -> bytes | None:
-        """The envelope's bytes once its last frame arrived, else None; raises FrameError."""
-        data = frame.data  # read once: each read copies the bytes out of protobuf
+    def add(self, frame: pb.Frame | ReceivedFrame) -> bytearray | None:
+        """The envelope's bytes, in one new buffer, once its last frame arrived, else None; raises
+        FrameError."""
+        data = frame.data  # read once: each read of a protobuf Frame's data copies it
         try:
             self.sealer.check_frame(frame, first=frame.index == 0, signed_by=self.peer_keys.get(frame.sender), data=data)
         except BadMac as exc:
@@ -75,8 +87,14 @@ class Reassembler:
             raise FrameTooLarge(f"envelope larger than the largest this run sends ({self.cap} bytes)")
         self.parts.append(data)
         if frame.index + 1 == frame.count:
-            data, self.parts = b"".join(self.parts), []
-            return data
+            body, at = bytearray(self.size), 0
+            into = memoryview(body)  # (a bytearray's own slice assignment copies what it is given first)
+            for part in self.parts:
+                n = memoryview(part).nbytes
+                into[at : at + n] = memoryview(part).cast("B")
+                at += n
+            self.parts = []
+            return body
         return None
 
 
@@ -85,9 +103,13 @@ class Reassembler:
         self.parts, self.size = [], 0
 
 
-def parse_envelope(data: bytes) -> pb.Envelope:
-    """A whole envelope from its bytes; raises FrameError if it is malformed or empty."""
-    env = parse(pb.Envelope, data, FrameError, "envelope")
+def open_envelope(data: bytearray) -> tuple[pb.Envelope, memoryview | None]:
+    """A whole envelope from its bytes, and its tensor's payload as a view of them where the
+    sender kept it apart (tahnode.net.body); raises FrameError if it is malformed or empty."""
+    try:
+        env, payload = open_body(data)
+    except Exception as exc:  # noqa: BLE001 - protobuf raises DecodeError and others (as tahnode.proto.parse)
+        raise FrameError(f"malformed envelope: {exc}") from None
     if env.WhichOneof("body") is None:
         raise FrameError("empty envelope")
-    return env
+    return env, payload

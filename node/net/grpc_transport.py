@@ -13,7 +13,8 @@ from ..config.emulation import LinkEmulation
 from ..proto import tahnode_pb2 as pb
 from ..proto import tahnode_pb2_grpc as pb_grpc
 from .auth import BadMac, Sealer
-from .framing import FrameError, FrameNotAuthenticated, FrameNotFresh, FrameTooLarge, Reassembler, frames_of, parse_envelope
+from .framing import (FrameError, FrameNotAuthenticated, FrameNotFresh, FrameTooLarge, Reassembler, frames_of, open_envelope,
+                      request_type)
 from .freshness import COORDINATOR, SealRefused
 from .links import LinkedTransport, OutLink
 from .memory import return_freed_memory
@@ -22,7 +23,7 @@ from .tls import TlsCertificate, add_port
 from .transport import BACKWARD, FORWARD, Direction, Inbound, Measurer
 from .unparsable import RefuseUnparsable
 
-__all__ = ["GrpcTransport", "CHANNEL_OPTIONS", "DIRECT", "SERVER_OPTIONS"]
+__all__ = ["GrpcTransport", "CHANNEL_OPTIONS", "DIRECT", "SERVER_OPTIONS", "add_stage_service"]
 
 log = logging.getLogger("tahnode.transport")
 
@@ -50,6 +51,26 @@ SERVER_OPTIONS = KEEPALIVE + [
     ("grpc.http2.min_ping_interval_without_data_ms", 1000),
     ("grpc.so_reuseport", 0),
 ]
+
+
+STAGE_SERVICE = pb.DESCRIPTOR.services_by_name["StageService"]
+METHOD_HANDLERS = {(False, False): grpc.unary_unary_rpc_method_handler, (True, False): grpc.stream_unary_rpc_method_handler,
+                   (False, True): grpc.unary_stream_rpc_method_handler, (True, True): grpc.stream_stream_rpc_method_handler}
+
+
+def add_stage_service(servicer, server) -> None:
+    """Serve StageService's methods of `servicer` on `server`, as the generated
+    add_StageServiceServicer_to_server does, but with frames parsed as ReceivedFrame (their data a
+    view of the received bytes, not a copy)."""
+    handlers = {m.name: METHOD_HANDLERS[m.client_streaming, m.server_streaming](
+        getattr(servicer, m.name), request_deserializer=request_type(getattr(pb, m.input_type.name)).FromString,
+        response_serializer=getattr(pb, m.output_type.name).SerializeToString) for m in STAGE_SERVICE.methods}
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(STAGE_SERVICE.full_name, handlers),))
+
+
+def _frame_bytes(frame) -> bytes:
+    """A frame's wire bytes (an OutgoingFrame writes its data in one join)."""
+    return frame.SerializeToString()
 
 
 FRAME_CODES = {FrameNotAuthenticated: grpc.StatusCode.UNAUTHENTICATED, FrameNotFresh: grpc.StatusCode.PERMISSION_DENIED,
@@ -84,7 +105,7 @@ class StageServicer(pb_grpc.StageServiceServicer):
                     await self.t.peer_known(frame.sender, self.t.peer_wait_s)  # a token holder: perhaps a neighbour we will hear of
                 try:
                     data = asm.add(frame)
-                    env = parse_envelope(data) if data is not None else None
+                    env, payload = open_envelope(data) if data is not None else (None, None)
                 except FrameError as exc:
                     log.warning("refused %s stream from %s: %s", direction, context.peer(), exc)
                     asm.reset()
@@ -103,7 +124,7 @@ class StageServicer(pb_grpc.StageServiceServicer):
                 if not announced:
                     await self.t.inbox.put(Inbound(direction, frame.sender, stream, None))
                     announced = True
-                await self.t.inbox_bytes.put(self.t.inbox, Inbound(direction, frame.sender, stream, env, len(data)))  # backpressure
+                await self.t.inbox_bytes.put(self.t.inbox, Inbound(direction, frame.sender, stream, env, len(data), payload))  # backpressure
         finally:
             if slot is not None:
                 self.open_streams[slot] -= 1
@@ -151,8 +172,9 @@ class GrpcLink(OutLink):
         async with open_channel(self.address, self.transport.peer_certs.get(self.peer_id, b""), CHANNEL_OPTIONS) as channel:
             try:
                 await asyncio.wait_for(channel.channel_ready(), timeout=5.0)
-                stub = pb_grpc.StageServiceStub(channel)
-                call = (stub.Forward if self.direction == FORWARD else stub.Backward)(wait_for_ready=True)
+                method = f"/{STAGE_SERVICE.full_name}/{'Forward' if self.direction == FORWARD else 'Backward'}"
+                call = channel.stream_unary(method, request_serializer=_frame_bytes,
+                                            response_deserializer=pb.StreamAck.FromString)(wait_for_ready=True)
                 log.info("%s link to %s (%s) open", self.direction, self.peer_id, self.address)
                 await self._write(call)
             except grpc.aio.AioRpcError as exc:
@@ -203,7 +225,7 @@ class GrpcTransport(LinkedTransport):
 
     async def start(self) -> str:
         self.server = grpc.aio.server(options=SERVER_OPTIONS, interceptors=[RefuseUnparsable()])
-        pb_grpc.add_StageServiceServicer_to_server(StageServicer(self), self.server)
+        add_stage_service(StageServicer(self), self.server)
         port = add_port(self.server, self.listen, self.tls)
         if port == 0:
             raise OSError(f"cannot listen on {self.listen}")

@@ -7,8 +7,8 @@ from __future__ import annotations
 import asyncio
 import time
 
-from ..proto import tahnode_pb2 as pb
 from ..config.emulation import LinkEmulation
+from .body import open_body
 from .links import LinkedTransport, OutLink
 from .transport import Direction, Inbound
 
@@ -47,9 +47,8 @@ class InProcessLink(OutLink):
             if stream is None:
                 stream = peer.next_stream(self.direction)
                 await peer.inbox.put(Inbound(self.direction, self.transport.node_id, stream, None))
-            envelope = pb.Envelope()
-            envelope.ParseFromString(data)
-            await peer.inbox_bytes.put(peer.inbox, Inbound(self.direction, self.transport.node_id, stream, envelope, len(data)))
+            envelope, payload = open_body(data.joined())
+            await peer.inbox_bytes.put(peer.inbox, Inbound(self.direction, self.transport.node_id, stream, envelope, len(data), payload))
             self.delivered(len(data), time.perf_counter() - start)
 
 

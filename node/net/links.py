@@ -1,6 +1,6 @@
-"""What every transport shares: one outgoing link per direction (a bounded queue of serialized
-envelopes with a generation that moves on when the link fails) and the bookkeeping around it.
-A transport subclasses both and says how a link carries its queue to the peer."""
+"""What every transport shares: one outgoing link per direction (a bounded queue of envelopes'
+bodies, tahnode.net.body, with a generation that moves on when the link fails) and the
+bookkeeping around it. A transport subclasses both and says how a link carries its queue."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from typing import Callable
 
 from ..config.emulation import LinkEmulation
 from ..proto import tahnode_pb2 as pb
+from .body import Body, body_of
 from .emulation import pacer_for
 from .framing import MAX_ENVELOPE_BYTES
 from .freshness import COORDINATOR
@@ -75,7 +76,7 @@ class OutLink:
         for cb in self.transport.down_callbacks:
             cb(self.direction, reason)
 
-    async def next_envelope(self) -> bytes:
+    async def next_envelope(self) -> Body:
         """The next queued envelope of the current generation (stale ones are skipped), once an
         emulated link would have carried it (tahnode.net.emulation)."""
         while True:
@@ -86,7 +87,7 @@ class OutLink:
                     return data
             self.mark_idle()
 
-    async def next_or_end(self) -> bytes | None:
+    async def next_or_end(self) -> Body | None:
         """The next envelope to deliver, or None once flush() asked the stream to end and nothing
         is queued or in flight (so giving up the wait loses nothing)."""
         getter = asyncio.ensure_future(self.next_envelope())
@@ -203,11 +204,11 @@ class LinkedTransport:
     def generation(self, direction: Direction) -> int:
         return self.links[direction].generation
 
-    async def send(self, direction: Direction, envelope: pb.Envelope, generation: int) -> bool:
+    async def send(self, direction: Direction, envelope: pb.Envelope | Body, generation: int) -> bool:
         link = self.links[direction]
         if generation != link.generation or not link.address:
             return False
-        data = envelope.SerializeToString()
+        data = envelope if isinstance(envelope, Body) else body_of(envelope)
         link.idle.clear()
         await link.queue.put((generation, data, time.monotonic()))
         return generation == link.generation

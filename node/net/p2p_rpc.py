@@ -24,6 +24,8 @@ from google.protobuf.message import DecodeError
 
 from ..proto import tahnode_pb2 as pb
 from .errors import P2PError
+from .framing import request_type
+from .wire_frame import ReceivedFrame
 from .p2p_host import process_host
 from .p2p_records import RecordKind, RecordTooLarge, StreamsPerPeer, protocol_name, read_record, write_record
 
@@ -38,7 +40,7 @@ FIRST_RECORD_S = 10.0                 # a stream's first request must arrive wit
 
 def authentic_sender(message, key) -> str | None:
     """The node id a request's MAC vouches for (a frame's sender, a sealed message's seal), or None."""
-    if isinstance(message, pb.Frame):
+    if isinstance(message, (pb.Frame, ReceivedFrame)):
         return message.sender if key.verify_frame(message) else None
     seal = getattr(message, "seal", None)
     if seal is None or not hasattr(message, "mac"):
@@ -197,7 +199,7 @@ async def serve_service(host, service_name: str, servicer, key=None) -> None:
     service = pb.DESCRIPTOR.services_by_name[service_name]
     limits = CallLimits(key)
     for method in service.methods:
-        input_type = getattr(pb, method.input_type.name)
+        input_type = request_type(getattr(pb, method.input_type.name))
         path = f"/{service.full_name}/{method.name}"
         await host.handle(protocol_name(path), _handler(getattr(servicer, method.name), method, input_type, limits))
 

@@ -9,6 +9,7 @@ from enum import Enum
 from typing import Awaitable, Callable, Protocol
 
 from ..proto import tahnode_pb2 as pb
+from .body import Body
 
 __all__ = ["Direction", "FORWARD", "BACKWARD", "EnvelopeKind", "Inbound", "LinkCounters", "Measurer", "Transport", "ByteBudget", "MAX_IN_FLIGHT",
            "QUEUE_LIMIT"]
@@ -67,6 +68,7 @@ class Inbound:
     stream: int
     envelope: pb.Envelope | None  # None: only marks the start of a new stream
     nbytes: int = 0
+    payload: memoryview | None = None  # its tensor's payload where it travelled apart (tahnode.net.body)
 
 
 @dataclass
@@ -132,9 +134,10 @@ class Transport(Protocol):
         """Counter of the outgoing link's streams; it changes when the link failed. Encode with
         codec state of the current generation, and hand that number to `send`."""
 
-    async def send(self, direction: Direction, envelope: pb.Envelope, generation: int) -> bool:
-        """Queue an envelope (awaits only if QUEUE_LIMIT are queued). False if the link's
-        generation moved on (the envelope is dropped: its step will be replayed)."""
+    async def send(self, direction: Direction, envelope: pb.Envelope | Body, generation: int) -> bool:
+        """Queue an envelope, or its body with a payload kept apart (tahnode.net.body; awaits only
+        if QUEUE_LIMIT are queued). False if the link's generation moved on (the envelope is
+        dropped: its step will be replayed)."""
 
     def on_link_down(self, callback: Callable[[Direction, str], None]) -> None:
         """Call callback(direction, reason) when an outgoing link fails."""

@@ -24,7 +24,9 @@ def _guarded(deserializer):
         try:
             return deserializer(data)
         except (DecodeError, ValueError):
-            return _Unparsable(getattr(getattr(deserializer, "__self__", None), "__name__", "request"))
+            owner = getattr(deserializer, "__self__", None)
+            descriptor = getattr(owner, "DESCRIPTOR", None)
+            return _Unparsable(descriptor.name if descriptor is not None else getattr(owner, "__name__", "request"))
 
     return parse
 

@@ -11,6 +11,7 @@ import torch
 from .. import codecs
 from ..codecs import CodecContext, CodecState
 from ..config import RunConfig
+from ..net.body import payload_field_bytes
 from ..net.transport import BACKWARD, FORWARD, Direction, Transport
 from ..proto import tahnode_pb2 as pb
 from .state import Stats
@@ -60,18 +61,27 @@ class CodecStreams:
         return self.codecs[direction]
 
     def encode(self, direction: Direction, tensor: torch.Tensor, sample_ids, step: int = 0,
-               out: pb.EncodedTensor | None = None) -> tuple[pb.EncodedTensor, int]:
-        """The encoded tensor (in `out` if given) and the link generation whose stream state encoded it."""
+               out: pb.EncodedTensor | None = None) -> tuple[pb.EncodedTensor | memoryview, int]:
+        """The encoded tensor and the link generation whose stream state encoded it. With `out`, the
+        message is written there but for its payload, which comes back instead: a view of its bytes
+        on the host, which the transport sends as they are (tahnode.net.body)."""
         gen = self.t.generation(direction)
         ctx = self._context(self.sending, direction, gen, self.states[direction].new_context)
         ctx.sample_ids = sample_ids
         started = self._clock()
-        msg = self.codec_for(direction, step).encode(tensor.detach(), ctx, out)  # ends with the payload's bytes on the host
+        codec = self.codec_for(direction, step)
+        if out is None:
+            result = msg = codec.encode(tensor.detach(), ctx)  # ends with the payload's bytes on the host
+            size = msg.ByteSize()
+        else:
+            result = codec.encode_apart(tensor.detach(), out, ctx)
+            size = out.ByteSize() + payload_field_bytes(result.nbytes)  # the whole message's size
         self.stats.codec_seconds += self._clock() - started
-        self.stats.counted(direction, msg.ByteSize(), tensor)
-        return msg, gen
+        self.stats.counted(direction, size, tensor)
+        return result, gen
 
-    def encode_gradient(self, tensor: torch.Tensor, sample_ids, out: pb.EncodedTensor | None = None) -> tuple[pb.EncodedTensor, int, int]:
+    def encode_gradient(self, tensor: torch.Tensor, sample_ids,
+                        out: pb.EncodedTensor | None = None) -> tuple[pb.EncodedTensor | memoryview, int, int]:
         """A gradient to send backward: encoded, its generation, and the power of two it was
         multiplied by first. Gradients shrink as training goes on, down to where a codec's fp16
         zero-points and scales underflow (`needs_prescale`); a power of two moves them up exactly."""
@@ -79,16 +89,17 @@ class CodecStreams:
         msg, gen = self.encode(BACKWARD, tensor * 2.0 ** k if k else tensor, sample_ids, out=out)
         return msg, gen, k
 
-    def decode(self, direction: Direction, stream: int, mb: pb.MicroBatch, dtype: torch.dtype) -> torch.Tensor:
+    def decode(self, direction: Direction, stream: int, mb: pb.MicroBatch, dtype: torch.dtype, payload=None) -> torch.Tensor:
         """The received tensor, decoded by the run's codec of that direction (a message that names
-        another is refused: its codec's state, e.g. AQ-SGD's cache, is not the peer's to grow)."""
+        another is refused: its codec's state, e.g. AQ-SGD's cache, is not the peer's to grow).
+        `payload`: the tensor's payload where it travelled apart (tahnode.net.body)."""
         expected = self.codecs[direction].name
         if mb.tensor.codec != expected:
             raise codecs.CodecError(f"{direction} message encoded with {mb.tensor.codec!r}; this run sends {expected!r}")
         ctx = self._context(self.receiving, direction, stream, CodecContext)
         ctx.sample_ids = list(mb.sample_ids)
         started = self._clock()
-        x = codecs.decode(mb.tensor, ctx, self.device)
+        x = codecs.decode(mb.tensor, ctx, self.device, payload)
         x = (x * 2.0 ** -mb.scale_log2 if mb.scale_log2 else x).to(dtype)
         self.stats.codec_seconds += self._clock() - started
         return x
@@ -100,11 +111,11 @@ class CodecStreams:
             torch.cuda.synchronize(self.device)
         return time.perf_counter()
 
-    def discard(self, direction: Direction, stream: int, mb: pb.MicroBatch) -> None:
+    def discard(self, direction: Direction, stream: int, mb: pb.MicroBatch, payload=None) -> None:
         """A received message the pipeline drops: a codec with per-stream state still decodes it,
         so that its state stays in step with the sender's."""
         if self.codecs[direction].keeps_stream_state:
-            self.decode(direction, stream, mb, torch.float32)
+            self.decode(direction, stream, mb, torch.float32, payload)
 
     def sent(self, out: torch.Tensor) -> torch.Tensor:
         """The tensor the backward pass flows through in place of the forward output `out`."""

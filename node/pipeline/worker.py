@@ -16,6 +16,7 @@ import torch
 
 from ..codecs import CodecError
 from ..config import RunConfig
+from ..net.body import Body, body_of
 from ..net.transport import BACKWARD, FORWARD, Direction, Inbound, Transport
 from ..proto import tahnode_pb2 as pb
 from ..train.data import TokenDataset
@@ -105,9 +106,9 @@ class StageWorker:
         """Run `fn` on the compute thread (every change to the step state happens there)."""
         return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
 
-    async def send(self, direction: Direction, gen: int | None = None, envelope: pb.Envelope | None = None, **body) -> None:
-        """Send `envelope`, or an envelope with `body`; with the link's current generation unless
-        `gen` is given."""
+    async def send(self, direction: Direction, gen: int | None = None, envelope: pb.Envelope | Body | None = None, **body) -> None:
+        """Send `envelope` (or an envelope's body), or an envelope with `body`; with the link's
+        current generation unless `gen` is given."""
         await self.t.send(direction, envelope if envelope is not None else pb.Envelope(**body),
                           self.t.generation(direction) if gen is None else gen)
 
@@ -125,12 +126,12 @@ class StageWorker:
         log.warning("stage %d dropped an envelope from %s: %s", self.stage, item.sender or "?", exc)
 
     def _message(self, direction: Direction, tensor: torch.Tensor, ids: list[int], src: pb.MicroBatch | None = None,
-                 **fields) -> tuple[pb.Envelope, int]:
+                 **fields) -> tuple[Body, int]:
         """An envelope with one micro-batch (`src`'s step, index, attempt and count, then `fields`)
-        and this stage's own output (or input gradient, going BACKWARD) encoded in place (nesting a
-        finished message in another copies its payload); and the link generation that encoded it.
-        A codec that cannot encode the tensor (a non-finite or overflowing value) means the step
-        diverged here, not that a peer misbehaved."""
+        and this stage's own output (or input gradient, going BACKWARD) encoded, as the body the
+        transport sends (the payload's host bytes kept apart, uncopied: tahnode.net.body); and the
+        link generation that encoded it. A codec that cannot encode the tensor (a non-finite or
+        overflowing value) means the step diverged here, not that a peer misbehaved."""
         env = pb.Envelope()
         mb = env.micro_batch
         if src is not None:
@@ -143,13 +144,13 @@ class StageWorker:
         gradient = direction == BACKWARD
         try:
             if gradient:
-                _, gen, mb.scale_log2 = self.codecs.encode_gradient(tensor, ids, out=mb.tensor)
+                payload, gen, mb.scale_log2 = self.codecs.encode_gradient(tensor, ids, out=mb.tensor)
             else:
-                _, gen = self.codecs.encode(direction, tensor, ids, self.state.step, out=mb.tensor)
+                payload, gen = self.codecs.encode(direction, tensor, ids, self.state.step, out=mb.tensor)
         except CodecError as exc:
             raise DivergedStep(f"stage {self.stage} cannot encode its own {'gradient' if gradient else 'output'} of step "
                                f"{self.state.step}: {exc}") from None
-        return env, gen
+        return body_of(env, payload), gen
 
     def replay_step(self, reason: str, tell: bool) -> None:
         """Have stage 0 replay the step in flight; a later stage tells it (if `tell`) through the
@@ -185,7 +186,7 @@ class StageWorker:
 
     # -- compute (runs on the compute thread) -------------------------------------------------
     def forward_first(self, index: int, count: int, ids: list[int], tokens: torch.Tensor,
-                      labels: torch.Tensor) -> tuple[pb.Envelope, int]:
+                      labels: torch.Tensor) -> tuple[Body, int]:
         """Stage 0: embed and run micro-batch `index` of the `count` of the current step; its envelope
         and generation."""
         st = self.state
@@ -201,7 +202,7 @@ class StageWorker:
         log.debug("stage %d dropped stale micro-batch %d/%d of step %d", self.stage, mb.index, mb.attempt, mb.step)
         try:
             self.admission.header(mb)
-            self.codecs.discard(item.direction, item.stream, mb)
+            self.codecs.discard(item.direction, item.stream, mb, item.payload)
         except (BadMicroBatch, CodecError) as exc:
             self.offence(item, exc)
         return STALE
@@ -210,7 +211,7 @@ class StageWorker:
         """The received tensor; an unreadable payload is a bad micro-batch (a CodecError encoding
         this stage's own output, e.g. a diverged model, stays fatal)."""
         try:
-            return self.codecs.decode(item.direction, item.stream, mb, self.dtype)
+            return self.codecs.decode(item.direction, item.stream, mb, self.dtype, item.payload)
         except CodecError as exc:
             raise BadMicroBatch(str(exc)) from None
 

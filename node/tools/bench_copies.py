@@ -7,11 +7,11 @@ the host path allocates, divided by the payload's bytes, count its copies. A chi
 path with a small allocator shim in LD_PRELOAD (C, compiled here with the system's `cc`) that adds
 up every malloc, calloc, realloc and aligned allocation of 64 KiB or more.
 
-Send: from the codec's payload tensor to the serialized frames gRPC writes (the codec's message,
-the envelope, the sealed 1 MiB frames, each frame's bytes). Receive: from those bytes to the payload
-tensor a decoder reads (each frame parsed, checked and reassembled, the envelope parsed, the payload
-taken out). The codec's own arithmetic is not counted: it is not a copy. Issue 27 wants at most one
-copy each way."""
+Send: from the codec's payload tensor to the serialized frames gRPC writes (the codec's message
+header, the envelope's body with the payload kept apart, the sealed 1 MiB frames, each frame's
+bytes). Receive: from those bytes to the payload tensor a decoder reads (each frame parsed and
+checked, the envelope reassembled and parsed, the payload taken out). The codec's own arithmetic is
+not counted: it is not a copy. Issue 27 wants at most one copy each way."""
 
 from __future__ import annotations
 
@@ -95,6 +95,7 @@ def _measure(shape: tuple[int, ...], codecs: tuple[str, ...]) -> list[CopyCount]
 
     from ..codecs import get_codec, payload_tensor
     from ..codecs.state import CodecContext
+    from ..net.body import body_of
     from ..proto import tahnode_pb2 as pb
     from .bench_kernels import activations
     from .host_path import HostPath
@@ -109,12 +110,12 @@ def _measure(shape: tuple[int, ...], codecs: tuple[str, ...]) -> list[CopyCount]
         before = allocated()
         env = pb.Envelope()
         env.micro_batch.step = 1
-        codec.message(x, payload, extra, out=env.micro_batch.tensor)  # in place, as Worker._message does
-        wire = [frame.SerializeToString() for frame in path.frames(env)]
+        data = codec.header(x, payload, extra, out=env.micro_batch.tensor)  # as Worker._message does
+        wire = path.frames(body_of(env, data))
         sent = allocated() - before
-        del env
+        del env, data
         before = allocated()
-        got = payload_tensor(path.message(pb.Frame.FromString(data) for data in wire))
+        got = payload_tensor(*path.message(wire))
         received = allocated() - before
         if not torch.equal(got, payload.reshape(-1).view(torch.uint8)):
             raise AssertionError(f"{name}: the received payload differs from the sent one")

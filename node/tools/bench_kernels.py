@@ -196,7 +196,7 @@ def time_wall(fn: Callable[[], object], iters: int, warmup: int = 2) -> float:
 
 def host_path_rows(x: torch.Tensor, iters: int, codecs: tuple[str, ...] = HOST_PATH_CODECS) -> list[dict]:
     """A whole message per codec (tahnode.tools.host_path): "tensor -> frames" (encode, envelope,
-    sealed frames on the host) and "frames -> tensor" (reassembly, checks, decode onto x's device),
+    sealed frames' wire bytes on the host) and "frames -> tensor" (reassembly, checks, decode onto x's device),
     beside copying the raw tensor to pinned and to pageable host memory. `diff`: elements where the
     received tensor differs from decode(encode(x)) (must be 0)."""
     rows = []

@@ -10,8 +10,10 @@ import torch
 
 from ..codecs import decode, get_codec
 from ..net.auth import Sealer, SwarmKey
-from ..net.framing import Reassembler, frames_of, parse_envelope
+from ..net.body import Body, body_of
+from ..net.framing import Reassembler, frames_of, open_envelope
 from ..net.identity import NodeKey
+from ..net.wire_frame import ReceivedFrame
 from ..proto import tahnode_pb2 as pb
 
 __all__ = ["HostPath", "CODECS"]
@@ -30,22 +32,26 @@ class HostPath:
         self.receiver = Sealer(key, "b", run="bench")
         self.public = identity.public
 
-    def send(self, x: torch.Tensor) -> list[pb.Frame]:
+    def send(self, x: torch.Tensor) -> list[bytes]:
+        """The wire bytes of each frame of `x`'s envelope, as gRPC writes them."""
         env = pb.Envelope()
         env.micro_batch.step = 1
-        self.codec.encode(x, out=env.micro_batch.tensor)  # in place, as the stage does (Worker._message)
-        return self.frames(env)
+        payload = self.codec.encode_apart(x, env.micro_batch.tensor)  # as the stage does (Worker._message)
+        return self.frames(body_of(env, payload))
 
-    def frames(self, env: pb.Envelope) -> list[pb.Frame]:
-        return list(frames_of(self.sender, "b", env.SerializeToString()))
+    def frames(self, body: Body) -> list[bytes]:
+        return [frame.SerializeToString() for frame in frames_of(self.sender, "b", body)]
 
-    def message(self, frames) -> pb.EncodedTensor:
-        """The codec message the frames carry: reassembled, checked, the envelope parsed."""
+    def message(self, wire) -> tuple[pb.EncodedTensor, memoryview | None]:
+        """The codec message the frames' wire bytes carry, and its payload where it travelled apart:
+        each frame parsed and checked, the envelope reassembled and parsed."""
         asm = Reassembler(self.receiver, peer_keys={"a": self.public})
-        for frame in frames:
-            data = asm.add(frame)
-        return parse_envelope(data).micro_batch.tensor
+        for data in wire:
+            body = asm.add(ReceivedFrame.FromString(data))
+        env, payload = open_envelope(body)
+        return env.micro_batch.tensor, payload
 
-    def receive(self, frames: list[pb.Frame], device: torch.device | str) -> torch.Tensor:
+    def receive(self, wire: list[bytes], device: torch.device | str) -> torch.Tensor:
         """The tensor on `device`; each list of frames is received once (a second time is a replay)."""
-        return decode(self.message(frames), device=device)
+        msg, payload = self.message(wire)
+        return decode(msg, device=device, payload=payload)

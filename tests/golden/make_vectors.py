@@ -1,7 +1,8 @@
 """Golden vectors of the wire format: small inputs and the exact bytes of their messages.
 
 `python tests/golden/make_vectors.py` rewrites vectors.json; do that only with a version bump of
-the codec whose layout changed (docs/wire-format.md), never to make a failing test pass."""
+the codec whose layout changed or a new checksum (docs/wire-format.md), never to make a failing
+test pass. vectors-crc32.json keeps the messages of senders before CRC-32C (decoded, never rewritten)."""
 
 from __future__ import annotations
 
