@@ -110,3 +110,33 @@ def test_a_replay_after_the_receiver_restarted_is_refused(tmp_path):
     assert store.stat().st_mode & 0o777 == 0o600
     store.write_text("not json")
     assert ReplayGuard("b", "run", clock=lambda: now[0], store=store).floor == {}  # a damaged file is not fatal
+
+
+def test_frames_carry_a_keyed_blake3_mac_and_older_hmac_frames_still_verify():
+    """A frame's MAC is BLAKE3 keyed by a key derived from the swarm key (as fast as a copy of its
+    data); frames of older senders (HMAC-SHA256, no mac_kind) verify; a MAC labelled with the other
+    kind, an unknown kind, another token or one changed byte of data do not."""
+    key = SwarmKey("t")
+    frame = Sealer(key, "alice", "run-a").frame("bob", 7, 0, 1, [b"some ", memoryview(b"data")]).head
+    frame.data = b"some data"
+    assert frame.mac_kind == pb.BLAKE3_KEYED and key.verify_frame(frame)
+    older = pb.Frame()
+    older.CopyFrom(frame)
+    older.mac_kind, older.mac = pb.HMAC_SHA256, key.frame_mac(frame, kind=pb.HMAC_SHA256)
+    assert key.verify_frame(older) and older.mac != frame.mac
+    relabelled = pb.Frame()
+    relabelled.CopyFrom(frame)
+    relabelled.mac_kind = pb.HMAC_SHA256
+    assert not key.verify_frame(relabelled)
+    relabelled.mac_kind = 7
+    assert not key.verify_frame(relabelled)
+    assert not SwarmKey("other").verify_frame(frame)
+    frame.data = b"some Data"
+    assert not key.verify_frame(frame)
+
+
+def test_the_frame_mac_is_as_docs_wire_format_gives_it():
+    """BLAKE3 keyed by BLAKE3-derive_key(context, SHA-256("tahnode-v1\\0" || token)) over
+    run 0 sender 0 recipient, 0, seq u64, index u32, count u32 and the data."""
+    frame = Sealer(SwarmKey("t"), "alice", "run-a").frame("bob", 7, 0, 1, [b"some data"])
+    assert frame.mac.hex() == "1d91a8f49d289f2a39ea17752add6ea8bf547abbb852afe060e431f04aa1f7dd"

@@ -87,13 +87,7 @@ class Reassembler:
             raise FrameTooLarge(f"envelope larger than the largest this run sends ({self.cap} bytes)")
         self.parts.append(data)
         if frame.index + 1 == frame.count:
-            body, at = bytearray(self.size), 0
-            into = memoryview(body)  # (a bytearray's own slice assignment copies what it is given first)
-            for part in self.parts:
-                n = memoryview(part).nbytes
-                into[at : at + n] = memoryview(part).cast("B")
-                at += n
-            self.parts = []
+            body, self.parts = Body(tuple(self.parts)).joined(), []
             return body
         return None
 
