@@ -1,8 +1,8 @@
 """An envelope's bytes without copying its payload: the envelope serialized without the tensor's
 payload, then that payload as a field of its own (protobuf merges the two: the same Envelope).
 
-The sender hands the payload's host buffer to the frames as it is (tahnode.net.framing writes each
-frame in one join); the receiver finds the payload at the end of the reassembled bytes and reads it
+The sender hands the payload's host buffer to the frames as it is (tahnode.net.wire_frame writes
+each frame in one join); the receiver finds the payload at the end of the reassembled bytes and reads it
 in place. A body in any other protobuf form still parses, the usual (copying) way."""
 
 from __future__ import annotations
@@ -16,6 +16,9 @@ from ..proto import tahnode_pb2 as pb
 __all__ = ["Body", "UnusualField", "body_of", "fields", "open_body", "payload_field_bytes", "tail_prefix", "varint", "WIRE_LEN"]
 
 WIRE_LEN = 2  # protobuf wire type of a length-delimited field
+# fields scanned in Python at one level of a message at most: ours have a handful; bytes made of
+# many tiny fields (a neighbour's way to stall the scan) go to protobuf's own parser instead
+MAX_FIELDS = 64
 # Envelope.micro_batch -> MicroBatch.tensor -> EncodedTensor.payload
 PAYLOAD_PATH = (pb.Envelope.DESCRIPTOR.fields_by_name["micro_batch"].number,
                 pb.MicroBatch.DESCRIPTOR.fields_by_name["tensor"].number,
@@ -111,14 +114,17 @@ def body_of(envelope: pb.Envelope, payload=None) -> Body:
 
 
 class UnusualField(Exception):
-    """A group or an unknown wire type: left to protobuf's own parser."""
+    """A group, an unknown wire type or more than MAX_FIELDS fields: left to protobuf's own parser."""
 
 
 def fields(data: memoryview, start: int, end: int):
     """(number, wire type, start of the field, start of its value, end of the field) of each
     top-level field in data[start:end]; raises DecodeError (truncated) or UnusualField."""
-    pos = start
+    pos, seen = start, 0
     while pos < end:
+        seen += 1
+        if seen > MAX_FIELDS:
+            raise UnusualField(f"more than {MAX_FIELDS} fields")
         key, value_at = _read_varint(data, pos)
         number, wire = key >> 3, key & 7
         if wire == WIRE_LEN:
