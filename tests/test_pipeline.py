@@ -68,7 +68,7 @@ def test_tahquant_converges_like_none(swarm, tmp_path, cache):
     steps and ends no more than 2% above the uncompressed run with the same seed."""
     state = run_swarm(swarm, 100, *SMALL)
     quant = swarm.losses(state)
-    # C = 128: two tiles per token, 4.45 bits; the precision schedule sends 6 of the 100 steps at 8 bits
+    # C = 128: two tiles per token, 4.45 bits; the precision schedule sends 12 of the 100 steps at 6 bits
     assert 4.6 < state["training"]["bits_per_element"] < 4.85
     assert 6.0 < state["training"]["backward_bits_per_element"] < 6.4  # + a bf16 scale per token and 128 channels
     swarm.stop()

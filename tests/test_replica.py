@@ -88,17 +88,17 @@ def test_a_precision_schedule_sends_the_first_and_last_steps_at_its_bits(dataset
 
 
 def test_tahquant_runs_with_its_precision_schedule_unless_told_otherwise():
-    """The default [codec]: tahquant's own high-precision parameters (every token at 8 bits) for the
-    first 2% and last 4% of the steps; {} turns it off; another forward codec has none; a TOML or
-    JSON round trip keeps the choice."""
+    """The default [codec]: tahquant's own high-precision parameters (every token at 6 bits) for the
+    first 12% of the steps; {} turns it off; another forward codec has none; a TOML or JSON round
+    trip keeps the choice."""
     from tahnode.config import RunConfig
 
     run = RunConfig.build("llama-tiny", None, **{"train.steps": 100})
-    assert run.codec.scheduled and run.codec.high_params == {"bits_high": 8, "bits_low": 8}
-    assert [k for k in range(100) if run.codec.high_phase(k, 100)] == [0, 1, 96, 97, 98, 99]
-    assert run.codec.label == "tahquant@start=0.02,end=0.04,bits_high=8,bits_low=8/pertoken"
+    assert run.codec.scheduled and run.codec.high_params == {"bits_high": 6, "bits_low": 6}
+    assert [k for k in range(100) if run.codec.high_phase(k, 100)] == list(range(12))
+    assert run.codec.label == "tahquant@start=0.12,end=0,bits_high=6,bits_low=6/pertoken"
     assert not RunConfig.build("llama-tiny", None, **{"codec.forward_high_params": {}}).codec.scheduled
-    assert not any(run.codec.high_phase(k, 8) for k in range(8))  # 2% and 4% of 8 steps: no whole step
+    assert not any(run.codec.high_phase(k, 8) for k in range(8))  # 12% of 8 steps: no whole step
     naive = RunConfig.build("llama-tiny", None, **{"codec.forward": "naive"})
     assert not naive.codec.scheduled and naive.codec.label == "naive/pertoken"
     off = RunConfig.build("llama-tiny", None, **{"codec.forward_high_params": {}})

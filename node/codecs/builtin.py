@@ -97,7 +97,7 @@ class TahQuantCodec(Codec):
     Params = tahquant_ref.TahQuantParams
     needs_prescale = True
     version_param, versions = "layout", (tahquant_ref.LAYOUT_PAPER, tahquant_ref.LAYOUT_ROTATED)
-    high_params = {"bits_high": 8, "bits_low": 8}  # every token at 8 bits (docs/codecs.md, the schedule)
+    high_params = {"bits_high": 6, "bits_low": 6}  # every token at 6 bits (docs/codecs.md, the schedule)
 
     @staticmethod
     def _implementation(params: tahquant_ref.TahQuantParams, t):

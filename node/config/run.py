@@ -92,11 +92,11 @@ class CodecConfig:
     backward_params: dict[str, float] = field(default_factory=dict)
     # a precision schedule: the run's first `forward_high_start` and last `forward_high_end` share of
     # steps send activations with forward_params updated by `forward_high_params`; unset (None), the
-    # forward codec's own (Codec.high_params: tahquant's 8 bits), {} for no schedule (issue 25:
-    # tahquant 2% + 4% of the steps at 8 bits trained closer to none than tahquant throughout)
+    # forward codec's own (Codec.high_params: tahquant's 6 bits), {} for no schedule (issue 25: the
+    # first 12% of the steps at 6 bits trained closest to none of the schedules within 4.6 bits)
     forward_high_params: dict[str, float] | None = None
-    forward_high_start: float = 0.02
-    forward_high_end: float = 0.04
+    forward_high_start: float = 0.12
+    forward_high_end: float = 0.0
 
     @property
     def label(self) -> str:

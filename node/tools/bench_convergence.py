@@ -27,7 +27,7 @@ __all__ = ["main", "build_parser", "plan"]
 
 # the product's default pair last: tahquant with its precision schedule (docs/codecs.md)
 DEFAULT_PAIRS = ("none/none;none/pertoken;tahquant/naive;tahquant/none;tahquant/pertoken;"
-                 "tahquant@start=0.02,end=0.04,bits_high=8,bits_low=8/pertoken")
+                 "tahquant@start=0.12,end=0,bits_high=6,bits_low=6/pertoken")
 
 
 def build_parser() -> argparse.ArgumentParser:
