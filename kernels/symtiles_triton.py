@@ -186,22 +186,31 @@ def _planes(bits: int) -> dict:
     return {f"S{w}": shifts.get(w, -1) for w in (8, 4, 2, 1)}
 
 
+def _grid(bits: int, qmax: int) -> int:
+    """The largest |q| of a grid of `bits`-bit codes: qmax where given, else 2^(bits-1) - 1."""
+    widest = 2 ** (bits - 1) - 1
+    if not 0 <= qmax <= widest:
+        raise ValueError(f"a grid of {bits}-bit codes has qmax at most {widest}, got {qmax}")
+    return qmax or widest
+
+
 def _rows_per_block(g: int, n_rows: int) -> int:
     """Tokens per program: about 4096 values on a GPU (a few registers each), more in the interpreter."""
     values = 65536 if interpreting() else 4096
     return max(1, min(triton.next_power_of_2(max(1, n_rows)), values // g))
 
 
-def encode(x2: torch.Tensor, g: int, bits: int, rotate: bool, codec: str) -> tuple[torch.Tensor, int]:
+def encode(x2: torch.Tensor, g: int, bits: int, rotate: bool, codec: str, qmax: int = 0) -> tuple[torch.Tensor, int]:
     """x2 (N, C) on a CUDA device (or interpreted) -> (payload: bf16 scales (N, T) then the packed
-    codes, width): symtiles_ref's bytes for that layout (width = C, or T*G rotated)."""
+    codes, width): symtiles_ref's bytes for that layout (width = C, or T*G rotated). The grid is
+    q in [-qmax, qmax], qmax = 2^(bits-1) - 1 unless given (at most 2^(bits-1) - 1)."""
     with on_device(x2):
         n, c = x2.shape
         if x2.stride(1) != 1:
             x2 = x2.contiguous()
         t = -(-c // g)
         width = t * g if rotate else c
-        qmax = 2 ** (bits - 1) - 1
+        qmax = _grid(bits, qmax)
         n_codes = n * width
         n_pad = padded_count(n_codes)
         head = 2 * n * t
@@ -226,8 +235,9 @@ def encode(x2: torch.Tensor, g: int, bits: int, rotate: bool, codec: str) -> tup
 
 
 def decode(scale: torch.Tensor, codes: torch.Tensor, n: int, c: int, g: int, bits: int, rotate: bool, dtype: torch.dtype,
-           codec: str) -> torch.Tensor:
-    """(N, C) of `dtype` from checked sections (scale bf16 (N, T), packed codes), on their device."""
+           codec: str, qmax: int = 0) -> torch.Tensor:
+    """(N, C) of `dtype` from checked sections (scale bf16 (N, T), packed codes), on their device;
+    the grid as encode's."""
     with on_device(codes):
         t = scale.shape[1]
         width = t * g if rotate else c
@@ -237,7 +247,7 @@ def decode(scale: torch.Tensor, codes: torch.Tensor, n: int, c: int, g: int, bit
         out = torch.empty(n, c, dtype=dtype, device=codes.device)
         bad = torch.empty(grid[0] * grid[1], dtype=torch.uint8, device=codes.device)
         signs = rotation_signs(g, codes.device) if rotate else bad
-        qmax = 2 ** (bits - 1) - 1
+        qmax = _grid(bits, qmax)
         _decode_kernel[grid](codes, n_pad, scale, signs, out, bad, n, c, t, width, G=g, QMAX=qmax, ROTATE=rotate, BR=br,
                              OUT_BF16=dtype == torch.bfloat16, **_planes(bits))
         worst = int(torch.maximum(bad.max(), _padding_flag(codes, n * width, n_pad, bits)))  # the one synchronization

@@ -24,6 +24,8 @@ ALLOC_TOKEN = 0  # one bit width per token (the paper's v1 rule, the default)
 ALLOC_TILE = 1   # one bit width per tile (the paper's v2 variant)
 LAYOUT_PAPER = 1    # the paper's algorithm: entropy-guided INT3/INT4, outlier tiles rotated, min-max per tile
 LAYOUT_ROTATED = 2  # every tile sign-flipped and Hadamard-rotated, symmetric INT4, a bf16 scale per tile
+LAYOUT_RICE = 3     # tiles rotated as in layout 2, a grid of 2 qmax + 1 levels, Rice-coded (tahquant_rice_ref)
+LAYOUTS = (LAYOUT_PAPER, LAYOUT_ROTATED, LAYOUT_RICE)
 
 
 @dataclass(frozen=True)
@@ -36,7 +38,9 @@ class TahQuantParams:
     bits_high: int = 4
     bits_low: int = 3
     alloc: int = ALLOC_TOKEN  # 0: per token, 1: per tile
-    layout: int = LAYOUT_PAPER  # 1: the paper's algorithm (this module); 2: rotated tiles (tahquant_rotated_ref)
+    layout: int = LAYOUT_PAPER  # 1: the paper's algorithm (this module); 2: rotated tiles (tahquant_rotated_ref);
+    #                             3: rotated tiles, Rice-coded (tahquant_rice_ref)
+    qmax: int = 12         # layout 3 only: codes q in [-qmax, qmax], step = the tile's absmax / qmax
 
     def validate(self) -> "TahQuantParams":
         g = self.group_size
@@ -54,8 +58,10 @@ class TahQuantParams:
             raise CodecError("tahquant: bits_low must not exceed bits_high")
         if self.alloc not in (ALLOC_TOKEN, ALLOC_TILE):
             raise CodecError(f"tahquant: alloc must be 0 (token) or 1 (tile), got {self.alloc}")
-        if self.layout not in (LAYOUT_PAPER, LAYOUT_ROTATED):
-            raise CodecError(f"tahquant: layout must be 1 (the paper's) or 2 (rotated tiles), got {self.layout}")
+        if self.layout not in LAYOUTS:
+            raise CodecError(f"tahquant: layout must be 1 (the paper's), 2 (rotated tiles) or 3 (Rice-coded), got {self.layout}")
+        if self.qmax != int(self.qmax) or not 1 <= self.qmax <= 127:
+            raise CodecError(f"tahquant: qmax must be an integer in [1, 127], got {self.qmax}")
         return self
 
     @property

@@ -34,6 +34,15 @@ def p2p_daemons() -> set[int]:
     return found
 
 
+@pytest.fixture
+def kernels():
+    """For tests of the Triton kernels: a CUDA GPU, or Triton's CPU interpreter (TRITON_INTERPRET=1)."""
+    if not torch.cuda.is_available():
+        pytest.importorskip("triton")
+        if os.environ.get("TRITON_INTERPRET") != "1":
+            pytest.skip("needs TRITON_INTERPRET=1 without a GPU")
+
+
 @pytest.fixture(scope="session", autouse=True)
 def no_p2p_daemon_outlives_its_process():
     before = p2p_daemons()

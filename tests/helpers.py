@@ -42,3 +42,22 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     never equal)."""
     view = torch.int16 if a.element_size() == 2 else torch.int32
     return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.cpu().view(view), b.cpu().view(view))
+
+
+def assert_kernel_gives_the_reference(kernel, ref, x: torch.Tensor, params, device: str) -> None:
+    """`kernel`'s encode of x (moved to `device`) is `ref`'s payload byte for byte, and its decode of
+    that payload is `ref`'s decode bit for bit (modules with encode(x, params), decode(payload, shape,
+    params, dtype))."""
+    shape, dtype = tuple(x.shape), x.dtype
+    payload = ref.encode(x, params)
+    assert torch.equal(kernel.encode(x.to(device), params).cpu(), payload), kernel.__name__
+    assert same_bits(kernel.decode(payload.to(device), shape, params, dtype).cpu(), ref.decode(payload, shape, params, dtype))
+
+
+def kernel_test_input(shape, dtype) -> torch.Tensor:
+    """Tokens of different scales, one value 1000 times its token's others, the last token all zeros
+    (scale 0): the cases a tile quantizer's kernels must get right."""
+    x = (torch.randn(shape) * torch.rand(*shape[:-1], 1) * 5).to(dtype)
+    x.reshape(-1, shape[-1])[0, 1] *= 1000
+    x.reshape(-1, shape[-1])[-1] = 0
+    return x

@@ -73,3 +73,30 @@ def test_gaps_and_tokens_compare_each_seed_with_its_own_reference():
     # its seed-1 one (1.0, below its own 1.1). q/q took its 20 steps at 6.125 bits
     assert s["q/q"].reference_tokens_to_own == pytest.approx({0: 19_800, 1: math.inf})
     assert s["q/q"].race(10) == f"{20_000 * 128 * 6.125 / 10e6:.0f} s / {19_800 * 128 * 32 / 10e6:.0f} s"
+
+
+def test_a_run_stops_when_its_bench_has_gone(tmp_path, monkeypatch):
+    """A worker whose bench was killed (its pool cannot be told) stops at its next step rather than
+    training for nobody."""
+    import multiprocessing
+
+    from tahnode.tools.convergence_runs import train_one
+
+    class Gone:
+        @staticmethod
+        def is_alive() -> bool:
+            return False
+
+    monkeypatch.setenv("TAHNODE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(multiprocessing, "parent_process", lambda: Gone())
+    spec = bench_convergence.plan(bench_convergence.build_parser().parse_args([*ARGS, "--pairs", "none/none", "--seeds", "1"]))[0]
+    with pytest.raises(SystemExit, match="the bench that started it has ended"):
+        train_one(spec)
+
+
+def test_pairs_split_on_semicolons_else_commas_and_one_pair_keeps_its_commas():
+    parse = bench_convergence.parse_pairs
+    assert [p.label for p in parse("none/none,tahquant/naive")] == ["none/none", "tahquant/naive"]
+    one = parse("tahquant:layout=3,qmax=11/pertoken")
+    assert len(one) == 1 and one[0].forward_params == {"layout": 3, "qmax": 11}
+    assert len(parse("tahquant:layout=3,qmax=11/pertoken;none/none")) == 2

@@ -64,12 +64,13 @@ def test_pipeline_equals_single_process(swarm, cache):
 
 
 def test_tahquant_converges_like_none(swarm, tmp_path, cache):
-    """The default pair (TAH-Quant forward, pertoken 6-bit backward): the loss falls clearly over 100
-    steps and ends no more than 2% above the uncompressed run with the same seed."""
+    """The default pair (TAH-Quant's layout 3 forward, pertoken 6-bit backward): the loss falls clearly
+    over 100 steps and ends no more than 2% above the uncompressed run with the same seed."""
     state = run_swarm(swarm, 100, *SMALL)
     quant = swarm.losses(state)
-    # C = 128: two tiles per token, 4.45 bits; the precision schedule sends 12 of the 100 steps at 6 bits
-    assert 4.6 < state["training"]["bits_per_element"] < 4.85
+    # C = 128: one tile per token, Rice-coded at qmax 11 (about 4.3 bits here); the precision schedule
+    # sends 12 of the 100 steps at qmax 31
+    assert 4.3 < state["training"]["bits_per_element"] < 4.6
     assert 6.0 < state["training"]["backward_bits_per_element"] < 6.4  # + a bf16 scale per token and 128 channels
     swarm.stop()
     plain = Swarm(tmp_path / "none", cache=cache)

@@ -88,15 +88,20 @@ def test_a_precision_schedule_sends_the_first_and_last_steps_at_its_bits(dataset
 
 
 def test_tahquant_runs_with_its_precision_schedule_unless_told_otherwise():
-    """The default [codec]: tahquant's own high-precision parameters (every token at 6 bits) for the
-    first 12% of the steps; {} turns it off; another forward codec has none; a TOML or JSON round
-    trip keeps the choice."""
+    """The default [codec]: tahquant's layout 3 (Codec.run_params) with its own high-precision grid
+    (qmax 31) for the first 12% of the steps; the paper's layout (forward_params = {}) with 6 bits;
+    {} turns it off; another forward codec has neither; a TOML or JSON round trip keeps the choice."""
     from tahnode.config import RunConfig
 
     run = RunConfig.build("llama-tiny", None, **{"train.steps": 100})
-    assert run.codec.scheduled and run.codec.high_params == {"bits_high": 6, "bits_low": 6}
+    assert run.codec.forward_params is None and run.codec.forward_codec_params == {"layout": 3, "group_size": 128, "qmax": 11}
+    assert run.codec.scheduled and run.codec.high_params == {"qmax": 31}
     assert [k for k in range(100) if run.codec.high_phase(k, 100)] == list(range(12))
-    assert run.codec.label == "tahquant@start=0.12,end=0,bits_high=6,bits_low=6/pertoken"
+    assert run.codec.label == "tahquant:group_size=128,layout=3,qmax=11@start=0.12,end=0,qmax=31/pertoken"
+    paper = RunConfig.build("llama-tiny", None, **{"codec.forward_params": {}})
+    assert paper.codec.high_params == {"bits_high": 6, "bits_low": 6}
+    assert paper.codec.label == "tahquant@start=0.12,end=0,bits_high=6,bits_low=6/pertoken"
+    assert "forward_params = {}" in paper.to_toml() and RunConfig.from_json(paper.to_json()).codec == paper.codec
     assert not RunConfig.build("llama-tiny", None, **{"codec.forward_high_params": {}}).codec.scheduled
     assert not any(run.codec.high_phase(k, 8) for k in range(8))  # 12% of 8 steps: no whole step
     naive = RunConfig.build("llama-tiny", None, **{"codec.forward": "naive"})
@@ -104,6 +109,7 @@ def test_tahquant_runs_with_its_precision_schedule_unless_told_otherwise():
     off = RunConfig.build("llama-tiny", None, **{"codec.forward_high_params": {}})
     assert RunConfig.from_json(run.to_json()).codec == run.codec and RunConfig.from_json(off.to_json()).codec == off.codec
     assert "forward_high_params" not in run.to_toml() and "forward_high_params = {}" in off.to_toml()
+    assert "forward_params" not in run.to_toml()
 
 
 def test_the_replica_fine_tunes_a_hugging_face_checkpoint(dataset, tmp_path):

@@ -4,8 +4,6 @@ algebra, the kernels' bytes against the references under Triton's interpreter, c
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
@@ -13,7 +11,7 @@ from tahnode import codecs
 from tahnode.codecs import CodecError
 from tahnode.kernels import pertoken_ref, pertoken_triton, symtiles_ref, tahquant_rotated_ref, tahquant_rotated_triton
 from tahnode.kernels.tahquant_ref import TahQuantParams
-from helpers import same_bits
+from helpers import assert_kernel_gives_the_reference, kernel_test_input
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 ROTATED = TahQuantParams(layout=2)
@@ -58,11 +56,12 @@ def test_pertoken_size_and_range():
 
 def test_fwht_is_sylvester_hadamard_and_rotation_inverts():
     for g in (8, 32, 64, 256):
-        y = torch.randn(5, g, dtype=torch.float64).float()
-        h = torch.ones(1, 1)
+        y = torch.randn(5, g, generator=torch.Generator().manual_seed(g))
+        h = torch.ones(1, 1, dtype=torch.float64)
         while h.shape[0] < g:
             h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
-        assert torch.allclose(symtiles_ref.fwht(y), y @ h, rtol=1e-6, atol=1e-5)
+        # against the exact product: a float32 matmul's own rounding may differ by more than the butterflies'
+        assert torch.allclose(symtiles_ref.fwht(y).double(), y.double() @ h, rtol=1e-6, atol=1e-5)
         assert torch.allclose(symtiles_ref.fwht(symtiles_ref.fwht(y)), g * y, rtol=1e-6, atol=1e-4)
     x = torch.randn(7, 200)
     back = symtiles_ref.unrotate(symtiles_ref.rotate(x, 64), 64, 200)
@@ -102,9 +101,9 @@ def test_layout_travels_as_the_version():
     with pytest.raises(CodecError, match="unknown parameters: layout"):
         codecs.decode(forged)
     forged.CopyFrom(msg)
-    forged.version = 3
+    forged.version = 4
     forged.crc32 = codecs.checksum(forged)
-    with pytest.raises(CodecError, match="version 3 is not supported"):
+    with pytest.raises(CodecError, match="version 4 is not supported"):
         codecs.decode(forged)
 
 
@@ -112,29 +111,13 @@ CASES = [((3, 20), torch.bfloat16, 8, 6), ((2, 5, 40), torch.float32, 32, 6), ((
          ((1, 3, 264), torch.bfloat16, 128, 8), ((2, 9, 24), torch.float32, 16, 3), ((2, 64, 768), torch.bfloat16, 128, 6)]
 
 
-@pytest.fixture
-def kernels(monkeypatch):
-    if DEVICE == "cpu":
-        pytest.importorskip("triton")
-        if os.environ.get("TRITON_INTERPRET") != "1":
-            pytest.skip("needs TRITON_INTERPRET=1 without a GPU")
-
-
 @pytest.mark.parametrize("shape,dtype,g,bits", CASES, ids=[f"{c[0]}-{c[1]}-G{c[2]}-b{c[3]}" for c in CASES])
 def test_kernels_give_the_references_bytes_and_values(kernels, shape, dtype, g, bits):
-    x = (torch.randn(shape) * torch.rand(*shape[:-1], 1) * 5).to(dtype)
-    x.reshape(-1, shape[-1])[0, 1] *= 1000
-    x.reshape(-1, shape[-1])[-1] = 0  # an all-zero token: scale 0
-    p = pertoken_ref.PerTokenParams(bits, g)
-    ref = pertoken_ref.encode(x, p)
-    assert torch.equal(pertoken_triton.encode(x.to(DEVICE), p).cpu(), ref)
-    assert same_bits(pertoken_triton.decode(ref.to(DEVICE), shape, p, dtype).cpu(), pertoken_ref.decode(ref, shape, p, dtype))
+    x = kernel_test_input(shape, dtype)
+    assert_kernel_gives_the_reference(pertoken_triton, pertoken_ref, x, pertoken_ref.PerTokenParams(bits, g), DEVICE)
     if g <= 256:
-        q = TahQuantParams(group_size=g, bits_high=bits, bits_low=2, layout=2)
-        ref = tahquant_rotated_ref.encode(x, q)
-        assert torch.equal(tahquant_rotated_triton.encode(x.to(DEVICE), q).cpu(), ref)
-        out = tahquant_rotated_triton.decode(ref.to(DEVICE), shape, q, dtype).cpu()
-        assert same_bits(out, tahquant_rotated_ref.decode(ref, shape, q, dtype))
+        rotated = TahQuantParams(group_size=g, bits_high=bits, bits_low=2, layout=2)
+        assert_kernel_gives_the_reference(tahquant_rotated_triton, tahquant_rotated_ref, x, rotated, DEVICE)
 
 
 def corruptions(payload: torch.Tensor, n_scales: int, bits: int) -> list[tuple[str, torch.Tensor]]:

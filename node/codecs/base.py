@@ -53,10 +53,16 @@ class Codec:
     # its params, so that a build that lacks that version refuses it by version (docs/wire-format.md)
     version_param: ClassVar[str] = ""
     versions: ClassVar[tuple[int, ...]] = (1,)  # the versions this build decodes
+    # the parameters that travel with a version where not all of them do (version -> names): the
+    # others keep their defaults on receipt, and a header that carries one is refused
+    version_params: ClassVar[dict[int, tuple[str, ...]]] = {}
     Params: ClassVar[type]
     # the parameters a run's precision schedule sends with by default (codec.forward_high_params
-    # unset): its first and last steps at these, e.g. 8 bits; {} for none
+    # unset): its first and last steps at these, e.g. 8 bits; {} for none (see schedule_params)
     high_params: ClassVar[dict[str, float]] = {}
+    # the parameters a run's forward codec sends with when `[codec] forward_params` is unset: the
+    # product's choice, where it differs from the codec's (paper) defaults; {} for those
+    run_params: ClassVar[dict[str, float]] = {}
     keeps_stream_state: ClassVar[bool] = False  # both ends update per-stream state on every message
     # per-group fp16 zero/scale and no shared exponent: values around 1e-7 and below underflow, so
     # the pipeline scales gradients by a power of two before encoding (tahnode.pipeline.streams)
@@ -85,9 +91,21 @@ class Codec:
         """What the sending stage keeps across the streams of one direction (base: nothing)."""
         return CodecState()
 
+    @classmethod
+    def schedule_params(cls, params: dict[str, float]) -> dict[str, float]:
+        """The parameters of a precision schedule's steps by default, for a run sending with `params`."""
+        return dict(cls.high_params)
+
     # -- the interface ----------------------------------------------------------------------
     def header_params(self) -> dict[str, float]:
-        return {f.name: float(getattr(self.params, f.name)) for f in dataclasses.fields(self.params) if f.name != self.version_param}
+        names = self._travelling(self.wire_version())
+        return {f.name: float(getattr(self.params, f.name)) for f in dataclasses.fields(self.params) if f.name in names}
+
+    @classmethod
+    def _travelling(cls, version: int) -> set[str]:
+        """The names of the parameters that a message of `version` carries in its params."""
+        names = {f.name for f in dataclasses.fields(cls.Params)} - {cls.version_param}
+        return set(cls.version_params[version]) if version in cls.version_params else names
 
     def wire_version(self) -> int:
         """The version of the payloads this instance writes."""
@@ -155,7 +173,11 @@ class Codec:
     def from_header(cls, header: dict[str, float], extra: tuple[str, ...] = ()) -> "Codec":
         """The codec instance a message's params describe (unknown or non-integral values rejected)."""
         kwargs: dict[str, Any] = {}
+        version = float(header.get(cls.version_param, cls.version) if cls.version_param else cls.version)
+        travelling = cls._travelling(int(version) if version.is_integer() else -1) | {cls.version_param}
         for f in dataclasses.fields(cls.Params):
+            if f.name not in travelling:
+                continue  # not this version's: the default, and refused below if the header has it
             if f.name not in header:
                 raise CodecError(f"{cls.name} header lacks parameter {f.name!r}")
             value = header[f.name]

@@ -96,12 +96,26 @@ class TahQuantCodec(Codec):
     name = "tahquant"
     Params = tahquant_ref.TahQuantParams
     needs_prescale = True
-    version_param, versions = "layout", (tahquant_ref.LAYOUT_PAPER, tahquant_ref.LAYOUT_ROTATED)
+    version_param, versions = "layout", tahquant_ref.LAYOUTS
+    version_params = {tahquant_ref.LAYOUT_PAPER: ("group_size", "rho", "tau", "bits_high", "bits_low", "alloc"),
+                      tahquant_ref.LAYOUT_ROTATED: ("group_size", "rho", "tau", "bits_high", "bits_low", "alloc"),
+                      tahquant_ref.LAYOUT_RICE: ("group_size", "qmax")}
     high_params = {"bits_high": 6, "bits_low": 6}  # every token at 6 bits (docs/codecs.md, the schedule)
+    # a run's default: layout 3, the least loss at the fewest bits measured (docs/codecs.md)
+    run_params = {"layout": tahquant_ref.LAYOUT_RICE, "group_size": 128, "qmax": 11}
+    MODULES = {tahquant_ref.LAYOUT_PAPER: "tahquant", tahquant_ref.LAYOUT_ROTATED: "tahquant_rotated",
+               tahquant_ref.LAYOUT_RICE: "tahquant_rice"}
 
-    @staticmethod
-    def _implementation(params: tahquant_ref.TahQuantParams, t):
-        return implementation("tahquant" if params.layout == tahquant_ref.LAYOUT_PAPER else "tahquant_rotated", t)
+    @classmethod
+    def schedule_params(cls, params: dict[str, float]) -> dict[str, float]:
+        """Layout 3's schedule: a grid as fine as 6 bits' (qmax 31); the others' every token at 6 bits."""
+        if params.get("layout", tahquant_ref.LAYOUT_PAPER) == tahquant_ref.LAYOUT_RICE:
+            return {"qmax": 31}
+        return dict(cls.high_params)
+
+    @classmethod
+    def _implementation(cls, params: tahquant_ref.TahQuantParams, t):
+        return implementation(cls.MODULES[params.layout], t)
 
     def encode_payload(self, x, ctx):
         return self._implementation(self.params, x).encode(x.detach(), self.params), {}

@@ -88,12 +88,15 @@ class CodecConfig:
 
     forward: str = "tahquant"
     backward: str = "pertoken"      # 6 bits, a scale per token and 128 channels: its error does not grow with the message
-    forward_params: dict[str, float] = field(default_factory=dict)
+    # unset (None): the forward codec's own choice for runs (Codec.run_params: tahquant's layout 3 at
+    # G = 128, qmax = 11); {} for the codec's defaults (tahquant: the paper's algorithm)
+    forward_params: dict[str, float] | None = None
     backward_params: dict[str, float] = field(default_factory=dict)
     # a precision schedule: the run's first `forward_high_start` and last `forward_high_end` share of
     # steps send activations with forward_params updated by `forward_high_params`; unset (None), the
-    # forward codec's own (Codec.high_params: tahquant's 6 bits), {} for no schedule (issue 25: the
-    # first 12% of the steps at 6 bits trained closest to none of the schedules within 4.6 bits)
+    # forward codec's own (Codec.schedule_params: tahquant layout 3's qmax 31, the other layouts' 6
+    # bits), {} for no schedule (issue 25: the first 12% of the steps on the finer grid trained
+    # closest to none of the schedules within 4.6 bits)
     forward_high_params: dict[str, float] | None = None
     forward_high_start: float = 0.12
     forward_high_end: float = 0.0
@@ -105,16 +108,25 @@ class CodecConfig:
             return name + (":" + ",".join(f"{k}={v:g}" for k, v in sorted(params.items())) if params else "")
         schedule = {"start": self.forward_high_start, "end": self.forward_high_end, **self.high_params}
         high = "@" + ",".join(f"{k}={v:g}" for k, v in schedule.items()) if self.scheduled else ""
-        return f"{one(self.forward, self.forward_params)}{high}/{one(self.backward, self.backward_params)}"
+        return f"{one(self.forward, self.forward_codec_params)}{high}/{one(self.backward, self.backward_params)}"
+
+    @property
+    def forward_codec_params(self) -> dict[str, float]:
+        """The forward codec's parameters: forward_params, or where unset the codec's run_params."""
+        if self.forward_params is not None:
+            return dict(self.forward_params)
+        from ..codecs import CODECS
+
+        return dict(CODECS[self.forward].run_params) if self.forward in CODECS else {}
 
     @property
     def high_params(self) -> dict[str, float]:
-        """The forward codec's parameters in the schedule's steps (on top of forward_params)."""
+        """The forward codec's parameters in the schedule's steps (on top of forward_codec_params)."""
         if self.forward_high_params is not None:
             return dict(self.forward_high_params)
         from ..codecs import CODECS
 
-        return dict(CODECS[self.forward].high_params) if self.forward in CODECS else {}
+        return CODECS[self.forward].schedule_params(self.forward_codec_params) if self.forward in CODECS else {}
 
     @property
     def scheduled(self) -> bool:
@@ -131,9 +143,9 @@ class CodecConfig:
     def validate(self) -> "CodecConfig":
         from ..codecs import get_codec
 
-        get_codec(self.forward, **self.forward_params)
+        get_codec(self.forward, **self.forward_codec_params)
         get_codec(self.backward, **self.backward_params)
-        get_codec(self.forward, **{**self.forward_params, **self.high_params})
+        get_codec(self.forward, **{**self.forward_codec_params, **self.high_params})
         if not (0 <= self.forward_high_start <= 1 and 0 <= self.forward_high_end <= 1):
             raise ValueError("codec.forward_high_start and codec.forward_high_end are shares of the run's steps, in [0, 1]")
         if self.backward in ("aqsgd", "amaq"):

@@ -173,7 +173,7 @@ class Placement:
             t, c = run.train, run.codec
             sample = torch.randn(1, min(t.seq_len, 64), run.model.dim)
             per_element = []
-            for name, params in ((c.forward, c.forward_params), (c.backward, c.backward_params)):
+            for name, params in ((c.forward, c.forward_codec_params), (c.backward, c.backward_params)):
                 msg = get_codec(name, **params).encode(sample, CodecContext(sample_ids=[0]))
                 per_element.append(len(msg.payload) / sample.numel())
             n = t.batch_size * t.seq_len * run.model.dim

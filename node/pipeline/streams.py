@@ -37,10 +37,10 @@ class CodecStreams:
 
     def __init__(self, run: RunConfig, stage: int, transport: Transport, device: torch.device, stats: Stats):
         c = run.codec
-        self.codecs = {FORWARD: codecs.get_codec(c.forward, **c.forward_params),
+        self.codecs = {FORWARD: codecs.get_codec(c.forward, **c.forward_codec_params),
                        BACKWARD: codecs.get_codec(c.backward, **c.backward_params)}
         # the precision schedule's other forward codec (the same codec, other parameters), if any
-        self.high = codecs.get_codec(c.forward, **{**c.forward_params, **c.high_params}) if c.scheduled else None
+        self.high = codecs.get_codec(c.forward, **{**c.forward_codec_params, **c.high_params}) if c.scheduled else None
         self.run_cfg = run
         sends = {FORWARD: run.neighbour(stage, 1) is not None, BACKWARD: run.neighbour(stage, -1) is not None}
         self.states: dict[Direction, CodecState] = {

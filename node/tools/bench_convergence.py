@@ -27,7 +27,7 @@ __all__ = ["main", "build_parser", "plan"]
 
 # the product's default pair last: tahquant with its precision schedule (docs/codecs.md)
 DEFAULT_PAIRS = ("none/none;none/pertoken;tahquant/naive;tahquant/none;tahquant/pertoken;"
-                 "tahquant@start=0.12,end=0,bits_high=6,bits_low=6/pertoken")
+                 "tahquant:group_size=128,layout=3,qmax=11@start=0.12,end=0,qmax=31/pertoken")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -68,7 +68,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def parse_pairs(text: str) -> list[CodecPair]:
+    """Pairs separated by ';', else by ','; one pair whose parameters have commas needs no ';'."""
     parts = text.split(";") if ";" in text else text.split(",")
+    if ";" not in text and text.count("/") == 1:
+        parts = [text]
     pairs = [CodecPair.parse(p) for p in parts if p.strip()]
     if not pairs:
         raise ValueError("--pairs names no codec pair")

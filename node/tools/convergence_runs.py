@@ -112,7 +112,9 @@ def _heldout(dataset, samples: int) -> tuple[int, list[int]]:
 
 
 def train_one(spec: RunSpec, progress=None) -> RunResult:
-    """Train `spec` on the pipeline replica; `progress.put((spec.key, steps done))` after every step."""
+    """Train `spec` on the pipeline replica; `progress.put((spec.key, steps done))` after every step.
+    In a worker process, the run stops when the bench that started it has gone (killed, not interrupted)."""
+    import multiprocessing
     import time
 
     import torch
@@ -132,7 +134,10 @@ def train_one(spec: RunSpec, progress=None) -> RunResult:
     batch = spec.samples_per_message
     started = time.perf_counter()
     result.evals.append([0, replica.evaluate(heldout, batch)])
+    bench = multiprocessing.parent_process()
     for step in range(spec.steps):
+        if bench is not None and not bench.is_alive():
+            raise SystemExit(f"run {spec.pair} seed {spec.seed}: the bench that started it has ended")
         try:
             loss = replica.train_step(step)
         except CodecError as exc:  # a non-finite activation or gradient: the run diverged
