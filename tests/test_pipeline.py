@@ -68,9 +68,9 @@ def test_tahquant_converges_like_none(swarm, tmp_path, cache):
     over 100 steps and ends no more than 2% above the uncompressed run with the same seed."""
     state = run_swarm(swarm, 100, *SMALL)
     quant = swarm.losses(state)
-    # C = 128: one tile per token, Rice-coded at qmax 11 (about 4.3 bits here); the precision schedule
+    # C = 128: one tile per token, Rice-coded at qmax 12 (about 4.4 bits here); the precision schedule
     # sends 12 of the 100 steps at qmax 31
-    assert 4.3 < state["training"]["bits_per_element"] < 4.6
+    assert 4.3 < state["training"]["bits_per_element"] < 4.7
     assert 6.0 < state["training"]["backward_bits_per_element"] < 6.4  # + a bf16 scale per token and 128 channels
     swarm.stop()
     plain = Swarm(tmp_path / "none", cache=cache)
@@ -212,7 +212,8 @@ def test_demo_runs_the_whole_swarm_and_prints_a_json_summary(tmp_path, cache):
     assert len(summary["losses"]) == 8 and summary["losses"][0] == summary["loss_first"] and summary["losses"][-1] == summary["loss_last"]
     assert 0.0 < summary["codec_share"] < 1.0  # tahquant encode/decode on the CPU: a real share of each step
     assert "of a stage's step in encode + decode" in " ".join(r.stderr.split())  # the summary line (rich wraps it)
-    assert 4.3 < summary["forward_bits_per_element"] < 4.5 and summary["wire_bytes"] * 4 < summary["uncompressed_bytes"]
+    # the default forward codec, tahquant's layout 3 (Rice-coded, qmax 12): its size follows the activations
+    assert 4.2 < summary["forward_bits_per_element"] < 4.7 and summary["wire_bytes"] * 4 < summary["uncompressed_bytes"]
     assert "status page: http://127.0.0.1:" in r.stderr
     assert sorted(p.name for p in (tmp_path / "demo" / "checkpoints").glob("*/*.safetensors")) == [
         "stage0-of3-step8.safetensors", "stage1-of3-step8.safetensors", "stage2-of3-step8.safetensors"]

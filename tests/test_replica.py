@@ -94,10 +94,10 @@ def test_tahquant_runs_with_its_precision_schedule_unless_told_otherwise():
     from tahnode.config import RunConfig
 
     run = RunConfig.build("llama-tiny", None, **{"train.steps": 100})
-    assert run.codec.forward_params is None and run.codec.forward_codec_params == {"layout": 3, "group_size": 128, "qmax": 11}
+    assert run.codec.forward_params is None and run.codec.forward_codec_params == {"layout": 3, "group_size": 128, "qmax": 12}
     assert run.codec.scheduled and run.codec.high_params == {"qmax": 31}
     assert [k for k in range(100) if run.codec.high_phase(k, 100)] == list(range(12))
-    assert run.codec.label == "tahquant:group_size=128,layout=3,qmax=11@start=0.12,end=0,qmax=31/pertoken"
+    assert run.codec.label == "tahquant:group_size=128,layout=3,qmax=12@start=0.12,end=0,qmax=31/pertoken"
     paper = RunConfig.build("llama-tiny", None, **{"codec.forward_params": {}})
     assert paper.codec.high_params == {"bits_high": 6, "bits_low": 6}
     assert paper.codec.label == "tahquant@start=0.12,end=0,bits_high=6,bits_low=6/pertoken"

@@ -89,7 +89,7 @@ class CodecConfig:
     forward: str = "tahquant"
     backward: str = "pertoken"      # 6 bits, a scale per token and 128 channels: its error does not grow with the message
     # unset (None): the forward codec's own choice for runs (Codec.run_params: tahquant's layout 3 at
-    # G = 128, qmax = 11); {} for the codec's defaults (tahquant: the paper's algorithm)
+    # G = 128, qmax = 12); {} for the codec's defaults (tahquant: the paper's algorithm)
     forward_params: dict[str, float] | None = None
     backward_params: dict[str, float] = field(default_factory=dict)
     # a precision schedule: the run's first `forward_high_start` and last `forward_high_end` share of

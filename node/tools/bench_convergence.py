@@ -27,7 +27,7 @@ __all__ = ["main", "build_parser", "plan"]
 
 # the product's default pair last: tahquant with its precision schedule (docs/codecs.md)
 DEFAULT_PAIRS = ("none/none;none/pertoken;tahquant/naive;tahquant/none;tahquant/pertoken;"
-                 "tahquant:group_size=128,layout=3,qmax=11@start=0.12,end=0,qmax=31/pertoken")
+                 "tahquant:group_size=128,layout=3,qmax=12@start=0.12,end=0,qmax=31/pertoken")
 
 
 def build_parser() -> argparse.ArgumentParser:
