@@ -51,11 +51,15 @@ def encode(z: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def decode(low: torch.Tensor, unary: torch.Tensor, count: int, k: int, zmax: int, codec: str) -> torch.Tensor:
-    """Inverse of encode -> int64 values (count,). The stream must hold exactly `count` zero-bits, the
-    last of them in its last byte; padding of either section must be what encode writes; a value
-    above zmax is corrupt (CodecError)."""
+    """Inverse of encode -> int64 values (count,). The stream must be no longer than `count` values of
+    zmax take, and hold exactly `count` zero-bits, the last of them in its last byte; padding of
+    either section must be what encode writes; a value above zmax is corrupt (CodecError)."""
     if not 0 <= k <= 8:
         raise CodecError(f"{codec} payload is corrupt: Rice parameter {k} is not in [0, 8]")
+    longest = -(-count * ((zmax >> k) + 1) // 8)  # every value at zmax: checked before unpacking 8x the bytes
+    if unary.numel() > longest:
+        raise CodecError(f"{codec} payload is corrupt: its unary stream has {unary.numel()} bytes, {count} values "
+                         f"take at most {longest}")
     bits = unpack_bits(unary, 1, unary.numel() * 8)
     ends = torch.nonzero(bits == 0).reshape(-1)
     if ends.numel() != count or (count and int(ends[-1]) < 8 * (unary.numel() - 1)) or (not count and unary.numel()):

@@ -52,6 +52,15 @@ def test_rice_refuses_streams_encode_does_not_write(what, low, unary, match):
         rice.decode(torch.tensor(low, dtype=torch.uint8), torch.tensor(unary, dtype=torch.uint8), 4, 1, 5, "t")
 
 
+def test_rice_refuses_a_stream_longer_than_its_values_can_take_before_unpacking_it():
+    """A neighbour's payload of a small shape and a huge unary stream must not cost 8 bytes of memory
+    per byte it sent: 4 values of at most 5 at k = 1 take at most 4 * 3 bits, 2 bytes."""
+    low = torch.tensor([0b0110], dtype=torch.uint8)
+    with pytest.raises(CodecError, match="takes? at most 2"):
+        rice.decode(low, torch.full((1 << 20,), 0xFF, dtype=torch.uint8), 4, 1, 5, "t")
+    assert rice.decode(low, torch.tensor([0b10101100], dtype=torch.uint8), 4, 1, 5, "t").tolist() == [0, 1, 5, 2]
+
+
 def test_layout_3_has_less_error_than_layouts_1_and_2_at_their_bits():
     """Gaussian activations with an outlier channel, and heavy-tailed ones (Student t, 4 degrees):
     the Rice-coded grid at qmax 11 sends at most 4.6 bits per element (INT4 on 32-channel tiles, layout

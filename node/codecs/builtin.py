@@ -101,7 +101,7 @@ class TahQuantCodec(Codec):
                       tahquant_ref.LAYOUT_ROTATED: ("group_size", "rho", "tau", "bits_high", "bits_low", "alloc"),
                       tahquant_ref.LAYOUT_RICE: ("group_size", "qmax")}
     high_params = {"bits_high": 6, "bits_low": 6}  # every token at 6 bits (docs/codecs.md, the schedule)
-    # a run's default: layout 3, the least loss at the fewest bits measured (docs/codecs.md)
+    # a run's default: layout 3, the least loss measured within the bit budget (docs/codecs.md)
     run_params = {"layout": tahquant_ref.LAYOUT_RICE, "group_size": 128, "qmax": 12}
     MODULES = {tahquant_ref.LAYOUT_PAPER: "tahquant", tahquant_ref.LAYOUT_ROTATED: "tahquant_rotated",
                tahquant_ref.LAYOUT_RICE: "tahquant_rice"}
