@@ -28,8 +28,7 @@ def encode(x: torch.Tensor, params: TahQuantParams) -> torch.Tensor:
 
 def decode(payload: torch.Tensor, shape, params: TahQuantParams, dtype: torch.dtype) -> torch.Tensor:
     scale, codes = sections(payload, shape, params)
-    n, c, t, g = shape_of(shape, params)
-    padded = torch.zeros(-(-n * t * g // 8) * 8, dtype=torch.uint8, device=codes.device)
-    padded[: n * t * g] = codes.reshape(-1)
-    return symtiles_triton.decode(scale.contiguous(), padded, n, c, g, CODE_BITS, True, dtype, "tahquant",
+    n, c, _, g = shape_of(shape, params)
+    # N*T*G codes, a multiple of G >= 8: already whole bytes of the kernel's 8-bit plane, no padding
+    return symtiles_triton.decode(scale.contiguous(), codes.reshape(-1), n, c, g, CODE_BITS, True, dtype, "tahquant",
                                   qmax=int(params.qmax)).reshape(shape)

@@ -97,8 +97,8 @@ class TahQuantCodec(Codec):
     Params = tahquant_ref.TahQuantParams
     needs_prescale = True
     version_param, versions = "layout", tahquant_ref.LAYOUTS
-    version_params = {tahquant_ref.LAYOUT_PAPER: ("group_size", "rho", "tau", "bits_high", "bits_low", "alloc"),
-                      tahquant_ref.LAYOUT_ROTATED: ("group_size", "rho", "tau", "bits_high", "bits_low", "alloc"),
+    _PAPER_PARAMS = ("group_size", "rho", "tau", "bits_high", "bits_low", "alloc")  # as before qmax existed
+    version_params = {tahquant_ref.LAYOUT_PAPER: _PAPER_PARAMS, tahquant_ref.LAYOUT_ROTATED: _PAPER_PARAMS,
                       tahquant_ref.LAYOUT_RICE: ("group_size", "qmax")}
     high_params = {"bits_high": 6, "bits_low": 6}  # every token at 6 bits (docs/codecs.md, the schedule)
     # a run's default: layout 3, the least loss measured within the bit budget (docs/codecs.md)
