@@ -145,8 +145,10 @@ def test_down_cleans_up_after_a_crash(tmp_path):
 @pytest.mark.netns
 def test_placement_avoids_the_slow_link_and_a_standby_takes_over(tmp_path):
     """Four `--stage auto` nodes, 200 Mbit/s links except n2-n3 at 20: the chain avoids n2-n3, every
-    link probed in full tells the slow link from the fast ones, the fourth node stands by, and when stage 1's node is killed the standby takes the stage over from
-    the store; the ledger has every step once with exactly its scheduled samples."""
+    link probed in full tells the slow link from the fast ones (the rates themselves are checked on
+    idle nodes above), the fourth node stands by, and when stage 1's node is killed the standby
+    takes the stage over from the store; the ledger has every step once with exactly its scheduled
+    samples."""
     prefix, workdir, cache = f"tp{os.getpid() % 1000}-", tmp_path / "swarm", tmp_path / "cache"
     flags = ["--steps", "30", "--checkpoint-every", "5", "--micro-batches", "2", "--batch-size", "8", "--seq-len", "128",
              "--codec", "none", "--backward-codec", "none", "--pipeline-micro-batches", "2"]
@@ -155,11 +157,12 @@ def test_placement_avoids_the_slow_link_and_a_standby_takes_over(tmp_path):
                   "--heartbeat-timeout", "5", "--prefix", prefix, "--workdir", str(workdir), *flags,
                   env={**os.environ, "TAHNODE_CACHE": str(cache)})
         state = wait_state(workdir, chain_probed, 240, "placement and full probes of the chain's links")
+        # any link may read low while four nodes train on two cores (a probe competes for the CPU, and
+        # a receiver's event loop may stall behind a step: CI once read the slow link at 9 of its 20
+        # Mbit/s), never above tc's rate; a fast link never reads near the slow one's
         for (src, dst), (mbps, _) in probed_links(state).items():
-            # the slow link reads its rate; a fast one may read low while four nodes train on two cores
-            # (a probe competes for the CPU and for its link), but never near the slow one's, nor above tc's
             if {src, dst} == {"n2", "n3"}:
-                assert abs(mbps - 20) <= 0.2 * 20, f"{src}->{dst}: measured {mbps:.1f}, shaped 20"
+                assert mbps <= 1.2 * 20, f"{src}->{dst}: measured {mbps:.1f}, shaped 20"
             else:
                 assert 2.5 * 20 <= mbps <= 1.2 * 200, f"{src}->{dst}: measured {mbps:.1f}, shaped 200"
         chain = chain_of(state)
