@@ -13,7 +13,7 @@ import torch
 from .bitpack import pack_bits, packed_nbytes, padded_count, unpack_bits
 from .wire import CodecError
 
-__all__ = ["best_k", "coded_nbytes", "encode", "decode"]
+__all__ = ["best_k", "coded_nbytes", "encode", "decode", "check_k", "check_length", "wrong_end", "out_of_range"]
 
 
 def best_k(z: torch.Tensor, zmax: int) -> int:
@@ -50,21 +50,40 @@ def encode(z: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     return low, pack_bits(bits, 1)
 
 
-def decode(low: torch.Tensor, unary: torch.Tensor, count: int, k: int, zmax: int, codec: str) -> torch.Tensor:
-    """Inverse of encode -> int64 values (count,). The stream must be no longer than `count` values of
-    zmax take, and hold exactly `count` zero-bits, the last of them in its last byte; padding of
-    either section must be what encode writes; a value above zmax is corrupt (CodecError)."""
+def check_k(k: int, codec: str) -> None:
     if not 0 <= k <= 8:
         raise CodecError(f"{codec} payload is corrupt: Rice parameter {k} is not in [0, 8]")
-    longest = -(-count * ((zmax >> k) + 1) // 8)  # every value at zmax: checked before unpacking 8x the bytes
-    if unary.numel() > longest:
-        raise CodecError(f"{codec} payload is corrupt: its unary stream has {unary.numel()} bytes, {count} values "
+
+
+def check_length(nbytes: int, count: int, k: int, zmax: int, codec: str) -> None:
+    """A unary stream of `nbytes` is no longer than `count` values of zmax take: checked before a
+    decoder unpacks it (8 bits per byte), so a long one costs nothing."""
+    longest = -(-count * ((zmax >> k) + 1) // 8)
+    if nbytes > longest:
+        raise CodecError(f"{codec} payload is corrupt: its unary stream has {nbytes} bytes, {count} values "
                          f"take at most {longest}")
+
+
+def wrong_end(nbytes: int, count: int, codec: str) -> CodecError:
+    """The error of a unary stream whose zero-bits are not `count`, the last of them in its last byte."""
+    return CodecError(f"{codec} payload is corrupt: the {nbytes} bytes of its unary stream do not end {count} values "
+                      f"exactly")
+
+
+def out_of_range(codec: str) -> CodecError:
+    return CodecError(f"{codec} payload is corrupt: a code is out of range")
+
+
+def decode(low: torch.Tensor, unary: torch.Tensor, count: int, k: int, zmax: int, codec: str) -> torch.Tensor:
+    """Inverse of encode -> int64 values (count,). The stream must be no longer than `count` values of
+    zmax take (check_length), and hold exactly `count` zero-bits, the last of them in its last byte;
+    padding of either section must be what encode writes; a value above zmax is corrupt (CodecError)."""
+    check_k(k, codec)
+    check_length(unary.numel(), count, k, zmax, codec)
     bits = unpack_bits(unary, 1, unary.numel() * 8)
     ends = torch.nonzero(bits == 0).reshape(-1)
     if ends.numel() != count or (count and int(ends[-1]) < 8 * (unary.numel() - 1)) or (not count and unary.numel()):
-        raise CodecError(f"{codec} payload is corrupt: the {unary.numel()} bytes of its unary stream do not end "
-                         f"{count} values exactly")
+        raise wrong_end(unary.numel(), count, codec)
     high = torch.diff(ends, prepend=ends.new_full((1,), -1)) - 1
     z = high << k
     if k:
@@ -73,5 +92,5 @@ def decode(low: torch.Tensor, unary: torch.Tensor, count: int, k: int, zmax: int
             raise CodecError(f"{codec} payload is corrupt: non-zero padding in its low bits")
         z |= codes[:count]
     if count and bool((z > zmax).any()):
-        raise CodecError(f"{codec} payload is corrupt: a code is out of range")
+        raise out_of_range(codec)
     return z

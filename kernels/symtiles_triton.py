@@ -6,7 +6,8 @@ encode: one kernel over blocks of (BR tokens x one tile): load, [signs, fwht but
 absmax, scale, quantize, and the codes straight into their bit planes when every tile starts on a
 whole byte (row width a multiple of 8; else into a code buffer that one flat kernel packs).
 decode: one kernel over the same blocks: unpack, check, dequantize, [fwht, 1/G, signs], store.
-The one synchronization of each reads its error flags, to raise the references' errors."""
+The one synchronization of each reads its error flags, to raise the references' errors (launch_*:
+the kernels alone, for a caller that reads the flags in a synchronization of its own)."""
 
 from __future__ import annotations
 
@@ -20,7 +21,8 @@ from .symtiles_ref import rotation_signs
 from .triton_util import interpreting, on_device, round_half_even, to_bf16_rne
 from .wire import CodecError
 
-__all__ = ["encode", "decode"]
+__all__ = ["encode", "decode", "launch_encode", "raise_for_encode", "launch_decode", "raise_for_decode", "store_plane",
+           "plane_shifts"]
 
 MIN_NORMAL = 2.0 ** -126  # symtiles_ref.MIN_SCALE
 
@@ -50,7 +52,7 @@ def _fwht(y, BR: tl.constexpr, G: tl.constexpr):
 
 
 @triton.jit
-def _store_plane(out_ptr, plane, q, first, count, rows_ok, BR: tl.constexpr, G: tl.constexpr, W: tl.constexpr):
+def store_plane(out_ptr, plane, q, first, count, rows_ok, BR: tl.constexpr, G: tl.constexpr, W: tl.constexpr):
     """The low W bits of the codes q (BR, G), whose code indices start at first (BR,) (multiples of 8),
     into the width-W plane that starts at byte `plane`: 8/W codes per byte, least significant first.
     Only the first `count` codes of each row (a multiple of 8) are stored."""
@@ -111,13 +113,13 @@ def _encode_kernel(x_ptr, stride_x, signs_ptr, n_rows, n_chan, n_tpt, width, sca
     first = rows.to(tl.int64) * width + t * G
     if PACKED:
         if S8 >= 0:
-            _store_plane(out_ptr, n_pad // 8 * S8, q >> S8, first, width - t * G, rows_ok, BR, G, 8)
+            store_plane(out_ptr, n_pad // 8 * S8, q >> S8, first, width - t * G, rows_ok, BR, G, 8)
         if S4 >= 0:
-            _store_plane(out_ptr, n_pad // 8 * S4, q >> S4, first, width - t * G, rows_ok, BR, G, 4)
+            store_plane(out_ptr, n_pad // 8 * S4, q >> S4, first, width - t * G, rows_ok, BR, G, 4)
         if S2 >= 0:
-            _store_plane(out_ptr, n_pad // 8 * S2, q >> S2, first, width - t * G, rows_ok, BR, G, 2)
+            store_plane(out_ptr, n_pad // 8 * S2, q >> S2, first, width - t * G, rows_ok, BR, G, 2)
         if S1 >= 0:
-            _store_plane(out_ptr, n_pad // 8 * S1, q >> S1, first, width - t * G, rows_ok, BR, G, 1)
+            store_plane(out_ptr, n_pad // 8 * S1, q >> S1, first, width - t * G, rows_ok, BR, G, 1)
     else:
         tl.store(codes_ptr + first[:, None] + j[None, :], q.to(tl.uint8), mask=m)
 
@@ -133,13 +135,13 @@ def _pack_kernel(codes_ptr, out_ptr, n, n_pad, BLOCK: tl.constexpr, S8: tl.const
     ok = first < n_pad
     q2 = tl.reshape(q, (1, BLOCK))
     if S8 >= 0:
-        _store_plane(out_ptr, n_pad // 8 * S8, q2 >> S8, first, n_pad - first, ok, 1, BLOCK, 8)
+        store_plane(out_ptr, n_pad // 8 * S8, q2 >> S8, first, n_pad - first, ok, 1, BLOCK, 8)
     if S4 >= 0:
-        _store_plane(out_ptr, n_pad // 8 * S4, q2 >> S4, first, n_pad - first, ok, 1, BLOCK, 4)
+        store_plane(out_ptr, n_pad // 8 * S4, q2 >> S4, first, n_pad - first, ok, 1, BLOCK, 4)
     if S2 >= 0:
-        _store_plane(out_ptr, n_pad // 8 * S2, q2 >> S2, first, n_pad - first, ok, 1, BLOCK, 2)
+        store_plane(out_ptr, n_pad // 8 * S2, q2 >> S2, first, n_pad - first, ok, 1, BLOCK, 2)
     if S1 >= 0:
-        _store_plane(out_ptr, n_pad // 8 * S1, q2 >> S1, first, n_pad - first, ok, 1, BLOCK, 1)
+        store_plane(out_ptr, n_pad // 8 * S1, q2 >> S1, first, n_pad - first, ok, 1, BLOCK, 1)
 
 
 @triton.jit
@@ -177,10 +179,10 @@ def _decode_kernel(codes_ptr, n_pad, scale_ptr, signs_ptr, out_ptr, bad_ptr, n_r
         tl.store(dst, y.to(out_ptr.dtype.element_ty), mask=m)
 
 
-def _planes(bits: int) -> dict:
-    """The bit offset S<w> of each plane of width w (-1 when the code has none)."""
+def plane_shifts(bits: int) -> dict:
+    """The bit offset S<w> of each plane of width w (-1 when the code has none; all -1 for 0 bits)."""
     shifts, shift = {}, 0
-    for w in plane_widths(bits):
+    for w in plane_widths(bits) if bits else []:
         shifts[w] = shift
         shift += w
     return {f"S{w}": shifts.get(w, -1) for w in (8, 4, 2, 1)}
@@ -204,6 +206,14 @@ def encode(x2: torch.Tensor, g: int, bits: int, rotate: bool, codec: str, qmax: 
     """x2 (N, C) on a CUDA device (or interpreted) -> (payload: bf16 scales (N, T) then the packed
     codes, width): symtiles_ref's bytes for that layout (width = C, or T*G rotated). The grid is
     q in [-qmax, qmax], qmax = 2^(bits-1) - 1 unless given (at most 2^(bits-1) - 1)."""
+    out, width, status = launch_encode(x2, g, bits, rotate, qmax)
+    raise_for_encode(int(status.item()), x2, codec)  # the one synchronization
+    return out, width
+
+
+def launch_encode(x2: torch.Tensor, g: int, bits: int, rotate: bool, qmax: int = 0) -> tuple[torch.Tensor, int, torch.Tensor]:
+    """encode's kernels, launched: (payload, width, status int32 (1,) for raise_for_encode), not
+    waited for (a caller may read the status in a synchronization of its own)."""
     with on_device(x2):
         n, c = x2.shape
         if x2.stride(1) != 1:
@@ -222,22 +232,34 @@ def encode(x2: torch.Tensor, g: int, bits: int, rotate: bool, codec: str, qmax: 
         br = _rows_per_block(g, n)
         _encode_kernel[(triton.cdiv(n, br), t)](
             x2, x2.stride(0), signs, n, c, t, width, out[:head].view(torch.bfloat16), out[head:], n_pad, codes, status,
-            G=g, QMAX=qmax, ROTATE=rotate, PACKED=packed, BR=br, **_planes(bits))
+            G=g, QMAX=qmax, ROTATE=rotate, PACKED=packed, BR=br, **plane_shifts(bits))
         if not packed:
             block = 65536 if interpreting() else 4096
-            _pack_kernel[(triton.cdiv(n_pad, block),)](codes, out[head:], n_codes, n_pad, BLOCK=block, **_planes(bits))
-        bad = int(status.item())  # the one synchronization
-        if bad & 1:
-            check_finite(x2, codec)  # raises with the reference's message
-        if bad & 2:
-            raise CodecError(f"{codec}: an activation is too large to rotate (|x| near the float32 maximum)")
-        return out, width
+            _pack_kernel[(triton.cdiv(n_pad, block),)](codes, out[head:], n_codes, n_pad, BLOCK=block, **plane_shifts(bits))
+        return out, width, status
+
+
+def raise_for_encode(status: int, x2: torch.Tensor, codec: str) -> None:
+    """The reference's error for a status launch_encode's kernel set, if any."""
+    if status & 1:
+        check_finite(x2, codec)  # raises with the reference's message
+    if status & 2:
+        raise CodecError(f"{codec}: an activation is too large to rotate (|x| near the float32 maximum)")
 
 
 def decode(scale: torch.Tensor, codes: torch.Tensor, n: int, c: int, g: int, bits: int, rotate: bool, dtype: torch.dtype,
            codec: str, qmax: int = 0) -> torch.Tensor:
     """(N, C) of `dtype` from checked sections (scale bf16 (N, T), packed codes), on their device;
     the grid as encode's."""
+    out, worst = launch_decode(scale, codes, n, c, g, bits, rotate, dtype, qmax)
+    raise_for_decode(int(worst), codec)  # the one synchronization
+    return out
+
+
+def launch_decode(scale: torch.Tensor, codes: torch.Tensor, n: int, c: int, g: int, bits: int, rotate: bool,
+                  dtype: torch.dtype, qmax: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """decode's kernels, launched: (output, its worst flag (uint8 scalar on the device) for
+    raise_for_decode), not waited for."""
     with on_device(codes):
         t = scale.shape[1]
         width = t * g if rotate else c
@@ -249,13 +271,16 @@ def decode(scale: torch.Tensor, codes: torch.Tensor, n: int, c: int, g: int, bit
         signs = rotation_signs(g, codes.device) if rotate else bad
         qmax = _grid(bits, qmax)
         _decode_kernel[grid](codes, n_pad, scale, signs, out, bad, n, c, t, width, G=g, QMAX=qmax, ROTATE=rotate, BR=br,
-                             OUT_BF16=dtype == torch.bfloat16, **_planes(bits))
-        worst = int(torch.maximum(bad.max(), _padding_flag(codes, n * width, n_pad, bits)))  # the one synchronization
-        if worst == 2:
-            raise CodecError(f"{codec} payload is corrupt: a scale is negative, non-finite or subnormal")
-        if worst == 1:
-            raise CodecError(f"{codec} payload is corrupt: code out of range or non-zero padding")
-        return out
+                             OUT_BF16=dtype == torch.bfloat16, **plane_shifts(bits))
+        return out, torch.maximum(bad.max(), _padding_flag(codes, n * width, n_pad, bits))
+
+
+def raise_for_decode(worst: int, codec: str) -> None:
+    """The reference's error for the flag launch_decode's kernel set, if any."""
+    if worst == 2:
+        raise CodecError(f"{codec} payload is corrupt: a scale is negative, non-finite or subnormal")
+    if worst == 1:
+        raise CodecError(f"{codec} payload is corrupt: code out of range or non-zero padding")
 
 
 def _padding_flag(codes: torch.Tensor, n_codes: int, n_pad: int, bits: int) -> torch.Tensor:

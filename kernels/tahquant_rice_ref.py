@@ -18,7 +18,7 @@ from .symtiles_ref import check_scales, dequantize, quantize, rotate, tile_scale
 from .tahquant_ref import TahQuantParams
 from .wire import CodecError, PayloadReader, as_bytes
 
-__all__ = ["encode", "decode", "sections", "shape_of", "zigzag", "unzigzag", "pack", "min_payload_nbytes"]
+__all__ = ["encode", "decode", "split", "sections", "shape_of", "zigzag", "unzigzag", "pack", "min_payload_nbytes"]
 
 
 def shape_of(shape, params: TahQuantParams) -> tuple[int, int, int, int]:
@@ -49,7 +49,7 @@ def min_payload_nbytes(shape, params: TahQuantParams) -> int:
 def pack(scale: torch.Tensor, codes: torch.Tensor, qmax: int) -> torch.Tensor:
     """Payload: k u8 (the Rice parameter that makes it shortest, rice.best_k), scale bf16[N, T], then
     the zigzagged codes of the N*T*G rotated values (padded channels included), row-major, Rice-coded
-    at k: their low bits (k > 0), then the unary stream to the payload's end. Shared with the kernels."""
+    at k: their low bits (k > 0), then the unary stream to the payload's end."""
     z = zigzag(codes, qmax)
     k = rice.best_k(z, 2 * qmax)
     low, unary = rice.encode(z, k)
@@ -68,8 +68,9 @@ def encode(x: torch.Tensor, params: TahQuantParams) -> torch.Tensor:
     return pack(scale, quantize(y, scale, g, qmax), qmax)
 
 
-def sections(payload: torch.Tensor, shape, params: TahQuantParams) -> tuple[torch.Tensor, torch.Tensor]:
-    """Check the payload -> (scale bf16 (N, T), codes q + qmax uint8 (N, T*G)). Shared with the kernels."""
+def split(payload: torch.Tensor, shape, params: TahQuantParams) -> tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Check the payload's size and k -> (k, scale bf16 (N, T), low bits, unary stream). Shared with
+    the kernels."""
     params.validate()
     n, _, t, g = shape_of(shape, params)
     if payload.numel() < min_payload_nbytes(shape, params):
@@ -78,10 +79,15 @@ def sections(payload: torch.Tensor, shape, params: TahQuantParams) -> tuple[torc
     rd = PayloadReader(payload, "tahquant")
     k = int(rd.take(1, "Rice parameter")[0])
     scale = rd.take_array(n * t, torch.bfloat16, "scales").reshape(n, t)
-    if k > 8:  # before its low bits' size is computed from it
-        raise CodecError(f"tahquant payload is corrupt: Rice parameter {k} is not in [0, 8]")
+    rice.check_k(k, "tahquant")  # before its low bits' size is computed from it
     low = rd.take(packed_nbytes(n * t * g, k) if k else 0, "low bits")
-    unary = rd.take(rd.remaining, "unary stream")
+    return k, scale, low, rd.take(rd.remaining, "unary stream")
+
+
+def sections(payload: torch.Tensor, shape, params: TahQuantParams) -> tuple[torch.Tensor, torch.Tensor]:
+    """Check the payload -> (scale bf16 (N, T), codes q + qmax uint8 (N, T*G))."""
+    k, scale, low, unary = split(payload, shape, params)
+    n, _, t, g = shape_of(shape, params)
     z = rice.decode(low, unary, n * t * g, k, 2 * int(params.qmax), "tahquant")
     return scale, unzigzag(z, int(params.qmax)).reshape(n, t * g)
 

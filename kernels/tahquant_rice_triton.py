@@ -1,6 +1,6 @@
 """TAH-Quant's entropy-coded layout (layout 3) on the GPU: symtiles_triton rotates, scales and quantizes
-(8-bit codes on the layout's grid), tahquant_rice_ref's pack and sections do the Rice coding in
-integer torch ops on the device; the same payload as the reference byte for byte.
+(8-bit codes on the layout's grid), rice_triton Rice-codes them into the payload; the same payload as
+the reference byte for byte. One synchronization each way reads every kernel's flags.
 
 encode(x (..., C), params) -> uint8 payload       decode(payload, shape, params, dtype) -> (shape)"""
 
@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import torch
 
-from . import symtiles_triton
+from . import rice_triton, symtiles_triton
 from .tahquant_ref import TahQuantParams
-from .tahquant_rice_ref import pack, sections, shape_of
+from .tahquant_rice_ref import shape_of, split
 
 __all__ = ["encode", "decode"]
 
@@ -20,15 +20,23 @@ CODE_BITS = 8  # the kernels' codes before Rice coding: one byte each (qmax <= 1
 def encode(x: torch.Tensor, params: TahQuantParams) -> torch.Tensor:
     params.validate()
     n, c, t, g = shape_of(tuple(x.shape), params)
-    out, _ = symtiles_triton.encode(x.detach().reshape(n, c), g, CODE_BITS, True, "tahquant", qmax=int(params.qmax))
-    head = 2 * n * t
-    scale = out[:head].view(torch.bfloat16).reshape(n, t)
-    return pack(scale, out[head: head + n * t * g], int(params.qmax))
+    x2, qmax = x.detach().reshape(n, c), int(params.qmax)
+    out, _, status = symtiles_triton.launch_encode(x2, g, CODE_BITS, True, qmax)
+    head = 2 * n * t  # the scales, then N*T*G codes: a multiple of G >= 8, as rice_triton needs
+    codes = out[head: head + n * t * g]
+    sums = rice_triton.block_sums(codes, qmax)
+    bad, *totals = torch.cat([status.long(), sums.sum(0, dtype=torch.int64)]).tolist()  # the one synchronization
+    symtiles_triton.raise_for_encode(bad, x2, "tahquant")
+    return rice_triton.write(codes, qmax, out[:head], sums, totals)
 
 
 def decode(payload: torch.Tensor, shape, params: TahQuantParams, dtype: torch.dtype) -> torch.Tensor:
-    scale, codes = sections(payload, shape, params)
-    n, c, _, g = shape_of(shape, params)
-    # N*T*G codes, a multiple of G >= 8: already whole bytes of the kernel's 8-bit plane, no padding
-    return symtiles_triton.decode(scale.contiguous(), codes.reshape(-1), n, c, g, CODE_BITS, True, dtype, "tahquant",
-                                  qmax=int(params.qmax)).reshape(shape)
+    k, scale, low, unary = split(payload, shape, params)
+    n, c, t, g = shape_of(shape, params)
+    qmax = int(params.qmax)
+    codes, flags = rice_triton.launch_decode(low, unary, n * t * g, k, qmax, "tahquant")
+    out, worst = symtiles_triton.launch_decode(scale.contiguous(), codes, n, c, g, CODE_BITS, True, dtype, qmax)
+    *flags, worst = torch.cat([flags, worst.long().reshape(1)]).tolist()  # the one synchronization
+    rice_triton.raise_for_decode(flags, unary.numel(), n * t * g, "tahquant")  # the reference's order: the codes first
+    symtiles_triton.raise_for_decode(worst, "tahquant")
+    return out.reshape(shape)

@@ -103,7 +103,7 @@ def _cases():
     from tahnode.kernels import symtiles_triton as st
     for dt, g, bits, rotate, packed in (("bf16", 128, 6, False, True), ("fp32", 32, 6, False, False), ("bf16", 64, 4, True, True),
                                         ("fp16", 32, 4, True, True), ("fp32", 256, 8, True, True), ("bf16", 8, 3, False, True)):
-        const = dict(G=g, QMAX=2 ** (bits - 1) - 1, ROTATE=rotate, BR=4096 // g, **st._planes(bits))
+        const = dict(G=g, QMAX=2 ** (bits - 1) - 1, ROTATE=rotate, BR=4096 // g, **st.plane_shifts(bits))
         sig = dict(x_ptr=PTR[dt], stride_x="i32", signs_ptr="*fp32", n_rows="i32", n_chan="i32", n_tpt="i32", width="i32",
                    scale_ptr="*bf16", out_ptr="*u8", n_pad="i64", codes_ptr="*u8", status_ptr="*i32")
         econst = dict(const, PACKED=packed)
@@ -115,9 +115,26 @@ def _cases():
         sig.update({k: "constexpr" for k in dconst})
         out.append((f"symtiles decode {dt} G={g} bits={bits} rotate={rotate}", st._decode_kernel, sig, dconst))
     for bits in (6, 3):
-        const = dict(BLOCK=4096, **st._planes(bits))
+        const = dict(BLOCK=4096, **st.plane_shifts(bits))
         sig = dict(codes_ptr="*u8", out_ptr="*u8", n="i64", n_pad="i64", **{k: "constexpr" for k in const})
         out.append((f"symtiles pack bits={bits}", st._pack_kernel, sig, const))
+
+    from tahnode.kernels import rice_triton as rt
+    for qmax in (12, 127):
+        const = dict(QMAX=qmax, BLOCK=512)
+        sig = dict(codes_ptr="*u8", n="i64", sums_ptr="*i32", **{k: "constexpr" for k in const})
+        out.append((f"rice sums qmax={qmax}", rt._sums_kernel, sig, const))
+    for qmax, k in ((12, 0), (12, 3), (31, 5), (127, 8)):
+        const = dict(QMAX=qmax, K=k, BLOCK=512, **st.plane_shifts(k))
+        sig = dict(codes_ptr="*u8", n="i64", first_bit_ptr="*i64", low_ptr="*u8", unary_ptr="*u8",
+                   **{k: "constexpr" for k in const})
+        out.append((f"rice write qmax={qmax} k={k}", rt._write_kernel, sig, const))
+        const = dict(QMAX=qmax, K=k, WINDOWS=-(-((2 * qmax >> k) + 1) // 32), BLOCK=256, **st.plane_shifts(k))
+        sig = dict(unary_ptr="*u8", nbytes="i64", rank_ptr="*i64", low_ptr="*u8", n="i64", codes_ptr="*u8", bad_ptr="*u8",
+                   **{k: "constexpr" for k in const})
+        out.append((f"rice values qmax={qmax} k={k}", rt._values_kernel, sig, const))
+    sig = dict(unary_ptr="*u8", nbytes="i64", count_ptr="*i32", BLOCK="constexpr")
+    out.append(("rice zeros", rt._zeros_kernel, sig, dict(BLOCK=256)))
     return out
 
 

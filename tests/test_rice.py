@@ -9,7 +9,7 @@ import torch
 
 from tahnode import codecs
 from tahnode.codecs import CodecError
-from tahnode.kernels import rice, tahquant_rice_ref, tahquant_rice_triton
+from tahnode.kernels import rice, rice_triton, tahquant_rice_ref, tahquant_rice_triton
 from tahnode.kernels.tahquant_ref import TahQuantParams
 from helpers import assert_kernel_gives_the_reference, kernel_test_input
 
@@ -145,3 +145,74 @@ def test_corrupt_payloads_are_refused_alike(kernels):
         with pytest.raises(CodecError) as got:
             tahquant_rice_triton.decode(bad.to(DEVICE), shape, p, torch.float32)
         assert str(got.value) == str(want.value)
+
+
+def _codes(kind: str, n: int, qmax: int, gen: torch.Generator) -> torch.Tensor:
+    """Codes q + qmax (uint8) of a few shapes of distribution: Laplace-like small ones, uniform ones,
+    and mostly zeros with a few at the grid's ends (k = 0: runs of 2 qmax one-bits across words and blocks)."""
+    if kind == "laplace":
+        q = (torch.randn(n, generator=gen) * torch.rand(n, generator=gen) * 4).round().clamp(-qmax, qmax)
+    elif kind == "uniform":
+        q = torch.randint(-qmax, qmax + 1, (n,), generator=gen).float()
+    else:
+        q = torch.zeros(n)
+        q[torch.randint(0, n, (n // 50,), generator=gen)] = torch.tensor(float(qmax))
+        q[torch.randint(0, n, (n // 50,), generator=gen)] = torch.tensor(float(-qmax))
+    return (q + qmax).to(torch.uint8)
+
+
+@pytest.mark.parametrize("blocks", ["gpu", "interpreter"])
+@pytest.mark.parametrize("kind,n,qmax", [("laplace", 20_000, 12), ("uniform", 9_000, 127), ("ends", 24_000, 127),
+                                         ("laplace", 140_000, 31), ("ends", 8, 1)])
+def test_rice_kernels_give_the_references_bytes(kernels, monkeypatch, blocks, kind, n, qmax):
+    """rice_triton's payload (k, head, low bits, unary stream) is the reference's byte for byte, and its
+    decode gives the codes back, at the GPU's block sizes (many programs, values and runs across
+    their edges) and the interpreter's."""
+    if blocks == "gpu":
+        monkeypatch.setattr(rice_triton, "_blocks", lambda: (512, 256))
+    codes = _codes(kind, n, qmax, torch.Generator().manual_seed(n + qmax))
+    z = tahquant_rice_ref.zigzag(codes, qmax)
+    k = rice.best_k(z, 2 * qmax)
+    low, unary = rice.encode(z, k)
+    head = torch.arange(6, dtype=torch.uint8)
+    want = torch.cat([torch.tensor([k], dtype=torch.uint8), head, low, unary])
+    assert torch.equal(rice_triton.encode(codes.to(DEVICE), qmax, head.to(DEVICE)).cpu(), want)
+    assert torch.equal(rice_triton.decode(low.to(DEVICE), unary.to(DEVICE), n, k, qmax, "t").cpu(), codes)
+
+
+def _streams():
+    """(low, unary, k, qmax) of 8 values: well-formed ones, streams encode never writes, and random
+    one-bit flips of well-formed ones."""
+    gen = torch.Generator().manual_seed(3)
+    z = torch.tensor([0, 1, 5, 2, 0, 0, 3, 1])
+    low1, unary1 = rice.encode(z, 1)
+    cases = [(low1, unary1, 1, 3), (low1, unary1[:-1], 1, 3), (low1, torch.cat([unary1, unary1[-1:]]), 1, 3),
+             (low1, torch.tensor([0xFF, 0xFF], dtype=torch.uint8), 1, 3),  # no zero-bit at all
+             (low1, torch.tensor([0x00, 0xFF], dtype=torch.uint8), 1, 3),  # 8 zero-bits, then a spare byte
+             (low1, torch.zeros(0, dtype=torch.uint8), 1, 3),
+             (low1[:0], torch.tensor([0x00], dtype=torch.uint8), 0, 1),  # eight zeros: all values 0
+             (low1, torch.tensor([0b11111110, 0, 0xFF, 0b11111000], dtype=torch.uint8), 1, 3)]  # a run too long
+    long_run = torch.zeros(8, dtype=torch.int64)
+    long_run[3] = 254
+    cases.append((torch.zeros(0, dtype=torch.uint8), rice.encode(long_run, 0)[1], 0, 127))  # a run over 7 words
+    long_run[3] = 255
+    cases.append((torch.zeros(0, dtype=torch.uint8), rice.encode(long_run, 0)[1], 0, 127))  # one bit too many
+    for _ in range(24):
+        unary = unary1.clone()
+        flip = int(torch.randint(0, 8 * unary.numel(), (1,), generator=gen))
+        unary[flip // 8] ^= 1 << (flip % 8)
+        cases.append((low1, unary, 1, 3))
+    return cases
+
+
+def test_rice_kernels_refuse_what_the_reference_refuses(kernels):
+    """On every stream: the same codes as the reference, or its error with its message."""
+    for low, unary, k, qmax in _streams():
+        try:
+            want = tahquant_rice_ref.unzigzag(rice.decode(low, unary, 8, k, 2 * qmax, "t"), qmax)
+        except CodecError as err:
+            with pytest.raises(CodecError) as got:
+                rice_triton.decode(low.to(DEVICE), unary.to(DEVICE), 8, k, qmax, "t")
+            assert str(got.value) == str(err), (unary.tolist(), k, qmax)
+        else:
+            assert torch.equal(rice_triton.decode(low.to(DEVICE), unary.to(DEVICE), 8, k, qmax, "t").cpu(), want)

@@ -1,0 +1,261 @@
+"""tahnode.kernels.rice in Triton, for layout 3's zigzagged codes on the GPU: the reference's bytes,
+and its refusals, with one synchronization each way.
+
+encode: a kernel sums each block's high parts at every k (best_k and the payload's size from those
+sums); a second packs the low bits into their planes and writes the unary stream a byte at a time,
+each byte by the last value whose zero-bit falls in it (no atomics). block_sums, write and
+launch_decode let a caller read other kernels' flags in the same synchronization.
+decode: a kernel counts each block's zero-bits; a second ranks every zero-bit (its value's index),
+counts the run of one-bits below it (the high part), adds the low bits, checks the range and stores
+the code; the synchronization reads the count and the range check. Only cumulative sums are
+scanned, so Triton's interpreter runs them at numpy's speed."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from . import rice
+from .bitpack import packed_nbytes
+from .symtiles_triton import plane_shifts, store_plane
+from .triton_util import interpreting, on_device
+from .wire import CodecError
+
+__all__ = ["encode", "block_sums", "write", "decode", "launch_decode", "raise_for_decode"]
+
+@triton.jit
+def _zigzag(codes_ptr, i, ok, QMAX: tl.constexpr):
+    """The zigzagged codes (int32) at indices i (0 where not ok): q = code - QMAX -> (2q) xor (q >> 31)."""
+    q = tl.load(codes_ptr + i, mask=ok, other=QMAX).to(tl.int32) - QMAX
+    return (q << 1) ^ (q >> 31)
+
+
+@triton.jit
+def _sums_kernel(codes_ptr, n, sums_ptr, QMAX: tl.constexpr, BLOCK: tl.constexpr):
+    """sums[program, k] = the sum of z >> k over the program's BLOCK values, k = 0..8."""
+    pid = tl.program_id(0)
+    i = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    z = _zigzag(codes_ptr, i, i < n, QMAX)
+    for k in tl.static_range(9):
+        tl.store(sums_ptr + pid * 9 + k, tl.sum(z >> k, axis=0))
+
+
+@triton.jit
+def _taken(codes_ptr, i, ok, QMAX: tl.constexpr, K: tl.constexpr):
+    """The unary bits of the values at i, (z >> K) + 1 (int64; 0 where not ok)."""
+    return tl.where(ok, (_zigzag(codes_ptr, i, ok, QMAX) >> K) + 1, 0).to(tl.int64)
+
+
+@triton.jit
+def _write_kernel(codes_ptr, n, first_bit_ptr, low_ptr, unary_ptr, QMAX: tl.constexpr, K: tl.constexpr,
+                  BLOCK: tl.constexpr, S8: tl.constexpr, S4: tl.constexpr, S2: tl.constexpr, S1: tl.constexpr):
+    """Program b: values [b*BLOCK, +BLOCK). Their low K bits go to the planes at low_ptr (S<w>: the
+    bit offset of the width-w plane, -1 if absent). Value i's zero-bit is at first_bit[b] + the sum of
+    (z >> K) + 1 over the block's values up to i, minus one; the last value whose zero-bit falls in a
+    byte of the unary stream (all ones before) writes that byte: at most 8 values end in it, its own
+    and the 7 before it (their positions from their codes, loaded again), one-bits elsewhere."""
+    pid = tl.program_id(0)
+    i = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    ok = i < n
+    if K > 0:
+        z = _zigzag(codes_ptr, i, ok, QMAX)
+        first = tl.full([1], 0, tl.int64) + pid.to(tl.int64) * BLOCK
+        z2 = tl.reshape(z, (1, BLOCK))
+        ok1 = first < n
+        if S8 >= 0:
+            store_plane(low_ptr, n // 8 * S8, z2 >> S8, first, n - first, ok1, 1, BLOCK, 8)
+        if S4 >= 0:
+            store_plane(low_ptr, n // 8 * S4, z2 >> S4, first, n - first, ok1, 1, BLOCK, 4)
+        if S2 >= 0:
+            store_plane(low_ptr, n // 8 * S2, z2 >> S2, first, n - first, ok1, 1, BLOCK, 2)
+        if S1 >= 0:
+            store_plane(low_ptr, n // 8 * S1, z2 >> S1, first, n - first, ok1, 1, BLOCK, 1)
+    end = tl.load(first_bit_ptr + pid) + tl.cumsum(_taken(codes_ptr, i, ok, QMAX, K), axis=0) - 1
+    byte = end >> 3
+    last_of_byte = ok & ((((end + _taken(codes_ptr, i + 1, i + 1 < n, QMAX, K)) >> 3) != byte) | (i + 1 >= n))
+    m = tl.arange(0, 8)
+    back = i[:, None] - m[None, :]  # this value and the 7 before it
+    taken = _taken(codes_ptr, back, last_of_byte[:, None] & (back >= 0), QMAX, K)
+    ends = end[:, None] - (tl.cumsum(taken, axis=1) - taken)
+    zero_bits = tl.sum(tl.where((taken > 0) & ((ends >> 3) == byte[:, None]), 1 << (ends & 7).to(tl.int32), 0), axis=1)
+    tl.store(unary_ptr + byte, (~zero_bits & 0xFF).to(tl.uint8), mask=last_of_byte)
+
+
+@triton.jit
+def _zeros_kernel(unary_ptr, nbytes, count_ptr, BLOCK: tl.constexpr):
+    """count[b] = the zero-bits of bytes [b*BLOCK, +BLOCK) of the unary stream."""
+    pid = tl.program_id(0)
+    byte = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    b = tl.load(unary_ptr + byte, mask=byte < nbytes, other=0xFF).to(tl.int32)
+    zero = ((b[:, None] >> tl.arange(0, 8)[None, :]) & 1) == 0
+    tl.store(count_ptr + pid, tl.sum(tl.sum(zero.to(tl.int32), axis=1), axis=0))
+
+
+@triton.jit
+def _leading_ones(x):
+    """The one-bits at the top of x (int64 holding 32 bits), from bit 31 down: 0..32."""
+    y = ~x & 0xFFFFFFFF
+    count = tl.where(y == 0, 32, 0)
+    top16 = y < (1 << 16)
+    count += tl.where(top16, 16, 0)
+    y = tl.where(top16, y << 16, y)
+    top8 = y < (1 << 24)
+    count += tl.where(top8, 8, 0)
+    y = tl.where(top8, y << 8, y)
+    top4 = y < (1 << 28)
+    count += tl.where(top4, 4, 0)
+    y = tl.where(top4, y << 4, y)
+    top2 = y < (1 << 30)
+    count += tl.where(top2, 2, 0)
+    y = tl.where(top2, y << 2, y)
+    count += tl.where(y < (1 << 31), 1, 0)
+    return tl.where(count > 32, 32, count)
+
+
+@triton.jit
+def _low_bits(low_ptr, plane, index, ok, W: tl.constexpr):
+    """The width-W plane's values (int32) of the codes at `index` (any order)."""
+    PER: tl.constexpr = 8 // W
+    b = tl.load(low_ptr + plane + index // PER, mask=ok, other=0).to(tl.int32)
+    return (b >> ((index % PER) * W).to(tl.int32)) & ((1 << W) - 1)
+
+
+@triton.jit
+def _values_kernel(unary_ptr, nbytes, rank_ptr, low_ptr, n, codes_ptr, bad_ptr, QMAX: tl.constexpr, K: tl.constexpr,
+                   WINDOWS: tl.constexpr, BLOCK: tl.constexpr, S8: tl.constexpr, S4: tl.constexpr, S2: tl.constexpr,
+                   S1: tl.constexpr):
+    """Program b: the zero-bits of bytes [b*BLOCK, +BLOCK), the r-th of the stream (r from rank[b] on)
+    ending value r: its high part is the run of one-bits just below it (counted in WINDOWS windows of
+    32 bits, enough for 2 QMAX >> K + 1), its low bits code r of the planes; code r = unzigzag(z) +
+    QMAX. bad[b] = 1 if one of its values exceeds 2 QMAX."""
+    pid = tl.program_id(0)
+    pos = pid.to(tl.int64) * (8 * BLOCK) + tl.arange(0, 8 * BLOCK)
+    in_stream = pos < nbytes * 8
+    byte = tl.load(unary_ptr + (pos >> 3), mask=in_stream, other=0xFF).to(tl.int32)
+    zero = in_stream & (((byte >> (pos & 7).to(tl.int32)) & 1) == 0)
+    high = tl.zeros([8 * BLOCK], dtype=tl.int64)
+    run_on = zero
+    for w in tl.static_range(WINDOWS):  # bits [top - 32, top) as one word; before the stream: zero-bits
+        start = pos - 32 * (w + 1)
+        word = tl.zeros([8 * BLOCK], dtype=tl.int64)
+        for m in tl.static_range(5):
+            at = (start >> 3) + m
+            word |= tl.load(unary_ptr + at, mask=run_on & (at >= 0), other=0).to(tl.int64) << (8 * m)
+        ones = _leading_ones((word >> (start & 7)) & 0xFFFFFFFF)
+        high += tl.where(run_on, ones, 0)
+        run_on = run_on & (ones == 32)
+    r = tl.load(rank_ptr + pid) + tl.cumsum(zero.to(tl.int64), axis=0) - 1
+    ok = zero & (r < n)
+    z = tl.minimum(high, 2 * QMAX >> K).to(tl.int32) << K
+    if S8 >= 0:
+        z |= _low_bits(low_ptr, n // 8 * S8, r, ok, 8) << S8
+    if S4 >= 0:
+        z |= _low_bits(low_ptr, n // 8 * S4, r, ok, 4) << S4
+    if S2 >= 0:
+        z |= _low_bits(low_ptr, n // 8 * S2, r, ok, 2) << S2
+    if S1 >= 0:
+        z |= _low_bits(low_ptr, n // 8 * S1, r, ok, 1) << S1
+    bad = ok & ((high > (2 * QMAX >> K)) | (z > 2 * QMAX))
+    tl.store(bad_ptr + pid, tl.max(bad.to(tl.int32), axis=0).to(tl.uint8))
+    q = (z >> 1) ^ -(z & 1)
+    tl.store(codes_ptr + r, (q + QMAX).to(tl.uint8), mask=ok)
+
+
+def _blocks() -> tuple[int, int]:
+    """(values per encode program, stream bytes per decode program): a few thousand lanes each on a
+    GPU (the code grows with them: these compile to about 150 kB for sm_90), more in the interpreter."""
+    return (65536, 65536) if interpreting() else (512, 256)
+
+
+def _check_count(count: int) -> None:
+    if count % 8:
+        raise ValueError(f"rice_triton codes whole bytes of every plane: {count} values is not a multiple of 8")
+
+
+def encode(codes: torch.Tensor, qmax: int, head: torch.Tensor) -> torch.Tensor:
+    """Codes q + qmax (uint8, a multiple of 8 of them) on a CUDA device (or interpreted) -> payload:
+    k u8 (rice.best_k of their zigzagged values), `head` (uint8), then rice.encode's low bits and
+    unary stream at k, byte for byte, the sections written in place."""
+    sums = block_sums(codes, qmax)
+    return write(codes, qmax, head, sums, sums.sum(0, dtype=torch.int64).tolist())  # the one synchronization
+
+
+def block_sums(codes: torch.Tensor, qmax: int) -> torch.Tensor:
+    """encode's first kernel, launched: (blocks, 9) int32, the sums of z >> k of each block of values;
+    the sums over the blocks (read by the caller) fix k and the payload's size."""
+    codes = codes.reshape(-1)
+    n = codes.numel()
+    _check_count(n)
+    with on_device(codes):
+        block, _ = _blocks()
+        blocks = triton.cdiv(n, block)
+        sums = torch.zeros(max(blocks, 1), 9, dtype=torch.int32, device=codes.device)
+        if blocks:
+            _sums_kernel[(blocks,)](codes, n, sums, QMAX=qmax, BLOCK=block)
+        return sums
+
+
+def write(codes: torch.Tensor, qmax: int, head: torch.Tensor, sums: torch.Tensor, totals: list[int]) -> torch.Tensor:
+    """encode's payload from block_sums' sums and their `totals` over the blocks (on the host)."""
+    codes = codes.reshape(-1)
+    n = codes.numel()
+    with on_device(codes):
+        block, _ = _blocks()
+        k = min(range((2 * qmax).bit_length() + 1), key=lambda k: (n * (k + 1) + totals[k], k))
+        low_nbytes, unary_nbytes = packed_nbytes(n, k) if k else 0, -(-(n + totals[k]) // 8)
+        start = 1 + head.numel()
+        payload = torch.empty(start + low_nbytes + unary_nbytes, dtype=torch.uint8, device=codes.device)
+        payload[0] = k
+        payload[1:start] = head
+        payload[start + low_nbytes:] = 0xFF
+        if n:
+            taken = sums[:, k].long() + block
+            first_bit = torch.cumsum(taken, 0) - taken
+            _write_kernel[(triton.cdiv(n, block),)](codes, n, first_bit, payload[start:], payload[start + low_nbytes:],
+                                                     QMAX=qmax, K=k, BLOCK=block, **plane_shifts(k))
+        return payload
+
+
+def decode(low: torch.Tensor, unary: torch.Tensor, count: int, k: int, qmax: int, codec: str) -> torch.Tensor:
+    """Inverse of encode -> codes q + qmax (uint8, count), with rice.decode's checks and messages
+    (a multiple of 8 values: no padding in the low bits)."""
+    codes, flags = launch_decode(low, unary, count, k, qmax, codec)
+    raise_for_decode(flags.tolist(), unary.numel(), count, codec)  # the one synchronization
+    return codes
+
+
+def launch_decode(low: torch.Tensor, unary: torch.Tensor, count: int, k: int, qmax: int,
+                  codec: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """decode's checks of sizes (raised at once) and its kernels, launched: (codes, flags int64 (3,) on
+    the device for raise_for_decode), not waited for."""
+    _check_count(count)
+    rice.check_k(k, codec)
+    rice.check_length(unary.numel(), count, k, 2 * qmax, codec)
+    codes = torch.empty(count, dtype=torch.uint8, device=unary.device)
+    if count == 0 or unary.numel() == 0:
+        if count or unary.numel():
+            raise rice.wrong_end(unary.numel(), count, codec)
+        return codes, torch.zeros(3, dtype=torch.int64, device=unary.device)
+    with on_device(unary):
+        _, block = _blocks()
+        blocks = triton.cdiv(unary.numel(), block)
+        zeros = torch.empty(blocks, dtype=torch.int32, device=unary.device)
+        _zeros_kernel[(blocks,)](unary, unary.numel(), zeros, BLOCK=block)
+        rank = torch.cumsum(zeros, 0, dtype=torch.int64) - zeros
+        bad = torch.empty(blocks, dtype=torch.uint8, device=unary.device)
+        windows = -(-((2 * qmax >> k) + 1) // 32)
+        _values_kernel[(blocks,)](unary, unary.numel(), rank, low if k else unary, count, codes, bad, QMAX=qmax, K=k,
+                                  WINDOWS=windows, BLOCK=block, **plane_shifts(k))
+        found = rank[-1] + zeros[-1] - count  # 0 when the stream ends `count` values
+        return codes, torch.stack([found, (unary[-1] == 0xFF).long(), bad.max().long()])
+
+
+def raise_for_decode(flags: list[int], nbytes: int, count: int, codec: str) -> None:
+    """rice.decode's error for launch_decode's flags (zero-bits found - count, last byte all ones, a
+    value out of range), if any."""
+    wrong_count, no_end, out_of_range = flags
+    if wrong_count or no_end:  # the last zero-bit lies in the last byte
+        raise rice.wrong_end(nbytes, count, codec)
+    if out_of_range:
+        raise rice.out_of_range(codec)
