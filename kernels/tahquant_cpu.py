@@ -20,10 +20,10 @@ from .bitpack import padded_count, plane_widths
 from .quant_ref import dequantize_asym, fp16_min_scale, hadamard
 from .tahquant_ref import ALLOC_TOKEN, TahQuantParams, low_bit_mask, read_header, tile_bits, to_tiles
 
-__all__ = ["encode", "decode", "pack_rows_np", "unpack_rows_np"]
+__all__ = ["encode", "decode", "pack_rows_np", "unpack_rows_np", "pack_planes_np", "unpack_planes_np"]
 
 
-def _pack(codes: np.ndarray, bits: int) -> np.ndarray:
+def pack_planes_np(codes: np.ndarray, bits: int) -> np.ndarray:
     """Rows of codes (R, n), n a multiple of 8, as bitpack.pack_bits packs them: (R, n*bits/8)."""
     r, n = codes.shape
     planes, shift = [], 0
@@ -40,8 +40,8 @@ def _pack(codes: np.ndarray, bits: int) -> np.ndarray:
     return np.concatenate(planes, axis=1)
 
 
-def _unpack(data: np.ndarray, bits: int, n: int) -> np.ndarray:
-    """Inverse of _pack: bytes (R, n*bits/8) -> codes (R, n)."""
+def unpack_planes_np(data: np.ndarray, bits: int, n: int) -> np.ndarray:
+    """Inverse of pack_planes_np: bytes (R, n*bits/8) -> codes (R, n)."""
     r = data.shape[0]
     codes, offset, shift = np.zeros((r, n), dtype=np.uint8), 0, 0
     for width in plane_widths(bits):
@@ -69,7 +69,7 @@ def pack_rows_np(codes: np.ndarray, bits: np.ndarray) -> np.ndarray:
     out = np.empty(int(bits.astype(np.int64).sum()) * (n // 8), dtype=np.uint8)
     for b in np.unique(bits):
         rows = np.flatnonzero(bits == b)
-        packed = _pack(codes[rows], int(b))
+        packed = pack_planes_np(codes[rows], int(b))
         out[(starts[rows][:, None] + np.arange(packed.shape[1])).reshape(-1)] = packed.reshape(-1)
     return out
 
@@ -81,7 +81,7 @@ def unpack_rows_np(data: np.ndarray, bits: np.ndarray, n: int) -> np.ndarray:
     for b in np.unique(bits):
         rows = np.flatnonzero(bits == b)
         idx = starts[rows][:, None] + np.arange(n * int(b) // 8)
-        codes[rows] = _unpack(data[idx], int(b), n)
+        codes[rows] = unpack_planes_np(data[idx], int(b), n)
     return codes
 
 
@@ -154,7 +154,7 @@ def encode(x: torch.Tensor, params: TahQuantParams = TahQuantParams()) -> torch.
         np.packbits(flag.numpy(), bitorder="little"),
         zero.numpy().view(np.uint8),
         scale.numpy().view(np.uint8),
-        _pack(pivots[None, :], params.pivot_bits)[0],
+        pack_planes_np(pivots[None, :], params.pivot_bits)[0],
         pack_rows_np(q.numpy(), bits.numpy()),
     ]))
 

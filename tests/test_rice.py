@@ -9,7 +9,7 @@ import torch
 
 from tahnode import codecs
 from tahnode.codecs import CodecError
-from tahnode.kernels import rice, rice_triton, tahquant_rice_ref, tahquant_rice_triton
+from tahnode.kernels import dispatch, rice, rice_cpu, rice_triton, tahquant_rice_cpu, tahquant_rice_ref, tahquant_rice_triton
 from tahnode.kernels.tahquant_ref import TahQuantParams
 from helpers import assert_kernel_gives_the_reference, kernel_test_input
 
@@ -145,6 +145,9 @@ def test_corrupt_payloads_are_refused_alike(kernels):
         with pytest.raises(CodecError) as got:
             tahquant_rice_triton.decode(bad.to(DEVICE), shape, p, torch.float32)
         assert str(got.value) == str(want.value)
+        with pytest.raises(CodecError) as got:
+            tahquant_rice_cpu.decode(bad, shape, p, torch.float32)
+        assert str(got.value) == str(want.value)
 
 
 def _codes(kind: str, n: int, qmax: int, gen: torch.Generator) -> torch.Tensor:
@@ -205,14 +208,49 @@ def _streams():
     return cases
 
 
-def test_rice_kernels_refuse_what_the_reference_refuses(kernels):
+def _refuse_what_the_reference_refuses(decode, device: str) -> None:
     """On every stream: the same codes as the reference, or its error with its message."""
     for low, unary, k, qmax in _streams():
         try:
             want = tahquant_rice_ref.unzigzag(rice.decode(low, unary, 8, k, 2 * qmax, "t"), qmax)
         except CodecError as err:
             with pytest.raises(CodecError) as got:
-                rice_triton.decode(low.to(DEVICE), unary.to(DEVICE), 8, k, qmax, "t")
+                decode(low.to(device), unary.to(device), 8, k, qmax, "t")
             assert str(got.value) == str(err), (unary.tolist(), k, qmax)
         else:
-            assert torch.equal(rice_triton.decode(low.to(DEVICE), unary.to(DEVICE), 8, k, qmax, "t").cpu(), want)
+            assert torch.equal(decode(low.to(device), unary.to(device), 8, k, qmax, "t").cpu(), want)
+
+
+def test_rice_kernels_refuse_what_the_reference_refuses(kernels):
+    _refuse_what_the_reference_refuses(rice_triton.decode, DEVICE)
+
+
+def test_the_cpu_path_refuses_what_the_reference_refuses():
+    _refuse_what_the_reference_refuses(rice_cpu.decode, "cpu")
+
+
+@pytest.mark.parametrize("kind,n,qmax", [("laplace", 20_000, 12), ("uniform", 9_000, 127), ("ends", 24_000, 127),
+                                         ("ends", 8, 1), ("laplace", 0, 12)])
+def test_the_cpu_path_gives_the_references_bytes(kind, n, qmax):
+    codes = _codes(kind, n, qmax, torch.Generator().manual_seed(n + qmax))
+    z = tahquant_rice_ref.zigzag(codes, qmax)
+    k = rice.best_k(z, 2 * qmax)
+    low, unary = rice.encode(z, k)
+    head = torch.arange(6, dtype=torch.uint8)
+    assert torch.equal(rice_cpu.encode(codes, qmax, head), torch.cat([torch.tensor([k], dtype=torch.uint8), head, low, unary]))
+    assert torch.equal(rice_cpu.decode(low, unary, n, k, qmax, "t"), codes)
+
+
+@pytest.mark.parametrize("shape,dtype,g,qmax", CASES, ids=[f"{c[0]}-{c[1]}-G{c[2]}-q{c[3]}" for c in CASES])
+def test_the_cpu_path_gives_the_references_bytes_and_values(shape, dtype, g, qmax):
+    x = kernel_test_input(shape, dtype)
+    assert_kernel_gives_the_reference(tahquant_rice_cpu, tahquant_rice_ref, x, TahQuantParams(layout=3, group_size=g, qmax=qmax),
+                                      "cpu")
+
+
+def test_the_registry_serves_cpu_tensors_with_the_cpu_path(monkeypatch):
+    monkeypatch.delenv("TAHNODE_FORCE_TRITON", raising=False)
+    monkeypatch.delenv("TAHNODE_REFERENCE", raising=False)
+    assert dispatch.implementation("tahquant_rice", torch.zeros(1)) is tahquant_rice_cpu
+    monkeypatch.setenv("TAHNODE_REFERENCE", "1")
+    assert dispatch.implementation("tahquant_rice", torch.zeros(1)) is tahquant_rice_ref
