@@ -90,7 +90,11 @@ class Swarm:
         return path.read_text(errors="replace") if path.exists() else ""
 
     def wait_exit(self, name: str, timeout: float = 60) -> int:
-        return self.procs[name].wait(timeout)
+        """The process's exit code; if it runs on past `timeout` s, a failure that shows its log's end."""
+        try:
+            return self.procs[name].wait(timeout)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"{name} still runs after {timeout} s; its log ends:\n{self.log(name)[-4000:]}") from None
 
     def stop(self) -> None:
         for p in self.procs.values():
