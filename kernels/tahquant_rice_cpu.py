@@ -1,6 +1,6 @@
-"""TAH-Quant's entropy-coded layout (layout 3) on the CPU, fast: the reference's rotation, scales and
-quantization (symtiles_ref, its own functions), rice_cpu's numpy Rice coding; the same payload as
-tahquant_rice_ref byte for byte, its decodes bit for bit, its errors.
+"""TAH-Quant's entropy-coded layout (layout 3) on the CPU, fast: symtiles_cpu's rotation and
+quantization (symtiles_ref's arithmetic, bit for bit), the reference's scales, rice_cpu's numpy Rice
+coding; the same payload as tahquant_rice_ref byte for byte, its decodes bit for bit, its errors.
 
 encode(x (..., C), params) -> uint8 payload       decode(payload, shape, params, dtype) -> (shape)"""
 
@@ -10,7 +10,8 @@ import torch
 
 from . import rice_cpu
 from .quant_ref import check_finite
-from .symtiles_ref import check_scales, dequantize, quantize, rotate, tile_scales, unrotate
+from .symtiles_cpu import dequantize, quantize, rotate, unrotate
+from .symtiles_ref import check_scales, tile_scales
 from .tahquant_ref import TahQuantParams
 from .tahquant_rice_ref import shape_of, split
 from .wire import as_bytes
