@@ -34,7 +34,7 @@ def use_triton(t: torch.Tensor) -> bool:
     return forced and t.device.type == "cpu" and triton_available()
 
 
-CPU_PATHS = {"tahquant", "tahquant_rice"}  # codecs (and layouts) with a <codec>_cpu module
+CPU_PATHS = {"tahquant", "tahquant_rice", "pertoken"}  # codecs (and layouts) with a <codec>_cpu module
 
 
 def implementation(codec: str, t: torch.Tensor):

@@ -9,7 +9,8 @@ import torch
 
 from tahnode import codecs
 from tahnode.codecs import CodecError
-from tahnode.kernels import pertoken_ref, pertoken_triton, symtiles_ref, tahquant_rotated_ref, tahquant_rotated_triton
+from tahnode.kernels import (dispatch, pertoken_cpu, pertoken_ref, pertoken_triton, symtiles_ref, tahquant_rotated_ref,
+                             tahquant_rotated_triton)
 from tahnode.kernels.tahquant_ref import TahQuantParams
 from helpers import assert_kernel_gives_the_reference, kernel_test_input
 
@@ -176,3 +177,32 @@ def test_non_finite_input_is_refused_alike(kernels):
     for encode in (tahquant_rotated_ref.encode, lambda t, p: tahquant_rotated_triton.encode(t.to(DEVICE), p)):
         with pytest.raises(CodecError, match="NaN/Inf"):
             encode(x, ROTATED)
+
+
+@pytest.mark.parametrize("shape,dtype,g,bits", CASES, ids=[f"{c[0]}-{c[1]}-G{c[2]}-b{c[3]}" for c in CASES])
+def test_the_cpu_path_gives_the_references_bytes_and_values(shape, dtype, g, bits):
+    """pertoken_cpu (the registry's for CPU tensors), whole tiles or not, every width."""
+    x = kernel_test_input(shape, dtype)
+    assert_kernel_gives_the_reference(pertoken_cpu, pertoken_ref, x, pertoken_ref.PerTokenParams(bits, g), "cpu")
+
+
+def test_the_cpu_path_refuses_what_the_reference_refuses(monkeypatch):
+    shape, p = (2, 5, 40), pertoken_ref.PerTokenParams(6, 32)
+    payload = pertoken_ref.encode(torch.randn(shape), p)
+    padded = pertoken_ref.encode(torch.randn(3, 5), pertoken_ref.PerTokenParams(6, 8))
+    padded[2 * 3 + 7] |= 0xF0  # padding codes 14 and 15 of the 4-bit plane
+    cases = [(bad, shape, p) for _, bad in corruptions(payload, 2 * 5 * 2, 6)]
+    cases += [(payload[:-1], shape, p), (padded, (3, 5), pertoken_ref.PerTokenParams(6, 8))]
+    for bad, shape_, params in cases:
+        with pytest.raises(CodecError) as want:
+            pertoken_ref.decode(bad, shape_, params, torch.float32)
+        with pytest.raises(CodecError) as got:
+            pertoken_cpu.decode(bad, shape_, params, torch.float32)
+        assert str(got.value) == str(want.value)
+    x = torch.randn(2, 3, 64)
+    x[1, 2, 5] = float("nan")
+    with pytest.raises(CodecError, match="NaN/Inf"):
+        pertoken_cpu.encode(x, p)
+    monkeypatch.delenv("TAHNODE_FORCE_TRITON", raising=False)
+    monkeypatch.delenv("TAHNODE_REFERENCE", raising=False)
+    assert dispatch.implementation("pertoken", torch.zeros(1)) is pertoken_cpu
