@@ -18,7 +18,7 @@ import triton.language as tl
 
 from . import rice
 from .bitpack import packed_nbytes
-from .symtiles_triton import plane_shifts, store_plane
+from .symtiles_triton import plane_shifts, store_planes
 from .triton_util import interpreting, on_device
 from .wire import CodecError
 
@@ -59,18 +59,9 @@ def _write_kernel(codes_ptr, n, first_bit_ptr, low_ptr, unary_ptr, QMAX: tl.cons
     i = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     ok = i < n
     if K > 0:
-        z = _zigzag(codes_ptr, i, ok, QMAX)
         first = tl.full([1], 0, tl.int64) + pid.to(tl.int64) * BLOCK
-        z2 = tl.reshape(z, (1, BLOCK))
-        ok1 = first < n
-        if S8 >= 0:
-            store_plane(low_ptr, n // 8 * S8, z2 >> S8, first, n - first, ok1, 1, BLOCK, 8)
-        if S4 >= 0:
-            store_plane(low_ptr, n // 8 * S4, z2 >> S4, first, n - first, ok1, 1, BLOCK, 4)
-        if S2 >= 0:
-            store_plane(low_ptr, n // 8 * S2, z2 >> S2, first, n - first, ok1, 1, BLOCK, 2)
-        if S1 >= 0:
-            store_plane(low_ptr, n // 8 * S1, z2 >> S1, first, n - first, ok1, 1, BLOCK, 1)
+        z = tl.reshape(_zigzag(codes_ptr, i, ok, QMAX), (1, BLOCK))
+        store_planes(low_ptr, n, z, first, n - first, first < n, 1, BLOCK, S8, S4, S2, S1)
     end = tl.load(first_bit_ptr + pid) + tl.cumsum(_taken(codes_ptr, i, ok, QMAX, K), axis=0) - 1
     byte = end >> 3
     last_of_byte = ok & ((((end + _taken(codes_ptr, i + 1, i + 1 < n, QMAX, K)) >> 3) != byte) | (i + 1 >= n))
@@ -94,22 +85,14 @@ def _zeros_kernel(unary_ptr, nbytes, count_ptr, BLOCK: tl.constexpr):
 
 @triton.jit
 def _leading_ones(x):
-    """The one-bits at the top of x (int64 holding 32 bits), from bit 31 down: 0..32."""
+    """The one-bits at the top of x (int64 holding 32 bits), from bit 31 down: 0..32 (a binary search
+    for the highest zero-bit: 16, 8, 4, 2, then 1 bit at a time)."""
     y = ~x & 0xFFFFFFFF
     count = tl.where(y == 0, 32, 0)
-    top16 = y < (1 << 16)
-    count += tl.where(top16, 16, 0)
-    y = tl.where(top16, y << 16, y)
-    top8 = y < (1 << 24)
-    count += tl.where(top8, 8, 0)
-    y = tl.where(top8, y << 8, y)
-    top4 = y < (1 << 28)
-    count += tl.where(top4, 4, 0)
-    y = tl.where(top4, y << 4, y)
-    top2 = y < (1 << 30)
-    count += tl.where(top2, 2, 0)
-    y = tl.where(top2, y << 2, y)
-    count += tl.where(y < (1 << 31), 1, 0)
+    for step in tl.static_range(5):  # a width of 16 >> step bits
+        short = y < (1 << (32 - (16 >> step)))
+        count += tl.where(short, 16 >> step, 0)
+        y = tl.where(short, y << (16 >> step), y)
     return tl.where(count > 32, 32, count)
 
 

@@ -21,7 +21,7 @@ from .symtiles_ref import rotation_signs
 from .triton_util import interpreting, on_device, round_half_even, to_bf16_rne
 from .wire import CodecError
 
-__all__ = ["encode", "decode", "launch_encode", "raise_for_encode", "launch_decode", "raise_for_decode", "store_plane",
+__all__ = ["encode", "decode", "launch_encode", "raise_for_encode", "launch_decode", "raise_for_decode", "store_planes",
            "plane_shifts"]
 
 MIN_NORMAL = 2.0 ** -126  # symtiles_ref.MIN_SCALE
@@ -52,7 +52,7 @@ def _fwht(y, BR: tl.constexpr, G: tl.constexpr):
 
 
 @triton.jit
-def store_plane(out_ptr, plane, q, first, count, rows_ok, BR: tl.constexpr, G: tl.constexpr, W: tl.constexpr):
+def _store_plane(out_ptr, plane, q, first, count, rows_ok, BR: tl.constexpr, G: tl.constexpr, W: tl.constexpr):
     """The low W bits of the codes q (BR, G), whose code indices start at first (BR,) (multiples of 8),
     into the width-W plane that starts at byte `plane`: 8/W codes per byte, least significant first.
     Only the first `count` codes of each row (a multiple of 8) are stored."""
@@ -62,6 +62,21 @@ def store_plane(out_ptr, plane, q, first, count, rows_ok, BR: tl.constexpr, G: t
     k = tl.arange(0, G // PER)
     ok = rows_ok[:, None] & (k[None, :] * PER < count)
     tl.store(out_ptr + plane + first[:, None] // PER + k[None, :], packed.to(tl.uint8), mask=ok)
+
+
+@triton.jit
+def store_planes(out_ptr, n_pad, q, first, count, rows_ok, BR: tl.constexpr, G: tl.constexpr, S8: tl.constexpr,
+                 S4: tl.constexpr, S2: tl.constexpr, S1: tl.constexpr):
+    """_store_plane into every plane of the code (S<w>: its bit offset in the code, -1 if absent), the
+    planes of n_pad codes one after another."""
+    if S8 >= 0:
+        _store_plane(out_ptr, n_pad // 8 * S8, q >> S8, first, count, rows_ok, BR, G, 8)
+    if S4 >= 0:
+        _store_plane(out_ptr, n_pad // 8 * S4, q >> S4, first, count, rows_ok, BR, G, 4)
+    if S2 >= 0:
+        _store_plane(out_ptr, n_pad // 8 * S2, q >> S2, first, count, rows_ok, BR, G, 2)
+    if S1 >= 0:
+        _store_plane(out_ptr, n_pad // 8 * S1, q >> S1, first, count, rows_ok, BR, G, 1)
 
 
 @triton.jit
@@ -112,14 +127,7 @@ def _encode_kernel(x_ptr, stride_x, signs_ptr, n_rows, n_chan, n_tpt, width, sca
     q = tl.where(u < 0, -r, r) + QMAX
     first = rows.to(tl.int64) * width + t * G
     if PACKED:
-        if S8 >= 0:
-            store_plane(out_ptr, n_pad // 8 * S8, q >> S8, first, width - t * G, rows_ok, BR, G, 8)
-        if S4 >= 0:
-            store_plane(out_ptr, n_pad // 8 * S4, q >> S4, first, width - t * G, rows_ok, BR, G, 4)
-        if S2 >= 0:
-            store_plane(out_ptr, n_pad // 8 * S2, q >> S2, first, width - t * G, rows_ok, BR, G, 2)
-        if S1 >= 0:
-            store_plane(out_ptr, n_pad // 8 * S1, q >> S1, first, width - t * G, rows_ok, BR, G, 1)
+        store_planes(out_ptr, n_pad, q, first, width - t * G, rows_ok, BR, G, S8, S4, S2, S1)
     else:
         tl.store(codes_ptr + first[:, None] + j[None, :], q.to(tl.uint8), mask=m)
 
@@ -133,15 +141,7 @@ def _pack_kernel(codes_ptr, out_ptr, n, n_pad, BLOCK: tl.constexpr, S8: tl.const
     q = tl.load(codes_ptr + i, mask=i < n, other=0).to(tl.int32)
     first = tl.full([1], 0, tl.int64) + pid.to(tl.int64) * BLOCK
     ok = first < n_pad
-    q2 = tl.reshape(q, (1, BLOCK))
-    if S8 >= 0:
-        store_plane(out_ptr, n_pad // 8 * S8, q2 >> S8, first, n_pad - first, ok, 1, BLOCK, 8)
-    if S4 >= 0:
-        store_plane(out_ptr, n_pad // 8 * S4, q2 >> S4, first, n_pad - first, ok, 1, BLOCK, 4)
-    if S2 >= 0:
-        store_plane(out_ptr, n_pad // 8 * S2, q2 >> S2, first, n_pad - first, ok, 1, BLOCK, 2)
-    if S1 >= 0:
-        store_plane(out_ptr, n_pad // 8 * S1, q2 >> S1, first, n_pad - first, ok, 1, BLOCK, 1)
+    store_planes(out_ptr, n_pad, tl.reshape(q, (1, BLOCK)), first, n_pad - first, ok, 1, BLOCK, S8, S4, S2, S1)
 
 
 @triton.jit
