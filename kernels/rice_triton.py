@@ -20,9 +20,9 @@ from . import rice
 from .bitpack import packed_nbytes
 from .symtiles_triton import plane_shifts, store_planes
 from .triton_util import interpreting, on_device
-from .wire import CodecError
 
 __all__ = ["encode", "block_sums", "write", "decode", "launch_decode", "raise_for_decode"]
+
 
 @triton.jit
 def _zigzag(codes_ptr, i, ok, QMAX: tl.constexpr):

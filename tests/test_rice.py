@@ -132,7 +132,6 @@ def test_kernels_give_the_references_bytes_and_values(kernels, shape, dtype, g, 
 def test_corrupt_payloads_are_refused_alike(kernels):
     shape, p = (2, 5, 40), TahQuantParams(layout=3, group_size=32)
     payload = tahquant_rice_ref.encode(torch.randn(shape), p)
-    n_scales = 2 * 5 * 2
     bad_scale = payload.clone()
     bad_scale[3:5] = torch.tensor([0xC0, 0x7F], dtype=torch.uint8)  # scale 1: a bf16 NaN
     bad_k = payload.clone()
