@@ -655,8 +655,9 @@ def _pivot_planes(params: TahQuantParams) -> dict:
 
 
 def _byte_block() -> int:
-    """Bytes per program of the assemble and bitcount kernels."""
-    return 65536 if _interpreting() else 2048
+    """Bytes per program of the assemble and bitcount kernels: 256 on a GPU (ptxas -v for sm_90: the
+    assemble kernel at 2048 spilled 10 kB per thread at G = 64; at 256 it takes 48 registers, no spill)."""
+    return 65536 if _interpreting() else 256
 
 
 def _rows(x: torch.Tensor, lay: Layout) -> torch.Tensor:

@@ -69,7 +69,7 @@ def _cases():
         planes = tq._pivot_planes(p)
         sig = dict(out_ptr="*u8", low_ptr="*u8", flag_ptr="*u8", zs_ptr="*u8", compact_ptr="*u8", cum_ptr="*i32",
                    status_ptr="*i32", n_alloc="i32", nt="i32", bm_a="i32", bm_f="i32", head="i32", piv_max="i32")
-        aconst = dict(planes, BLK=2048)
+        aconst = dict(planes, BLK=tq._byte_block())
         sig.update({k: "constexpr" for k in aconst})
         out.append((f"tahquant assemble {p}", tq._assemble_kernel, sig, aconst))
         sig = dict(pay_ptr="*u8", n_pay="i64", cum_ptr="*i32", status_ptr="*i32", out_ptr=PTR[dt], stride_out="i32",
@@ -79,7 +79,7 @@ def _cases():
         sig.update({k: "constexpr" for k in dconst})
         out.append((f"tahquant decode {dt} {p}", tq._decode_kernel, sig, dconst))
     sig = dict(pay_ptr="*u8", pc_ptr="*i32", status_ptr="*i32", n_bytes="i32", bm_a="i32", n_alloc="i32", nt="i32", BLK="constexpr")
-    out.append(("tahquant bitcount", tq._bitcount_kernel, sig, dict(BLK=2048)))
+    out.append(("tahquant bitcount", tq._bitcount_kernel, sig, dict(BLK=tq._byte_block())))
 
     for dt in ("bf16", "fp32"):
         sig = dict(x_ptr=PTR[dt], stride_x="i32", n_rows="i32", n_chan="i32", part_ptr="*fp32", badp_ptr="*u8",
