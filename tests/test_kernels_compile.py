@@ -3,7 +3,8 @@ front end, TTIR -> TTGIR -> LLVM IR -> PTX, and ptxas (bundled in the triton whe
 
 The interpreter (TRITON_INTERPRET=1, set for the rest of the suite) replaces triton.jit with a
 Python executor, so the compilation runs in a subprocess with TRITON_INTERPRET removed; run this
-file directly (python tests/test_kernels_compile.py) to compile without pytest."""
+file directly (python tests/test_kernels_compile.py) to compile without pytest, with --resources to
+print every kernel's registers and spills (docs/benchmarks.md, "Kernel resources on sm_90")."""
 
 from __future__ import annotations
 
@@ -138,8 +139,25 @@ def _cases():
     return out
 
 
-def compile_all(verbose: bool = True) -> int:
-    """Compile every case for sm_90; returns the number compiled (raises on the first failure)."""
+def resource_usage(cubin: bytes) -> str:
+    """Registers, stack and local bytes per thread of a cubin's kernel, as cuobjdump (in Triton's
+    wheel) reads them: a stack or local memory means spilled registers."""
+    import tempfile
+
+    import triton
+
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        out = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
+    fields = dict(part.split(":") for line in out.splitlines() if "REG:" in line for part in line.split())
+    return f"{fields['REG']:>3} registers, stack {fields['STACK']} B, local {fields['LOCAL']} B"
+
+
+def compile_all(verbose: bool = True, resources: bool = False) -> int:
+    """Compile every case for sm_90; returns the number compiled (raises on the first failure).
+    resources: print each kernel's registers and spills (resource_usage)."""
     import triton
     from triton.backends.compiler import GPUTarget
 
@@ -156,7 +174,9 @@ def compile_all(verbose: bool = True) -> int:
         assert "ptx" in asm and ".target sm_90" in asm["ptx"], name
         assert len(asm.get("cubin", b"")) > 0, f"{name}: no cubin"
         n += 1
-        if verbose:
+        if resources:
+            print(f"{resource_usage(asm['cubin'])}  {name} ({warps} warps)", flush=True)
+        elif verbose:
             print(f"ok {time.time() - t0:5.1f}s  {name}", flush=True)
     return n
 
@@ -172,4 +192,4 @@ def test_every_kernel_compiles_for_sm90(tmp_path):
 
 
 if __name__ == "__main__":
-    print(f"compiled {compile_all()} kernels for sm_90")
+    print(f"compiled {compile_all(resources='--resources' in sys.argv)} kernels for sm_90")
