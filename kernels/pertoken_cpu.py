@@ -14,9 +14,9 @@ from . import symtiles_cpu, symtiles_ref
 from .bitpack import padded_count
 from .pertoken_ref import PerTokenParams, sections, tiles_of
 from .quant_ref import check_finite
-from .symtiles_ref import check_scales, tile_scales
+from .symtiles_ref import check_scales, corrupt_codes, tile_scales
 from .tahquant_cpu import pack_planes_np, unpack_planes_np
-from .wire import CodecError, as_bytes
+from .wire import as_bytes
 
 __all__ = ["encode", "decode"]
 
@@ -40,8 +40,8 @@ def decode(payload: torch.Tensor, shape, params: PerTokenParams, dtype: torch.dt
     n, c, _ = tiles_of(shape, params)
     check_scales(scale, "pertoken")
     codes = unpack_planes_np(packed.numpy()[None, :], int(params.bits), padded_count(n * c))[0]
-    if (codes.size and int(codes[: n * c].max(initial=0)) > 2 * params.qmax) or codes[n * c:].any():
-        raise CodecError("pertoken payload is corrupt: code out of range or non-zero padding")
+    if int(codes[: n * c].max(initial=0)) > 2 * params.qmax or codes[n * c:].any():
+        raise corrupt_codes("pertoken")
     g = int(params.group_size)
     dequantize = symtiles_cpu.dequantize if c % g == 0 else symtiles_ref.dequantize
     codes2 = torch.from_numpy(codes[: n * c]).reshape(n, c)

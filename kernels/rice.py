@@ -13,16 +13,28 @@ import torch
 from .bitpack import pack_bits, packed_nbytes, padded_count, unpack_bits
 from .wire import CodecError
 
-__all__ = ["best_k", "coded_nbytes", "encode", "decode", "check_k", "check_length", "wrong_end", "out_of_range"]
+__all__ = ["best_k", "bits_at_each_k", "shortest_k", "coded_nbytes", "encode", "decode", "check_k", "check_length",
+           "wrong_end", "out_of_range", "check_whole_bytes"]
 
 
 def best_k(z: torch.Tensor, zmax: int) -> int:
     """The k in [0, bit length of zmax] that makes values z (in [0, zmax]) shortest: the sum of
     k + 1 + (z >> k) over them, exact in int64; the smallest such k on a tie."""
-    counts = torch.bincount(z.reshape(-1).long(), minlength=zmax + 1)[: zmax + 1].cpu().long()
+    counts = torch.bincount(z.reshape(-1).long(), minlength=zmax + 1)[: zmax + 1].cpu()
+    return shortest_k(bits_at_each_k(counts, zmax))
+
+
+def bits_at_each_k(counts: torch.Tensor, zmax: int) -> list[int]:
+    """The coded bits, sum of k + 1 + (z >> k), of values whose histogram over [0, zmax] is `counts`,
+    for every k in [0, bit length of zmax]."""
+    counts = counts.long()
     values = torch.arange(zmax + 1, dtype=torch.int64)
-    totals = [int((counts * ((values >> k) + 1 + k)).sum()) for k in range(zmax.bit_length() + 1)]
-    return min(range(len(totals)), key=lambda k: (totals[k], k))
+    return [int((counts * ((values >> k) + 1 + k)).sum()) for k in range(zmax.bit_length() + 1)]
+
+
+def shortest_k(bits: list[int]) -> int:
+    """The k of the fewest coded bits (bits[k]), the smallest on a tie."""
+    return min(range(len(bits)), key=lambda k: (bits[k], k))
 
 
 def coded_nbytes(z: torch.Tensor, k: int) -> tuple[int, int]:
@@ -72,6 +84,13 @@ def wrong_end(nbytes: int, count: int, codec: str) -> CodecError:
 
 def out_of_range(codec: str) -> CodecError:
     return CodecError(f"{codec} payload is corrupt: a code is out of range")
+
+
+def check_whole_bytes(count: int, coder: str) -> None:
+    """The fast coders (rice_triton, rice_cpu) take a multiple of 8 values: whole bytes in every
+    plane of the low bits, no padding to write or check (layout 3's N*T*G always is)."""
+    if count % 8:
+        raise ValueError(f"{coder} codes whole bytes of every plane: {count} values is not a multiple of 8")
 
 
 def decode(low: torch.Tensor, unary: torch.Tensor, count: int, k: int, zmax: int, codec: str) -> torch.Tensor:

@@ -11,26 +11,20 @@ import torch
 
 from . import rice
 from .tahquant_cpu import pack_planes_np, unpack_planes_np
+from .tahquant_rice_ref import unzigzag, zigzag
 
 __all__ = ["encode", "decode"]
 
 
-def _check_count(count: int) -> None:
-    if count % 8:
-        raise ValueError(f"rice_cpu codes whole bytes of every plane: {count} values is not a multiple of 8")
-
-
 def _zigzag_table(qmax: int) -> np.ndarray:
-    """z of every code byte q + qmax (uint8 -> uint8): 2q for q >= 0, -2q - 1 for q < 0 (bytes past
-    2 qmax, which no encoder makes, wrap)."""
-    q = np.arange(256, dtype=np.int64) - qmax
-    return (np.where(q >= 0, 2 * q, -2 * q - 1) & 0xFF).astype(np.uint8)
+    """tahquant_rice_ref.zigzag of every code byte (uint8 -> uint8; bytes past 2 qmax, which no
+    encoder makes, wrap)."""
+    return (zigzag(torch.arange(256, dtype=torch.uint8), qmax) & 0xFF).to(torch.uint8).numpy()
 
 
 def _unzigzag_table(qmax: int) -> np.ndarray:
-    """Code byte q + qmax of every z in [0, 2 qmax] (uint8 -> uint8): q = (z >> 1) xor -(z & 1)."""
-    z = np.arange(256, dtype=np.int64)
-    return ((((z >> 1) ^ -(z & 1)) + qmax) & 0xFF).astype(np.uint8)
+    """tahquant_rice_ref.unzigzag of every z byte (uint8 -> uint8; only z <= 2 qmax are looked up)."""
+    return unzigzag(torch.arange(256, dtype=torch.int32), qmax).numpy()
 
 
 def _cumsum_dtype(count: int, longest_run: int):
@@ -42,12 +36,10 @@ def encode(codes: torch.Tensor, qmax: int, head: torch.Tensor) -> torch.Tensor:
     """Codes q + qmax (uint8 on the CPU, a multiple of 8 of them) -> payload: k u8 (rice.best_k of
     their zigzagged values), `head` (uint8), then rice.encode's low bits and unary stream at k."""
     c = codes.reshape(-1).numpy()
-    _check_count(c.size)
+    rice.check_whole_bytes(c.size, "rice_cpu")
     z = _zigzag_table(qmax)[c]
-    counts = np.bincount(z, minlength=2 * qmax + 1).astype(np.int64)
-    values = np.arange(counts.size, dtype=np.int64)
-    totals = [int((counts * ((values >> k) + 1 + k)).sum()) for k in range((2 * qmax).bit_length() + 1)]
-    k = min(range(len(totals)), key=lambda k: (totals[k], k))
+    totals = rice.bits_at_each_k(torch.from_numpy(np.bincount(z, minlength=2 * qmax + 1)), 2 * qmax)
+    k = rice.shortest_k(totals)
     low = pack_planes_np(z[None, :] & ((1 << k) - 1), k)[0] if k and z.size else np.zeros(0, np.uint8)
     bits = np.ones(-(-(totals[k] - k * z.size) // 8) * 8, dtype=np.uint8)  # totals[k] counts k low bits a value
     bits[np.cumsum((z >> k) + np.uint8(1), dtype=_cumsum_dtype(z.size, (2 * qmax >> k) + 1)) - 1] = 0
@@ -58,7 +50,7 @@ def encode(codes: torch.Tensor, qmax: int, head: torch.Tensor) -> torch.Tensor:
 def decode(low: torch.Tensor, unary: torch.Tensor, count: int, k: int, qmax: int, codec: str) -> torch.Tensor:
     """Inverse of encode -> codes q + qmax (uint8, count), with rice.decode's checks and messages
     (a multiple of 8 values: no padding in the low bits)."""
-    _check_count(count)
+    rice.check_whole_bytes(count, "rice_cpu")
     rice.check_k(k, codec)
     rice.check_length(unary.numel(), count, k, 2 * qmax, codec)
     u = unary.numpy()

@@ -151,11 +151,6 @@ def _blocks() -> tuple[int, int]:
     return (65536, 65536) if interpreting() else (512, 256)
 
 
-def _check_count(count: int) -> None:
-    if count % 8:
-        raise ValueError(f"rice_triton codes whole bytes of every plane: {count} values is not a multiple of 8")
-
-
 def encode(codes: torch.Tensor, qmax: int, head: torch.Tensor) -> torch.Tensor:
     """Codes q + qmax (uint8, a multiple of 8 of them) on a CUDA device (or interpreted) -> payload:
     k u8 (rice.best_k of their zigzagged values), `head` (uint8), then rice.encode's low bits and
@@ -169,7 +164,7 @@ def block_sums(codes: torch.Tensor, qmax: int) -> torch.Tensor:
     the sums over the blocks (read by the caller) fix k and the payload's size."""
     codes = codes.reshape(-1)
     n = codes.numel()
-    _check_count(n)
+    rice.check_whole_bytes(n, "rice_triton")
     with on_device(codes):
         block, _ = _blocks()
         blocks = triton.cdiv(n, block)
@@ -185,7 +180,7 @@ def write(codes: torch.Tensor, qmax: int, head: torch.Tensor, sums: torch.Tensor
     n = codes.numel()
     with on_device(codes):
         block, _ = _blocks()
-        k = min(range((2 * qmax).bit_length() + 1), key=lambda k: (n * (k + 1) + totals[k], k))
+        k = rice.shortest_k([n * (k + 1) + totals[k] for k in range((2 * qmax).bit_length() + 1)])
         low_nbytes, unary_nbytes = packed_nbytes(n, k) if k else 0, -(-(n + totals[k]) // 8)
         start = 1 + head.numel()
         payload = torch.empty(start + low_nbytes + unary_nbytes, dtype=torch.uint8, device=codes.device)
@@ -212,7 +207,7 @@ def launch_decode(low: torch.Tensor, unary: torch.Tensor, count: int, k: int, qm
                   codec: str) -> tuple[torch.Tensor, torch.Tensor]:
     """decode's checks of sizes (raised at once) and its kernels, launched: (codes, flags int64 (3,) on
     the device for raise_for_decode), not waited for."""
-    _check_count(count)
+    rice.check_whole_bytes(count, "rice_triton")
     rice.check_k(k, codec)
     rice.check_length(unary.numel(), count, k, 2 * qmax, codec)
     codes = torch.empty(count, dtype=torch.uint8, device=unary.device)

@@ -13,7 +13,7 @@ import torch
 from .bitpack import pack_bits, packed_nbytes, padded_count, unpack_bits
 from .wire import CodecError
 
-__all__ = ["MIN_SCALE", "tile_scales", "quantize", "dequantize", "pack_codes", "unpack_codes", "check_scales",
+__all__ = ["MIN_SCALE", "tile_scales", "quantize", "dequantize", "pack_codes", "unpack_codes", "corrupt_codes", "check_scales",
            "rotation_signs", "fwht", "rotate", "unrotate"]
 
 MIN_SCALE = 2.0 ** -126  # absmax / qmax below the smallest normal float32: the tile is sent as zeros
@@ -63,8 +63,13 @@ def unpack_codes(packed: torch.Tensor, n: int, c: int, bits: int, qmax: int, cod
         raise CodecError(f"{codec} payload: {packed.numel()} bytes of codes, {packed_nbytes(n * c, bits)} expected")
     codes = unpack_bits(packed, bits, padded_count(n * c))
     if bool((codes[: n * c] > 2 * qmax).any()) or bool(codes[n * c:].any()):
-        raise CodecError(f"{codec} payload is corrupt: code out of range or non-zero padding")
+        raise corrupt_codes(codec)
     return codes[: n * c].reshape(n, c)
+
+
+def corrupt_codes(codec: str) -> CodecError:
+    """The error of a code above 2 qmax or a non-zero padding code."""
+    return CodecError(f"{codec} payload is corrupt: code out of range or non-zero padding")
 
 
 def check_scales(scale: torch.Tensor, codec: str) -> None:

@@ -17,7 +17,7 @@ import triton.language as tl
 
 from .bitpack import packed_nbytes, padded_count, plane_widths
 from .quant_ref import check_finite
-from .symtiles_ref import rotation_signs
+from .symtiles_ref import corrupt_codes, rotation_signs
 from .triton_util import interpreting, on_device, round_half_even, to_bf16_rne
 from .wire import CodecError
 
@@ -280,7 +280,7 @@ def raise_for_decode(worst: int, codec: str) -> None:
     if worst == 2:
         raise CodecError(f"{codec} payload is corrupt: a scale is negative, non-finite or subnormal")
     if worst == 1:
-        raise CodecError(f"{codec} payload is corrupt: code out of range or non-zero padding")
+        raise corrupt_codes(codec)
 
 
 def _padding_flag(codes: torch.Tensor, n_codes: int, n_pad: int, bits: int) -> torch.Tensor:

@@ -33,6 +33,6 @@ def decode(payload: torch.Tensor, shape, params: TahQuantParams, dtype: torch.dt
     k, scale, low, unary = split(payload, shape, params)
     n, c, t, g = shape_of(shape, params)
     qmax = int(params.qmax)
-    codes = rice_cpu.decode(low.contiguous(), unary.contiguous(), n * t * g, k, qmax, "tahquant")
+    codes = rice_cpu.decode(low, unary, n * t * g, k, qmax, "tahquant")
     check_scales(scale, "tahquant")
     return unrotate(dequantize(codes.reshape(n, t * g), scale, g, qmax), g, c).reshape(shape).to(dtype)
