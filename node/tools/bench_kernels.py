@@ -21,7 +21,7 @@ from typing import Callable
 
 import torch
 
-from ..codecs import decode
+from ..codecs import CODECS, decode
 from .host_path import CODECS as HOST_PATH_CODECS
 from .host_path import HostPath
 
@@ -162,15 +162,17 @@ def bench_shape(shape, dtype, iters: int) -> list[dict]:
 
 def symtiles_rows(x: torch.Tensor, iters: int, ref_iters: int) -> list[dict]:
     """Encode and decode rows of the per-tile symmetric codecs: pertoken (the default gradient codec)
-    and tahquant's rotated layouts; their kernels must give the references' bytes exactly."""
+    and tahquant's rotated layouts (layout 3 as a run sends it); their kernels must give the
+    references' bytes exactly."""
     from tahnode.kernels import (pertoken_ref, pertoken_triton, tahquant_ref, tahquant_rice_ref, tahquant_rice_triton,
                                  tahquant_rotated_ref, tahquant_rotated_triton)
 
     shape, dtype, rows = tuple(x.shape), x.dtype, []
+    layout3 = tahquant_ref.TahQuantParams(**CODECS["tahquant"].run_params)
     for op, kernel, ref, params in (
             ("pertoken encode", pertoken_triton, pertoken_ref, pertoken_ref.PerTokenParams()),
             ("tahquant rotated encode", tahquant_rotated_triton, tahquant_rotated_ref, tahquant_ref.TahQuantParams(layout=2)),
-            ("tahquant rice encode", tahquant_rice_triton, tahquant_rice_ref, tahquant_ref.TahQuantParams(layout=3, group_size=128))):
+            ("tahquant rice encode", tahquant_rice_triton, tahquant_rice_ref, layout3)):
         pay_k, pay_r = kernel.encode(x, params), ref.encode(x, params)
         diff = str(int((pay_k != pay_r).sum())) if pay_k.numel() == pay_r.numel() else f"size {pay_k.numel()} vs {pay_r.numel()}"
         rows.append(dict(op=op, t=time_cuda(lambda: kernel.encode(x, params), iters),
