@@ -273,28 +273,29 @@ class StageWorker:
             extras["grad_sumsq"] = st.sent_sumsq = st.partial_sumsq + grad_sumsq(self.opt.params)
         return self._message(BACKWARD, p.inp.grad, p.sample_ids, mb, extras=extras)
 
-    def _apply(self, step: int, total_sumsq: float) -> tuple[float, list[int]]:
+    def _apply(self, step: int, total_sumsq: float) -> float:
         """Clip and step (runs on the compute thread, like every change to the step state); the
-        step's mean loss and samples (last stage)."""
+        step's wall time since the previous commit. The step's loss record (last stage) is in the
+        stats before the step counts as committed, so no heartbeat reports the one without the other."""
         st = self.state
         loss, samples = st.loss_sum / max(1, len(st.samples)), list(st.samples)
         self.codecs.apply_step(step)
         self.opt.apply(step, total_sumsq)
+        seconds = self.stats.step_done()
+        if self.computes_loss:
+            record = StepRecord(step, loss, samples, seconds)
+            self.stats.losses.append(record)
+            self.stats.outbox.append(record)
         st.committed = step + 1
         self.restart_step(step + 1, 0)
-        return loss, samples
+        return seconds
 
     # -- commit --------------------------------------------------------------------------------
     async def commit(self, end: pb.StepEnd) -> float:
         """Apply step `end.step` (clip with the global norm and step), pass the StepEnd on; the
         step's wall time since the previous commit."""
-        loss, samples = await self.compute(self._apply, end.step, end.grad_sumsq)
+        seconds = await self.compute(self._apply, end.step, end.grad_sumsq)
         self.state.last_commit = end
-        seconds = self.stats.step_done()
-        if self.computes_loss:
-            record = StepRecord(end.step, loss, samples, seconds)
-            self.stats.losses.append(record)
-            self.stats.outbox.append(record)
         if not self.last:
             await self.send(FORWARD, step_end=end)
         if self.committed % self.train.checkpoint_every == 0:
