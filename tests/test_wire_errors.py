@@ -59,6 +59,21 @@ def test_non_finite_input_is_refused(name, bad, match):
         codec_of(name).encode(x, ctx())
 
 
+@given(st.sampled_from([torch.bfloat16, torch.float16, torch.float32]), st.integers(1, 5000), st.data())
+def test_the_finite_check_finds_every_bad_value_and_counts_them(dtype, n, data):
+    """One reduction (the smallest and largest value) finds a NaN or infinity anywhere: at the ends
+    of vectorized blocks, in a strided view; the message counts them all."""
+    from tahnode.kernels.quant_ref import check_finite
+
+    x = torch.randn(2 * n, dtype=torch.float32).to(dtype)[::2]
+    check_finite(x, "c")  # finite: no error
+    where = data.draw(st.lists(st.integers(0, n - 1), min_size=1, max_size=3, unique=True))
+    for i in where:
+        x[i] = data.draw(st.sampled_from([float("nan"), float("inf"), -float("inf")]))
+    with pytest.raises(CodecError, match=f"c: input has {len(where)} NaN/Inf values"):
+        check_finite(x, "c")
+
+
 @pytest.mark.parametrize("name", ALL)
 @pytest.mark.parametrize(
     "x,match",
