@@ -16,12 +16,14 @@ from pathlib import Path
 
 import torch
 
+from ..codecs.base import receive_buffer
 from ..config import AUTO_STAGE, NodeConfig, RunConfig, TlsMode, TransportKind
 from ..net.auth import Sealer, SwarmKey
 from ..net.discovery import SwarmDirectory, republish
 from ..net.freshness import COORDINATOR
 from ..net.grpc_transport import GrpcTransport
 from ..net.identity import KEY_FILE, NodeKey
+from ..net.memory import reuse_message_buffers
 from ..net.p2p_host import P2PHost, close_process_host, use_swarm_key
 from ..net.p2p_transport import P2PTransport
 from ..net.probe import measure_link
@@ -114,6 +116,7 @@ class StageNode:
         sealer = Sealer(key, node_id, identity=identity, seen_file=folder / "seen-counters.json")
         tls = data_plane_tls(cfg, folder)
         transport = make_transport(cfg, sealer, tls, host)
+        transport.receive_buffer = receive_buffer(device)  # on a GPU: page-locked, for the copy to the device
         trust = CoordinatorTrust(cfg.tls, cfg.coordinator_fingerprint or coordinator.fingerprint, folder / PINNED_COORDINATOR_FILE)
         node = cls(cfg, stop, node_id, device, transport, CoordinatorClient(coordinator.address, sealer, cfg.emulation, trust))
         try:
@@ -276,6 +279,7 @@ class StageNode:
 
 async def run_node(cfg: NodeConfig) -> int:
     """The whole life of a daemon: join, hold a stage, leave; SIGTERM and Ctrl-C stop it cleanly."""
+    reuse_message_buffers()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

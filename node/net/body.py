@@ -8,6 +8,7 @@ in place. A body in any other protobuf form still parses, the usual (copying) wa
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, Callable
 
 from google.protobuf.message import DecodeError
 
@@ -92,10 +93,10 @@ class Body:
         look into what a stage sends."""
         return pb.Envelope.FromString(self.joined())
 
-    def joined(self) -> bytearray:
-        """The body in one new (writable) buffer."""
-        out, at = bytearray(len(self)), 0
-        into = memoryview(out)  # (a bytearray's own slice assignment copies what it is given first)
+    def joined(self, allocate: Callable[[int], Any] = bytearray):
+        """The body in one new writable buffer, `allocate(len(self))` (a bytearray by default)."""
+        out, at = allocate(len(self)), 0
+        into = memoryview(out).cast("B")  # (a bytearray's own slice assignment copies what it is given first)
         for segment in self.segments:
             n = memoryview(segment).nbytes
             into[at : at + n] = memoryview(segment).cast("B")

@@ -8,7 +8,7 @@ the wire, copied once into the reassembled body (tahnode.tools.bench_copies coun
 
 from __future__ import annotations
 
-from typing import Mapping
+from typing import Any, Callable, Mapping
 
 from ..proto import tahnode_pb2 as pb
 from .auth import BadMac, Sealer
@@ -56,17 +56,20 @@ def frames_of(sealer: Sealer, recipient: str, data: bytes | Body):
 class Reassembler:
     """Frames -> whole envelopes, checking authentication, freshness, order and sizes."""
 
-    def __init__(self, sealer: Sealer, cap: int = MAX_ENVELOPE_BYTES, peer_keys: Mapping[str, bytes] | None = None):
-        self.sealer, self.cap = sealer, cap
+    def __init__(self, sealer: Sealer, cap: int = MAX_ENVELOPE_BYTES, peer_keys: Mapping[str, bytes] | None = None,
+                 allocate: Callable[[int], Any] = bytearray):
+        """`allocate(n)`: a writable buffer of n bytes for each whole envelope (page-locked memory on
+        a GPU stage, tahnode.codecs.base.pinned_buffer)."""
+        self.sealer, self.cap, self.allocate = sealer, cap, allocate
         self.peer_keys = peer_keys if peer_keys is not None else {}  # who may send frames here, by node id
         self.parts: list[bytes] = []
         self.seq: int | None = None
         self.sender = ""
         self.size = 0
 
-    def add(self, frame: pb.Frame | ReceivedFrame) -> bytearray | None:
-        """The envelope's bytes, in one new buffer, once its last frame arrived, else None; raises
-        FrameError."""
+    def add(self, frame: pb.Frame | ReceivedFrame):
+        """The envelope's bytes, in one new buffer from `allocate`, once its last frame arrived, else
+        None; raises FrameError."""
         data = frame.data  # read once: each read of a protobuf Frame's data copies it
         try:
             self.sealer.check_frame(frame, first=frame.index == 0, signed_by=self.peer_keys.get(frame.sender), data=data)
@@ -87,7 +90,7 @@ class Reassembler:
             raise FrameTooLarge(f"envelope larger than the largest this run sends ({self.cap} bytes)")
         self.parts.append(data)
         if frame.index + 1 == frame.count:
-            body, self.parts = Body(tuple(self.parts)).joined(), []
+            body, self.parts = Body(tuple(self.parts)).joined(self.allocate), []
             return body
         return None
 

@@ -95,7 +95,7 @@ class StageServicer(pb_grpc.StageServiceServicer):
 
     async def _stream(self, direction: Direction, request_iterator, context) -> pb.StreamAck:
         stream = self.t.next_stream(direction)
-        asm = Reassembler(self.t.sealer, self.t.envelope_cap, self.t.peer_keys)
+        asm = Reassembler(self.t.sealer, self.t.envelope_cap, self.t.peer_keys, allocate=self.t.receive_buffer)
         frames = nbytes = 0
         announced = False
         slot: tuple[Direction, str] | None = None

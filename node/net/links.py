@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Callable
+from typing import Any, Callable
 
 from ..config.emulation import LinkEmulation
 from ..proto import tahnode_pb2 as pb
@@ -152,6 +152,7 @@ class LinkedTransport:
         self.peer_keys: dict[str, bytes] = {}  # node id -> public key: only these (the neighbours) may send frames here
         self.peer_certs: dict[str, bytes] = {}  # node id -> its TLS certificate (PEM), pinned when dialling it
         self.keys_changed = asyncio.Event()      # set (and replaced) whenever peer_keys gains a key
+        self.receive_buffer: Callable[[int], Any] = bytearray  # where a received envelope is reassembled (n bytes)
 
     def open_links(self) -> None:
         self.links = {d: self.Link(self, d) for d in (FORWARD, BACKWARD)}

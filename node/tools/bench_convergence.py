@@ -18,6 +18,7 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict
 from pathlib import Path
 
+from ..net.memory import reuse_message_buffers
 from .bench_report import write_section
 from .bench_swarm import CodecPair
 from .convergence_report import plot, summarize, table
@@ -117,7 +118,8 @@ def run_all(specs: list[RunSpec], workdir: Path, jobs: int) -> list[RunResult]:
         ctx = multiprocessing.get_context("spawn")
         with ctx.Manager() as manager, Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                                                 TimeElapsedColumn()) as bar, \
-                ProcessPoolExecutor(max_workers=min(jobs, len(todo)), mp_context=ctx) as pool:
+                ProcessPoolExecutor(max_workers=min(jobs, len(todo)), mp_context=ctx,
+                                    initializer=reuse_message_buffers) as pool:  # messages cross the host as in a daemon
             queue = manager.Queue()
             overall = bar.add_task(f"{len(todo)} runs ({len(specs) - len(todo)} done before)", total=len(todo) * todo[0].steps)
             futures = {pool.submit(train_one, spec, queue): spec for spec in todo}

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from ..codecs import decode, get_codec
+from ..codecs.base import receive_buffer
 from ..net.auth import Sealer, SwarmKey
 from ..net.body import Body, body_of
 from ..net.framing import Reassembler, frames_of, open_envelope
@@ -42,16 +43,17 @@ class HostPath:
     def frames(self, body: Body) -> list[bytes]:
         return [frame.SerializeToString() for frame in frames_of(self.sender, "b", body)]
 
-    def message(self, wire) -> tuple[pb.EncodedTensor, memoryview | None]:
+    def message(self, wire, allocate=bytearray) -> tuple[pb.EncodedTensor, memoryview | None]:
         """The codec message the frames' wire bytes carry, and its payload where it travelled apart:
-        each frame parsed and checked, the envelope reassembled and parsed."""
-        asm = Reassembler(self.receiver, peer_keys={"a": self.public})
+        each frame parsed and checked, the envelope reassembled (into `allocate(n)`) and parsed."""
+        asm = Reassembler(self.receiver, peer_keys={"a": self.public}, allocate=allocate)
         for data in wire:
             body = asm.add(ReceivedFrame.FromString(data))
         env, payload = open_envelope(body)
         return env.micro_batch.tensor, payload
 
     def receive(self, wire: list[bytes], device: torch.device | str) -> torch.Tensor:
-        """The tensor on `device`; each list of frames is received once (a second time is a replay)."""
-        msg, payload = self.message(wire)
+        """The tensor on `device`, received as a stage on that device receives it; each list of
+        frames is received once (a second time is a replay)."""
+        msg, payload = self.message(wire, receive_buffer(device))
         return decode(msg, device=device, payload=payload)
