@@ -51,10 +51,14 @@ def test_shapes_and_rows(tmp_path):
     page = tmp_path / "benchmarks.md"
     page.write_text("# Benchmarks\n\nearlier text\n")
     bench_kernels.append_rows(str(page), [line])
-    bench_kernels.append_rows(str(page), [line])
+    page.write_text(page.read_text() + "\n## A later section\n\n| its | table |\n|---|---|\n| a | b |\n")
+    later = line.replace("2026-11-23", "2026-11-25")
+    bench_kernels.append_rows(str(page), [later])
     text = page.read_text()
     assert text.startswith("# Benchmarks\n\nearlier text\n")
-    assert text.count("| date | GPU |") == 1 and text.count(line) == 2
+    assert text.count("| date | GPU |") == 1
+    assert text.index(line) < text.index(later) < text.index("## A later section")  # under the kernel table's rows
+    assert text.endswith("| a | b |\n")
 
 
 def test_a_whole_messages_host_path_gives_the_decoded_tensor():

@@ -22,6 +22,7 @@ from typing import Callable
 import torch
 
 from ..codecs import CODECS, decode
+from ..net.memory import reuse_message_buffers
 from .host_path import CODECS as HOST_PATH_CODECS
 from .host_path import HostPath
 
@@ -230,13 +231,20 @@ def format_row(r: dict, gpu: str, versions: str, dtype_name: str, date: str) -> 
 
 
 def append_rows(path: str, lines: list[str]) -> None:
+    """Add `lines` under the last row of the kernel table in `path`, which gets the table (HEADER)
+    at its end the first time; the rest of the file stays as it is."""
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    table = HEADER.strip().splitlines()[-2]  # the table's column line
-    has_table = os.path.exists(path) and table in open(path, encoding="utf-8").read()
-    with open(path, "a", encoding="utf-8") as f:
-        if not has_table:  # the table's header once, below whatever the file already holds
-            f.write(HEADER)
-        f.write("\n".join(lines) + "\n")
+    columns = HEADER.strip().splitlines()[-2]  # the table's column line
+    text = open(path, encoding="utf-8").read() if os.path.exists(path) else ""
+    if columns not in text:
+        text += HEADER
+    rows = text.splitlines(keepends=True)
+    at = next(i for i, row in enumerate(rows) if row.startswith(columns)) + 1
+    while at < len(rows) and rows[at].startswith("|"):
+        at += 1
+    rows[at:at] = [line + "\n" for line in lines]
+    with open(path, "w", encoding="utf-8") as f:
+        f.write("".join(rows))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -249,6 +257,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     import triton
 
+    reuse_message_buffers()  # the host path's rows: this process keeps its heap as a daemon does
     gpu = torch.cuda.get_device_name()
     versions = f"{torch.__version__.split('+')[0]} / {triton.__version__}"
     date = datetime.date.today().isoformat()
