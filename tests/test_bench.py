@@ -76,3 +76,41 @@ def test_a_whole_messages_host_path_gives_the_decoded_tensor():
     assert got.shape == x.shape and float((got.float() - x.float()).norm() / x.float().norm()) < 0.1  # 0.08: 6 bits, outlier channels ×20
     with pytest.raises(FrameError):  # the same frames again are a replay
         path.receive(frames, "cpu")
+
+
+def test_a_payload_is_received_into_the_buffer_its_device_asks_for(monkeypatch):
+    """A GPU stage reassembles envelopes, and copies payloads carried inside their message, into
+    receive_buffer(device) (page-locked memory there): the same tensor as through a bytearray."""
+    import numpy as np
+
+    from tahnode.codecs import base
+
+    given: list[int] = []
+
+    def fake_pinned(n: int):
+        given.append(n)
+        return np.full(n, 0xA5, dtype=np.uint8)  # not zeroed: every byte must be written
+
+    monkeypatch.setattr(base, "pinned_buffer", fake_pinned)
+    assert base.receive_buffer("cpu") is bytearray and base.receive_buffer(torch.device("cpu")) is bytearray
+    assert base.receive_buffer("cuda:0") is fake_pinned
+    x = bench_kernels.activations((2, 64, 256), torch.bfloat16, device="cpu")
+    path = HostPath("pertoken")
+    want = decode(path.codec.encode(x))
+    msg, payload = path.message(path.send(x), allocate=base.receive_buffer("cuda"))
+    assert len(given) == 1 and given[0] > payload.nbytes > 0  # the whole envelope, its payload a view of it
+    assert torch.equal(decode(msg, payload=payload), want)
+    inline = path.codec.encode(x)
+    got = base.payload_tensor(inline, None, base.receive_buffer("cuda"))
+    assert given[1] == len(inline.payload) and torch.equal(got, torch.frombuffer(bytearray(inline.payload), dtype=torch.uint8))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_gpu_payload_waits_in_page_locked_memory():
+    from tahnode.codecs import base
+
+    buf = base.receive_buffer("cuda")(1 << 20)
+    assert torch.from_numpy(buf).is_pinned()
+    x = bench_kernels.activations((2, 64, 256), torch.bfloat16, device="cuda")
+    path = HostPath("none")
+    assert torch.equal(path.receive(path.send(x), "cuda"), x)

@@ -73,20 +73,33 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def profile_codecs(shape, dtype) -> str:
-    """Per-kernel GPU times of one tahquant and one naive encode + decode (after warm-up): where the
-    time goes, for tuning. Returns the profiler's table."""
-    from torch.profiler import ProfilerActivity, profile
-
-    from tahnode.kernels import naive_ref, naive_triton, tahquant_ref, tahquant_triton
+    """Per-kernel GPU times of one encode + decode of each codec the bench times (after warm-up), a
+    table per codec (their kernels share names): where the time goes, for tuning."""
+    from tahnode.kernels import (naive_ref, naive_triton, pertoken_ref, pertoken_triton, tahquant_ref, tahquant_rice_triton,
+                                 tahquant_triton)
 
     x = activations(shape, dtype)
-    tq, nv = tahquant_ref.TahQuantParams(), naive_ref.NaiveParams()
+    tq, nv, pt = tahquant_ref.TahQuantParams(), naive_ref.NaiveParams(), pertoken_ref.PerTokenParams()
+    layout3 = tahquant_ref.TahQuantParams(**CODECS["tahquant"].run_params)
 
-    def once():
-        payload = tahquant_triton.encode(x, tq)
-        tahquant_triton.decode(payload, shape, tq, dtype)
+    def naive():
         codes, e = naive_triton.encode(x, nv)
         naive_triton.decode(codes, shape, nv, e, dtype)
+
+    tables = []
+    for name, once in (
+            ("tahquant (the paper's layout 1)", lambda: tahquant_triton.decode(tahquant_triton.encode(x, tq), shape, tq, dtype)),
+            ("naive", naive),
+            ("tahquant layout 3 (a run's forward codec)",
+             lambda: tahquant_rice_triton.decode(tahquant_rice_triton.encode(x, layout3), shape, layout3, dtype)),
+            ("pertoken (a run's backward codec)", lambda: pertoken_triton.decode(pertoken_triton.encode(x, pt), shape, pt, dtype))):
+        tables.append(f"{name}, one encode + decode:\n{_profile(once)}")
+    return "\n".join(tables)
+
+
+def _profile(once: Callable[[], object]) -> str:
+    """The profiler's table of once()'s kernels, by GPU time."""
+    from torch.profiler import ProfilerActivity, profile
 
     for _ in range(3):
         once()
@@ -97,10 +110,10 @@ def profile_codecs(shape, dtype) -> str:
     averages = prof.key_averages()
     for key in ("self_device_time_total", "self_cuda_time_total"):  # the name changed across torch versions
         try:
-            return averages.table(sort_by=key, row_limit=25)
+            return averages.table(sort_by=key, row_limit=15)
         except (AttributeError, KeyError, ValueError):
             continue
-    return averages.table(row_limit=25)
+    return averages.table(row_limit=15)
 
 
 def time_cuda(fn: Callable[[], object], iters: int, warmup: int = 3) -> float:
