@@ -235,6 +235,19 @@ def test_the_demo_codec_share_counts_from_the_state_after_warm_up():
     assert codec_share(state(("s", -1, 0.0, 0.0)), None) == 0.0
 
 
+def test_the_demo_codec_share_counts_after_the_precision_schedules_opening_phase():
+    """Leaving the schedule's opening phase compiles the forward codec's kernels for its run
+    parameters again: the share counts from WARM_STEPS after it (from WARM_STEPS without a schedule)."""
+    from tahnode.config import RunConfig
+    from tahnode.tools.demo import WARM_STEPS, warm_steps
+
+    assert warm_steps(RunConfig.build("llama-tiny", **{"train.steps": 30})) == 3 + WARM_STEPS  # 12% of 30: steps 0-2
+    assert warm_steps(RunConfig.build("llama-tiny", **{"train.steps": 600})) == 72 + WARM_STEPS
+    assert warm_steps(RunConfig.build("llama-tiny", **{"train.steps": 30, "codec.forward_high_params": {}})) == WARM_STEPS
+    assert warm_steps(RunConfig.build("llama-tiny", **{"train.steps": 30, "codec.forward": "none"})) == WARM_STEPS
+    assert warm_steps(RunConfig.build("llama-tiny", **{"train.steps": 3})) == 2  # never past the last step
+
+
 def _processes_with(marker: str) -> list[int]:
     """Pids of the processes whose command line holds `marker`."""
     pids = []

@@ -23,6 +23,15 @@ from .swarm import fetch, free_port, share_of_cores
 WARM_STEPS = 2  # steps that compile kernels and fill caches; the codec share counts after them
 
 
+def warm_steps(run: RunConfig) -> int:
+    """The step from which the codec share counts: WARM_STEPS after the start, or after the opening
+    phase of the run's precision schedule, whose end switches the forward codec to its run
+    parameters and so compiles its GPU kernels again; never past the run's last step."""
+    steps = run.train.steps
+    first_low = next((s for s in range(steps) if not run.codec.high_phase(s, steps)), 0)
+    return min(first_low + WARM_STEPS, steps - 1)
+
+
 def port_free(port: int) -> bool:
     with socket.socket() as s:
         try:
@@ -134,6 +143,7 @@ def main(args, run: RunConfig) -> int:
                       f"codecs {run.codec.forward}/{run.codec.backward}, {run.train.steps} steps, device {args.device}")
         console.print(f"status page: http://127.0.0.1:{http_port}/   logs and checkpoints: {workdir}")
         state = warm = None
+        warm_at = warm_steps(run)
         with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total} steps"),
                       TextColumn("{task.fields[info]}"), TimeElapsedColumn(), console=console) as bar:
             task = bar.add_task("training", total=run.train.steps, info="starting (stage 0 prepares the corpus)")
@@ -151,7 +161,7 @@ def main(args, run: RunConfig) -> int:
                 t = state["training"]
                 info = f"loss {t['loss']:.3f}  {t['tokens_per_s']:.0f} tok/s  {t['bits_per_element']:.2f} bits/el" if t["loss"] is not None else "warming up"
                 bar.update(task, completed=t["step"], info=info)
-                if warm is None and t["step"] >= min(WARM_STEPS, run.train.steps - 1) > 0:
+                if warm is None and t["step"] >= warm_at > 0:
                     warm = state
                 if t["finished"] and t["step"] >= run.train.steps:
                     break
