@@ -67,7 +67,8 @@ def test_a_whole_messages_host_path_gives_the_decoded_tensor():
     x = bench_kernels.activations((2, 64, 256), torch.bfloat16, device="cpu")
     rows = bench_kernels.host_path_rows(x, 2, codecs=("none", "tahquant"))
     assert [r["op"] for r in rows] == ["x.cpu()", "none: tensor -> frames", "none: frames -> tensor",
-                                       "tahquant: tensor -> frames", "tahquant: frames -> tensor"]
+                                       "tahquant: tensor -> frames", "tahquant: frames -> tensor",
+                                       "tahquant layout 3: tensor -> frames", "tahquant layout 3: frames -> tensor"]
     assert all(r["diff"] == "" and r["t"] > 0 for r in rows)
     path = HostPath("pertoken")
     frames = path.send(x)

@@ -215,21 +215,25 @@ def time_wall(fn: Callable[[], object], iters: int, warmup: int = 2) -> float:
 def host_path_rows(x: torch.Tensor, iters: int, codecs: tuple[str, ...] = HOST_PATH_CODECS) -> list[dict]:
     """A whole message per codec (tahnode.tools.host_path): "tensor -> frames" (encode, envelope,
     sealed frames' wire bytes on the host) and "frames -> tensor" (reassembly, checks, decode onto x's device),
-    beside copying the raw tensor to pinned and to pageable host memory. `diff`: elements where the
-    received tensor differs from decode(encode(x)) (must be 0)."""
+    beside copying the raw tensor to pinned and to pageable host memory; with tahquant, also as a run
+    sends it ("tahquant layout 3": Codec.run_params). `diff`: elements where the received tensor
+    differs from decode(encode(x)) (must be 0)."""
     rows = []
     if x.is_cuda:
         pinned = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
         rows.append(dict(op="x -> pinned host", t=time_wall(lambda: pinned.copy_(x, non_blocking=True), iters), ref=None, diff=""))
     rows.append(dict(op="x.cpu()", t=time_wall(lambda: x.cpu(), iters), ref=None, diff=""))
-    for name in codecs:
-        path = HostPath(name)
+    runs = [(name, name, {}) for name in codecs]
+    if "tahquant" in codecs:
+        runs.append(("tahquant layout 3", "tahquant", CODECS["tahquant"].run_params))
+    for label, name, params in runs:
+        path = HostPath(name, **params)
         expected = decode(path.codec.encode(x), device=x.device)
-        rows.append(dict(op=f"{name}: tensor -> frames", t=time_wall(lambda: path.send(x), iters), ref=None, diff=""))
+        rows.append(dict(op=f"{label}: tensor -> frames", t=time_wall(lambda: path.send(x), iters), ref=None, diff=""))
         sent = [path.send(x) for _ in range(iters + 3)]  # a frame list is received once: no replays
         received = path.receive(sent.pop(), x.device)
         diff = str(int((received != expected).sum())) if received.shape == expected.shape else "shape differs"
-        rows.append(dict(op=f"{name}: frames -> tensor", t=time_wall(lambda: path.receive(sent.pop(), x.device), iters),
+        rows.append(dict(op=f"{label}: frames -> tensor", t=time_wall(lambda: path.receive(sent.pop(), x.device), iters),
                          ref=None, diff=diff if diff != "0" else ""))
     return rows
 
