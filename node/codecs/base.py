@@ -239,17 +239,22 @@ def receive_buffer(device: torch.device | str) -> Callable[[int], Any]:
     return pinned_buffer if torch.device(device).type == "cuda" else bytearray
 
 
+def copy_into(data, allocate: Callable[[int], Any] = bytearray):
+    """`data` (bytes-like) copied once into a new writable buffer, `allocate(n)`: what a receiver
+    holds of a payload (receive_buffer)."""
+    if allocate is bytearray:
+        return bytearray(data)
+    out = allocate(memoryview(data).nbytes)
+    memoryview(out).cast("B")[:] = memoryview(data).cast("B")
+    return out
+
+
 def payload_tensor(msg: pb.EncodedTensor, payload=None, allocate: Callable[[int], Any] = bytearray) -> torch.Tensor:
     """A received message's payload as a writable uint8 tensor on the host (where its host path ends
     and decoding starts): `payload` in place (a writable buffer kept apart from the message), or a
     copy of the message's own into `allocate(n)` (pinned_buffer for a GPU)."""
     if payload is None:
-        own = msg.payload
-        if allocate is bytearray:
-            payload = bytearray(own)
-        else:
-            payload = allocate(len(own))
-            memoryview(payload).cast("B")[:] = own
+        payload = copy_into(msg.payload, allocate)
     return torch.frombuffer(payload, dtype=torch.uint8) if memoryview(payload).nbytes else torch.empty(0, dtype=torch.uint8)
 
 

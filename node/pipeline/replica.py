@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..codecs.base import copy_into, receive_buffer
 from ..config import RunConfig
 from ..net.transport import BACKWARD, FORWARD, Direction
 from ..proto import tahnode_pb2 as pb
@@ -77,19 +78,26 @@ class PipelineReplica:
         self.errors = CrossingErrors()
 
     # -- one boundary ---------------------------------------------------------------------------
+    def _received(self, payload: memoryview):
+        """A sent payload as the receiving stage holds it: copied once into its receive buffer
+        (page-locked on a GPU), the message's header apart, as stages send them (Worker._message)."""
+        return copy_into(payload, receive_buffer(self.device))
+
     def _cross_forward(self, sender: int, out: torch.Tensor, ids: list[int], step: int) -> torch.Tensor:
         """`out` of stage `sender` as the next stage decodes it, ready for its backward pass."""
         receiver = (sender + 1) % self.run.stages
-        enc, _ = self.streams[sender].encode(FORWARD, out, ids, step)
-        x = self.streams[receiver].decode(FORWARD, 0, pb.MicroBatch(sample_ids=ids, tensor=enc), self.dtype)
+        mb = pb.MicroBatch(sample_ids=ids)
+        payload, _ = self.streams[sender].encode(FORWARD, out, ids, step, out=mb.tensor)
+        x = self.streams[receiver].decode(FORWARD, 0, mb, self.dtype, self._received(payload))
         self.errors.add(FORWARD, out, x)
         return x.requires_grad_(True)
 
     def _cross_backward(self, sender: int, grad: torch.Tensor, ids: list[int]) -> torch.Tensor:
         """The gradient `grad` of stage `sender`'s input as the previous stage decodes it."""
         receiver = (sender - 1) % self.run.stages
-        enc, _, k = self.streams[sender].encode_gradient(grad, ids)
-        g = self.streams[receiver].decode(BACKWARD, 0, pb.MicroBatch(sample_ids=ids, tensor=enc, scale_log2=k), self.dtype)
+        mb = pb.MicroBatch(sample_ids=ids)
+        payload, _, mb.scale_log2 = self.streams[sender].encode_gradient(grad, ids, out=mb.tensor)
+        g = self.streams[receiver].decode(BACKWARD, 0, mb, self.dtype, self._received(payload))
         self.errors.add(BACKWARD, grad, g)
         return g
 
