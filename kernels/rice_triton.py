@@ -43,8 +43,8 @@ def _sums_kernel(codes_ptr, n, sums_ptr, QMAX: tl.constexpr, BLOCK: tl.constexpr
 
 @triton.jit
 def _taken(codes_ptr, i, ok, QMAX: tl.constexpr, K: tl.constexpr):
-    """The unary bits of the values at i, (z >> K) + 1 (int64; 0 where not ok)."""
-    return tl.where(ok, (_zigzag(codes_ptr, i, ok, QMAX) >> K) + 1, 0).to(tl.int64)
+    """The unary bits of the values at i, (z >> K) + 1 (int32; 0 where not ok)."""
+    return tl.where(ok, (_zigzag(codes_ptr, i, ok, QMAX) >> K) + 1, 0)
 
 
 @triton.jit
@@ -54,23 +54,29 @@ def _write_kernel(codes_ptr, n, first_bit_ptr, low_ptr, unary_ptr, QMAX: tl.cons
     bit offset of the width-w plane, -1 if absent). Value i's zero-bit is at first_bit[b] + the sum of
     (z >> K) + 1 over the block's values up to i, minus one; the last value whose zero-bit falls in a
     byte of the unary stream (all ones before) writes that byte: at most 8 values end in it, its own
-    and the 7 before it (their positions from their codes, loaded again), one-bits elsewhere."""
+    and the 7 before it (their positions from their codes, loaded again), one-bits elsewhere.
+    Positions are int32 from the byte of first_bit[b] on, indices int32 from the block's first value
+    (n < 2**31): only addresses are 64-bit."""
     pid = tl.program_id(0)
-    i = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    ok = i < n
+    start = pid.to(tl.int64) * BLOCK  # the block's first value
+    j = tl.arange(0, BLOCK)
+    ok = j < n - start
     if K > 0:
-        first = tl.full([1], 0, tl.int64) + pid.to(tl.int64) * BLOCK
-        z = tl.reshape(_zigzag(codes_ptr, i, ok, QMAX), (1, BLOCK))
+        first = tl.full([1], 0, tl.int64) + start
+        z = tl.reshape(_zigzag(codes_ptr + start, j, ok, QMAX), (1, BLOCK))
         store_planes(low_ptr, n, z, first, n - first, first < n, 1, BLOCK, S8, S4, S2, S1)
-    end = tl.load(first_bit_ptr + pid) + tl.cumsum(_taken(codes_ptr, i, ok, QMAX, K), axis=0) - 1
-    byte = end >> 3
-    last_of_byte = ok & ((((end + _taken(codes_ptr, i + 1, i + 1 < n, QMAX, K)) >> 3) != byte) | (i + 1 >= n))
+    first_bit = tl.load(first_bit_ptr + pid)
+    block_codes = codes_ptr + start
+    end = (first_bit & 7).to(tl.int32) + tl.cumsum(_taken(block_codes, j, ok, QMAX, K), axis=0) - 1
+    byte = end >> 3  # from the byte of first_bit on
+    last = j + 1 >= n - start  # the stream's last value: it ends its byte
+    last_of_byte = ok & ((((end + _taken(block_codes, j + 1, ~last, QMAX, K)) >> 3) != byte) | last)
     m = tl.arange(0, 8)
-    back = i[:, None] - m[None, :]  # this value and the 7 before it
-    taken = _taken(codes_ptr, back, last_of_byte[:, None] & (back >= 0), QMAX, K)
+    back = j[:, None] - m[None, :]  # this value and the 7 before it (into the block before: back < 0)
+    taken = _taken(block_codes, back, last_of_byte[:, None] & (back >= -start.to(tl.int32)), QMAX, K)
     ends = end[:, None] - (tl.cumsum(taken, axis=1) - taken)
-    zero_bits = tl.sum(tl.where((taken > 0) & ((ends >> 3) == byte[:, None]), 1 << (ends & 7).to(tl.int32), 0), axis=1)
-    tl.store(unary_ptr + byte, (~zero_bits & 0xFF).to(tl.uint8), mask=last_of_byte)
+    zero_bits = tl.sum(tl.where((taken > 0) & ((ends >> 3) == byte[:, None]), 1 << (ends & 7), 0), axis=1)
+    tl.store(unary_ptr + (first_bit >> 3) + byte, (~zero_bits & 0xFF).to(tl.uint8), mask=last_of_byte)
 
 
 @triton.jit
@@ -178,6 +184,8 @@ def write(codes: torch.Tensor, qmax: int, head: torch.Tensor, sums: torch.Tensor
     """encode's payload from block_sums' sums and their `totals` over the blocks (on the host)."""
     codes = codes.reshape(-1)
     n = codes.numel()
+    if n >= 2 ** 31:  # the write kernel's indices and positions within a block are int32
+        raise ValueError(f"rice_triton codes at most 2**31 - 1 values in one payload, not {n}")
     with on_device(codes):
         block, _ = _blocks()
         k = rice.shortest_k([n * (k + 1) + totals[k] for k in range((2 * qmax).bit_length() + 1)])
