@@ -59,17 +59,18 @@ def _write_kernel(codes_ptr, n, first_bit_ptr, low_ptr, unary_ptr, QMAX: tl.cons
     (n < 2**31): only addresses are 64-bit."""
     pid = tl.program_id(0)
     start = pid.to(tl.int64) * BLOCK  # the block's first value
+    block_codes = codes_ptr + start
+    left = n - start  # values from the block's first to the stream's end
     j = tl.arange(0, BLOCK)
-    ok = j < n - start
+    ok = j < left
     if K > 0:
         first = tl.full([1], 0, tl.int64) + start
-        z = tl.reshape(_zigzag(codes_ptr + start, j, ok, QMAX), (1, BLOCK))
+        z = tl.reshape(_zigzag(block_codes, j, ok, QMAX), (1, BLOCK))
         store_planes(low_ptr, n, z, first, n - first, first < n, 1, BLOCK, S8, S4, S2, S1)
     first_bit = tl.load(first_bit_ptr + pid)
-    block_codes = codes_ptr + start
     end = (first_bit & 7).to(tl.int32) + tl.cumsum(_taken(block_codes, j, ok, QMAX, K), axis=0) - 1
     byte = end >> 3  # from the byte of first_bit on
-    last = j + 1 >= n - start  # the stream's last value: it ends its byte
+    last = j + 1 >= left  # the stream's last value: it ends its byte
     last_of_byte = ok & ((((end + _taken(block_codes, j + 1, ~last, QMAX, K)) >> 3) != byte) | last)
     m = tl.arange(0, 8)
     back = j[:, None] - m[None, :]  # this value and the 7 before it (into the block before: back < 0)
