@@ -1,9 +1,10 @@
 """tahnode.kernels.rice in Triton, for layout 3's zigzagged codes on the GPU: the reference's bytes,
 and its refusals, with one synchronization each way.
 
-encode: a kernel sums each block's high parts at every k (best_k and the payload's size from those
-sums); a second packs the low bits into their planes and writes the unary stream a byte at a time,
-each byte by the last value whose zero-bit falls in it (no atomics). block_sums, write and
+encode: a kernel sums each block's high parts at every k and a cumsum runs them over the blocks
+(best_k and the payload's size from the totals, each block's first bit from the running sums); a
+second kernel, after the synchronization, packs the low bits into their planes and writes the unary
+stream a byte at a time, each byte by the last value whose zero-bit falls in it (no atomics), and k. block_sums, write and
 launch_decode let a caller read other kernels' flags in the same synchronization.
 decode: a kernel counts each block's zero-bits; a second ranks every zero-bit (its value's index),
 counts the run of one-bits below it (the high part), adds the low bits, checks the range and stores
@@ -48,16 +49,20 @@ def _taken(codes_ptr, i, ok, QMAX: tl.constexpr, K: tl.constexpr):
 
 
 @triton.jit
-def _write_kernel(codes_ptr, n, first_bit_ptr, low_ptr, unary_ptr, QMAX: tl.constexpr, K: tl.constexpr,
+def _write_kernel(codes_ptr, n, sums_ptr, ends_ptr, k_ptr, low_ptr, unary_ptr, QMAX: tl.constexpr, K: tl.constexpr,
                   BLOCK: tl.constexpr, S8: tl.constexpr, S4: tl.constexpr, S2: tl.constexpr, S1: tl.constexpr):
     """Program b: values [b*BLOCK, +BLOCK). Their low K bits go to the planes at low_ptr (S<w>: the
-    bit offset of the width-w plane, -1 if absent). Value i's zero-bit is at first_bit[b] + the sum of
-    (z >> K) + 1 over the block's values up to i, minus one; the last value whose zero-bit falls in a
-    byte of the unary stream (all ones before) writes that byte: at most 8 values end in it, its own
-    and the 7 before it (their positions from their codes, loaded again), one-bits elsewhere.
-    Positions are int32 from the byte of first_bit[b] on, indices int32 from the block's first value
-    (n < 2**31): only addresses are 64-bit."""
+    bit offset of the width-w plane, -1 if absent). The block's first bit in the unary stream is
+    first_bit = b*BLOCK + the sum of z >> K over the blocks before it (ends - sums at K: block_sums);
+    value i's zero-bit is at first_bit + the sum of (z >> K) + 1 over the block's values up to i,
+    minus one. The last value whose zero-bit falls in a byte of the unary stream writes that byte: at
+    most 8 values end in it, its own and the 7 before it (their positions from their codes, loaded
+    again), one-bits elsewhere (a byte in which no value ends is all ones: the caller's). Positions
+    are int32 from the byte of first_bit on, indices int32 from the block's first value (n < 2**31):
+    only addresses are 64-bit. Program 0 also writes K to k_ptr."""
     pid = tl.program_id(0)
+    if pid == 0:
+        tl.store(k_ptr, K)
     start = pid.to(tl.int64) * BLOCK  # the block's first value
     block_codes = codes_ptr + start
     left = n - start  # values from the block's first to the stream's end
@@ -67,7 +72,7 @@ def _write_kernel(codes_ptr, n, first_bit_ptr, low_ptr, unary_ptr, QMAX: tl.cons
         first = tl.full([1], 0, tl.int64) + start
         z = tl.reshape(_zigzag(block_codes, j, ok, QMAX), (1, BLOCK))
         store_planes(low_ptr, n, z, first, n - first, first < n, 1, BLOCK, S8, S4, S2, S1)
-    first_bit = tl.load(first_bit_ptr + pid)
+    first_bit = start + tl.load(ends_ptr + pid * 9 + K) - tl.load(sums_ptr + pid * 9 + K)
     end = (first_bit & 7).to(tl.int32) + tl.cumsum(_taken(block_codes, j, ok, QMAX, K), axis=0) - 1
     byte = end >> 3  # from the byte of first_bit on
     last = j + 1 >= left  # the stream's last value: it ends its byte
@@ -162,13 +167,14 @@ def encode(codes: torch.Tensor, qmax: int, head: torch.Tensor) -> torch.Tensor:
     """Codes q + qmax (uint8, a multiple of 8 of them) on a CUDA device (or interpreted) -> payload:
     k u8 (rice.best_k of their zigzagged values), `head` (uint8), then rice.encode's low bits and
     unary stream at k, byte for byte, the sections written in place."""
-    sums = block_sums(codes, qmax)
-    return write(codes, qmax, head, sums, sums.sum(0, dtype=torch.int64).tolist())  # the one synchronization
+    sums, ends = block_sums(codes, qmax)
+    return write(codes, qmax, head, sums, ends, ends[-1].tolist())  # the one synchronization
 
 
-def block_sums(codes: torch.Tensor, qmax: int) -> torch.Tensor:
-    """encode's first kernel, launched: (blocks, 9) int32, the sums of z >> k of each block of values;
-    the sums over the blocks (read by the caller) fix k and the payload's size."""
+def block_sums(codes: torch.Tensor, qmax: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """encode's first kernel and the sums over blocks, launched: (sums, ends), (blocks, 9) each,
+    sums[b, k] (int32) the sum of z >> k over block b's values, ends[b, k] (int64) that over blocks
+    0..b. The totals over all blocks, ends[-1] (read by the caller), fix k and the payload's size."""
     codes = codes.reshape(-1)
     n = codes.numel()
     rice.check_whole_bytes(n, "rice_triton")
@@ -178,11 +184,15 @@ def block_sums(codes: torch.Tensor, qmax: int) -> torch.Tensor:
         sums = torch.zeros(max(blocks, 1), 9, dtype=torch.int32, device=codes.device)
         if blocks:
             _sums_kernel[(blocks,)](codes, n, sums, QMAX=qmax, BLOCK=block)
-        return sums
+        return sums, torch.cumsum(sums, 0, dtype=torch.int64)
 
 
-def write(codes: torch.Tensor, qmax: int, head: torch.Tensor, sums: torch.Tensor, totals: list[int]) -> torch.Tensor:
-    """encode's payload from block_sums' sums and their `totals` over the blocks (on the host)."""
+def write(codes: torch.Tensor, qmax: int, head: torch.Tensor, sums: torch.Tensor, ends: torch.Tensor,
+          totals: list[int]) -> torch.Tensor:
+    """encode's payload from block_sums' (sums, ends) and the `totals` over the blocks (ends[-1], on
+    the host): one copy (the head) and one kernel, and a fill of the unary stream with one-bits where
+    a value's code can be longer than a byte (else every byte holds a zero-bit, and the kernel writes
+    it)."""
     codes = codes.reshape(-1)
     n = codes.numel()
     if n >= 2 ** 31:  # the write kernel's indices and positions within a block are int32
@@ -193,14 +203,15 @@ def write(codes: torch.Tensor, qmax: int, head: torch.Tensor, sums: torch.Tensor
         low_nbytes, unary_nbytes = packed_nbytes(n, k) if k else 0, -(-(n + totals[k]) // 8)
         start = 1 + head.numel()
         payload = torch.empty(start + low_nbytes + unary_nbytes, dtype=torch.uint8, device=codes.device)
-        payload[0] = k
         payload[1:start] = head
-        payload[start + low_nbytes:] = 0xFF
+        if (2 * qmax >> k) + 1 > 8:  # a code longer than a byte: bytes in which no value ends
+            payload[start + low_nbytes:] = 0xFF
         if n:
-            taken = sums[:, k].long() + block
-            first_bit = torch.cumsum(taken, 0) - taken
-            _write_kernel[(triton.cdiv(n, block),)](codes, n, first_bit, payload[start:], payload[start + low_nbytes:],
-                                                     QMAX=qmax, K=k, BLOCK=block, **plane_shifts(k))
+            _write_kernel[(triton.cdiv(n, block),)](codes, n, sums, ends, payload, payload[start:],
+                                                     payload[start + low_nbytes:], QMAX=qmax, K=k, BLOCK=block,
+                                                     **plane_shifts(k))
+        else:
+            payload[0] = k
         return payload
 
 

@@ -24,10 +24,10 @@ def encode(x: torch.Tensor, params: TahQuantParams) -> torch.Tensor:
     out, _, status = symtiles_triton.launch_encode(x2, g, CODE_BITS, True, qmax)
     head = 2 * n * t  # the scales, then N*T*G codes: a multiple of G >= 8, as rice_triton needs
     codes = out[head: head + n * t * g]
-    sums = rice_triton.block_sums(codes, qmax)
-    bad, *totals = torch.cat([status.long(), sums.sum(0, dtype=torch.int64)]).tolist()  # the one synchronization
+    sums, ends = rice_triton.block_sums(codes, qmax)
+    bad, *totals = torch.cat([status.long(), ends[-1]]).tolist()  # the one synchronization
     symtiles_triton.raise_for_encode(bad, x2, "tahquant")
-    return rice_triton.write(codes, qmax, out[:head], sums, totals)
+    return rice_triton.write(codes, qmax, out[:head], sums, ends, totals)
 
 
 def decode(payload: torch.Tensor, shape, params: TahQuantParams, dtype: torch.dtype) -> torch.Tensor:

@@ -4,7 +4,8 @@ front end, TTIR -> TTGIR -> LLVM IR -> PTX, and ptxas (bundled in the triton whe
 The interpreter (TRITON_INTERPRET=1, set for the rest of the suite) replaces triton.jit with a
 Python executor, so the compilation runs in a subprocess with TRITON_INTERPRET removed; run this
 file directly (python tests/test_kernels_compile.py) to compile without pytest, with --resources to
-print every kernel's registers and spills (docs/benchmarks.md, "Kernel resources on sm_90")."""
+print every kernel's registers and spills (docs/benchmarks.md, "Kernel resources on sm_90"), with
+--shard i/n to compile every n-th case from case i (the test runs a shard per core)."""
 
 from __future__ import annotations
 
@@ -127,7 +128,7 @@ def _cases():
         out.append((f"rice sums qmax={qmax}", rt._sums_kernel, sig, const))
     for qmax, k in ((12, 0), (12, 3), (31, 5), (127, 8)):
         const = dict(QMAX=qmax, K=k, BLOCK=512, **st.plane_shifts(k))
-        sig = dict(codes_ptr="*u8", n="i64", first_bit_ptr="*i64", low_ptr="*u8", unary_ptr="*u8",
+        sig = dict(codes_ptr="*u8", n="i64", sums_ptr="*i32", ends_ptr="*i64", k_ptr="*u8", low_ptr="*u8", unary_ptr="*u8",
                    **{k: "constexpr" for k in const})
         out.append((f"rice write qmax={qmax} k={k}", rt._write_kernel, sig, const))
         const = dict(QMAX=qmax, K=k, WINDOWS=-(-((2 * qmax >> k) + 1) // 32), BLOCK=256, **st.plane_shifts(k))
@@ -155,16 +156,17 @@ def resource_usage(cubin: bytes) -> str:
     return f"{fields['REG']:>3} registers, stack {fields['STACK']} B, local {fields['LOCAL']} B"
 
 
-def compile_all(verbose: bool = True, resources: bool = False) -> int:
-    """Compile every case for sm_90; returns the number compiled (raises on the first failure).
-    resources: print each kernel's registers and spills (resource_usage)."""
+def compile_all(verbose: bool = True, resources: bool = False, shard: int = 0, shards: int = 1) -> tuple[int, int]:
+    """Compile every `shards`-th case for sm_90, from case `shard` on; returns (compiled, cases in
+    all) and raises on the first failure. resources: print each kernel's registers and spills
+    (resource_usage)."""
     import triton
     from triton.backends.compiler import GPUTarget
 
     assert os.environ.get("TRITON_INTERPRET", "0") in ("", "0"), "unset TRITON_INTERPRET to compile"
     target = GPUTarget("cuda", 90, 32)
-    n = 0
-    for name, kernel, sig, const in _cases():
+    n, cases = 0, _cases()
+    for name, kernel, sig, const in cases[shard::shards]:
         t0 = time.time()
         warps = const.pop("num_warps", 4)  # a launch option, not a constexpr
         sig = {k: v for k, v in sig.items() if k != "num_warps"}
@@ -178,7 +180,7 @@ def compile_all(verbose: bool = True, resources: bool = False) -> int:
             print(f"{resource_usage(asm['cubin'])}  {name} ({warps} warps)", flush=True)
         elif verbose:
             print(f"ok {time.time() - t0:5.1f}s  {name}", flush=True)
-    return n
+    return n, len(cases)
 
 
 def test_every_kernel_compiles_for_sm90(tmp_path):
@@ -186,10 +188,26 @@ def test_every_kernel_compiles_for_sm90(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(tmp_path)  # really compile, not a cache hit
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # triton 3.9 warns when unset; 1 is 3.6's behaviour
-    proc = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=540)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    assert "compiled" in proc.stdout, proc.stdout
+    shards = max(1, min(4, os.cpu_count() or 1))  # a compiler process per core: they share nothing
+    procs = [subprocess.Popen([sys.executable, __file__, "--shard", f"{i}/{shards}"], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for i in range(shards)]
+    compiled, total = 0, set()
+    try:
+        for proc in procs:
+            out, err = proc.communicate(timeout=540)
+            assert proc.returncode == 0, out[-3000:] + err[-6000:]
+            done = [line.split() for line in out.splitlines() if line.startswith("compiled ")]
+            assert done, out
+            compiled += int(done[-1][1])
+            total.add(int(done[-1][3]))
+    finally:
+        for proc in procs:
+            proc.kill()
+    assert len(total) == 1 and compiled == total.pop() > 60  # every case, once
 
 
 if __name__ == "__main__":
-    print(f"compiled {compile_all(resources='--resources' in sys.argv)} kernels for sm_90")
+    at = sys.argv.index("--shard") + 1 if "--shard" in sys.argv else 0
+    shard, shards = map(int, sys.argv[at].split("/")) if at else (0, 1)
+    n, cases = compile_all(resources="--resources" in sys.argv, shard=shard, shards=shards)
+    print(f"compiled {n} of {cases} kernels for sm_90")
