@@ -22,7 +22,7 @@ def slow_links_in(chain: list[str]) -> list[tuple[str, str]]:
 def test_rebalancing_moves_a_stage_to_a_faster_newcomer_and_off_the_slow_links(tmp_path):
     spec = SwarmSpec(nodes=4, stages=3, bandwidth_bps=100e6, slow_links={frozenset(pair): 4e6 for pair in SLOW},
                      prefix="trb-", workdir=tmp_path / "swarm", auto=True, late=1, heartbeat_timeout=10,
-                     placement_flags=["--probe-wait", "30", "--rebalance-every", "4"],
+                     placement_flags=["--probe-wait", "12", "--rebalance-every", "4"],
                      run_flags=["--steps", str(STEPS), "--checkpoint-every", "5", "--micro-batches", "2", "--batch-size", "4",
                                 "--seq-len", "64", "--codec", "none", "--backward-codec", "none"])
     swarm = LocalSwarm.up(spec)
