@@ -97,15 +97,20 @@ class Swarm:
             raise AssertionError(f"{name} still runs after {timeout} s; its log ends:\n{self.log(name)[-4000:]}") from None
 
     def stop(self) -> None:
-        for p in self.procs.values():
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        for p in self.procs.values():
-            try:
-                p.wait(15)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+        """SIGTERM to the daemons, then to the coordinator once they are gone: a daemon's last report
+        reaches it (one that cannot reach it retries for 30 s), as when a user stops a swarm."""
+        daemons = [p for name, p in self.procs.items() if name != "coordinator"]
+        coordinator = [self.procs["coordinator"]] if "coordinator" in self.procs else []
+        for group in (daemons, coordinator):
+            for p in group:
+                if p.poll() is None:
+                    p.send_signal(signal.SIGTERM)
+            for p in group:
+                try:
+                    p.wait(15)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+                    p.wait()
 
 
 def processes_mentioning(text: str) -> list[tuple[int, str]]:
