@@ -3,9 +3,10 @@ and its refusals, with one synchronization each way.
 
 encode: a kernel sums each block's high parts at every k and a cumsum runs them over the blocks
 (best_k and the payload's size from the totals, each block's first bit from the running sums); a
-second kernel, after the synchronization, packs the low bits into their planes and writes the unary
-stream a byte at a time, each byte by the last value whose zero-bit falls in it (no atomics), and k. block_sums, write and
-launch_decode let a caller read other kernels' flags in the same synchronization.
+second kernel, after the synchronization, writes k, packs the low bits into their planes and writes
+the unary stream a byte at a time, each byte by the last value whose zero-bit falls in it (no
+atomics). block_sums, write and launch_decode let a caller read other kernels' flags in the same
+synchronization.
 decode: a kernel counts each block's zero-bits; a second ranks every zero-bit (its value's index),
 counts the run of one-bits below it (the high part), adds the low bits, checks the range and stores
 the code; the synchronization reads the count and the range check. Only cumulative sums are
