@@ -158,10 +158,16 @@ def _values_kernel(unary_ptr, nbytes, rank_ptr, low_ptr, n, codes_ptr, bad_ptr, 
     tl.store(codes_ptr + r, (q + QMAX).to(tl.uint8), mask=ok)
 
 
-def _blocks() -> tuple[int, int]:
-    """(values per encode program, stream bytes per decode program): a few thousand lanes each on a
-    GPU (the code grows with them: these compile to about 150 kB for sm_90), more in the interpreter."""
-    return (65536, 65536) if interpreting() else (512, 256)
+# (values, warps) per program of the encode kernels and (stream bytes, warps) of the decode kernels
+# on a GPU: a few thousand lanes each (the code grows with them: these compile to about 150 kB for
+# sm_90). `tahnode bench kernels --sweep` times others (the same bytes: tests/test_rice.py)
+GPU_ENCODE_BLOCK = (512, 4)
+GPU_DECODE_BLOCK = (256, 4)
+
+
+def _blocks() -> tuple[tuple[int, int], tuple[int, int]]:
+    """(GPU_ENCODE_BLOCK, GPU_DECODE_BLOCK), or 65536 of each in the interpreter (its cost is per program)."""
+    return ((65536, 4), (65536, 4)) if interpreting() else (GPU_ENCODE_BLOCK, GPU_DECODE_BLOCK)
 
 
 def encode(codes: torch.Tensor, qmax: int, head: torch.Tensor) -> torch.Tensor:
@@ -180,11 +186,11 @@ def block_sums(codes: torch.Tensor, qmax: int) -> tuple[torch.Tensor, torch.Tens
     n = codes.numel()
     rice.check_whole_bytes(n, "rice_triton")
     with on_device(codes):
-        block, _ = _blocks()
+        (block, warps), _ = _blocks()
         blocks = triton.cdiv(n, block)
         sums = torch.zeros(max(blocks, 1), 9, dtype=torch.int32, device=codes.device)
         if blocks:
-            _sums_kernel[(blocks,)](codes, n, sums, QMAX=qmax, BLOCK=block)
+            _sums_kernel[(blocks,)](codes, n, sums, QMAX=qmax, BLOCK=block, num_warps=warps)
         return sums, torch.cumsum(sums, 0, dtype=torch.int64)
 
 
@@ -199,7 +205,7 @@ def write(codes: torch.Tensor, qmax: int, head: torch.Tensor, sums: torch.Tensor
     if n >= 2 ** 31:  # the write kernel's indices and positions within a block are int32
         raise ValueError(f"rice_triton codes at most 2**31 - 1 values in one payload, not {n}")
     with on_device(codes):
-        block, _ = _blocks()
+        (block, warps), _ = _blocks()
         k = rice.shortest_k([n * (k + 1) + totals[k] for k in range((2 * qmax).bit_length() + 1)])
         low_nbytes, unary_nbytes = packed_nbytes(n, k) if k else 0, -(-(n + totals[k]) // 8)
         start = 1 + head.numel()
@@ -210,7 +216,7 @@ def write(codes: torch.Tensor, qmax: int, head: torch.Tensor, sums: torch.Tensor
         if n:
             _write_kernel[(triton.cdiv(n, block),)](codes, n, sums, ends, payload, payload[start:],
                                                      payload[start + low_nbytes:], QMAX=qmax, K=k, BLOCK=block,
-                                                     **plane_shifts(k))
+                                                     **plane_shifts(k), num_warps=warps)
         else:
             payload[0] = k
         return payload
@@ -237,15 +243,15 @@ def launch_decode(low: torch.Tensor, unary: torch.Tensor, count: int, k: int, qm
             raise rice.wrong_end(unary.numel(), count, codec)
         return codes, torch.zeros(3, dtype=torch.int64, device=unary.device)
     with on_device(unary):
-        _, block = _blocks()
+        _, (block, warps) = _blocks()
         blocks = triton.cdiv(unary.numel(), block)
         zeros = torch.empty(blocks, dtype=torch.int32, device=unary.device)
-        _zeros_kernel[(blocks,)](unary, unary.numel(), zeros, BLOCK=block)
+        _zeros_kernel[(blocks,)](unary, unary.numel(), zeros, BLOCK=block, num_warps=warps)
         rank = torch.cumsum(zeros, 0, dtype=torch.int64) - zeros
         bad = torch.empty(blocks, dtype=torch.uint8, device=unary.device)
         windows = -(-((2 * qmax >> k) + 1) // 32)
         _values_kernel[(blocks,)](unary, unary.numel(), rank, low if k else unary, count, codes, bad, QMAX=qmax, K=k,
-                                  WINDOWS=windows, BLOCK=block, **plane_shifts(k))
+                                  WINDOWS=windows, BLOCK=block, **plane_shifts(k), num_warps=warps)
         found = rank[-1] + zeros[-1] - count  # 0 when the stream ends `count` values
         return codes, torch.stack([found, (unary[-1] == 0xFF).long(), bad.max().long()])
 

@@ -25,6 +25,11 @@ __all__ = ["encode", "decode", "launch_encode", "raise_for_encode", "launch_deco
            "plane_shifts"]
 
 MIN_NORMAL = 2.0 ** -126  # symtiles_ref.MIN_SCALE
+# (values, warps) per program of the encode and decode kernels on a GPU: a block is values // G
+# tokens of one tile. The interpreter's blocks are larger (its cost is per program). `tahnode bench
+# kernels --sweep` times others (the same bytes at every setting: tests/test_symtiles.py)
+GPU_ENCODE_BLOCK = (4096, 4)
+GPU_DECODE_BLOCK = (4096, 4)
 
 
 @triton.jit
@@ -196,10 +201,10 @@ def _grid(bits: int, qmax: int) -> int:
     return qmax or widest
 
 
-def _rows_per_block(g: int, n_rows: int) -> int:
-    """Tokens per program: about 4096 values on a GPU (a few registers each), more in the interpreter."""
-    values = 65536 if interpreting() else 4096
-    return max(1, min(triton.next_power_of_2(max(1, n_rows)), values // g))
+def _launch(block: tuple[int, int], g: int, n_rows: int) -> tuple[int, int]:
+    """(tokens, warps) per program: block = (values, warps) on a GPU, 65536 values in the interpreter."""
+    values, warps = (65536, 4) if interpreting() else block
+    return max(1, min(triton.next_power_of_2(max(1, n_rows)), values // g)), warps
 
 
 def encode(x2: torch.Tensor, g: int, bits: int, rotate: bool, codec: str, qmax: int = 0) -> tuple[torch.Tensor, int]:
@@ -229,10 +234,10 @@ def launch_encode(x2: torch.Tensor, g: int, bits: int, rotate: bool, qmax: int =
         signs = rotation_signs(g, x2.device) if rotate else status  # a pointer the kernel never reads
         packed = width % 8 == 0
         codes = out if packed else torch.empty(n_codes, dtype=torch.uint8, device=x2.device)
-        br = _rows_per_block(g, n)
+        br, warps = _launch(GPU_ENCODE_BLOCK, g, n)
         _encode_kernel[(triton.cdiv(n, br), t)](
             x2, x2.stride(0), signs, n, c, t, width, out[:head].view(torch.bfloat16), out[head:], n_pad, codes, status,
-            G=g, QMAX=qmax, ROTATE=rotate, PACKED=packed, BR=br, **plane_shifts(bits))
+            G=g, QMAX=qmax, ROTATE=rotate, PACKED=packed, BR=br, **plane_shifts(bits), num_warps=warps)
         if not packed:
             block = 65536 if interpreting() else 4096
             _pack_kernel[(triton.cdiv(n_pad, block),)](codes, out[head:], n_codes, n_pad, BLOCK=block, **plane_shifts(bits))
@@ -264,14 +269,14 @@ def launch_decode(scale: torch.Tensor, codes: torch.Tensor, n: int, c: int, g: i
         t = scale.shape[1]
         width = t * g if rotate else c
         n_pad = padded_count(n * width)
-        br = _rows_per_block(g, n)
+        br, warps = _launch(GPU_DECODE_BLOCK, g, n)
         grid = (triton.cdiv(n, br), t)
         out = torch.empty(n, c, dtype=dtype, device=codes.device)
         bad = torch.empty(grid[0] * grid[1], dtype=torch.uint8, device=codes.device)
         signs = rotation_signs(g, codes.device) if rotate else bad
         qmax = _grid(bits, qmax)
         _decode_kernel[grid](codes, n_pad, scale, signs, out, bad, n, c, t, width, G=g, QMAX=qmax, ROTATE=rotate, BR=br,
-                             OUT_BF16=dtype == torch.bfloat16, **plane_shifts(bits))
+                             OUT_BF16=dtype == torch.bfloat16, **plane_shifts(bits), num_warps=warps)
         return out, torch.maximum(bad.max(), _padding_flag(codes, n * width, n_pad, bits))
 
 

@@ -16,6 +16,7 @@ from tahnode.tools import bench_kernels
 from tahnode.tools.host_path import HostPath
 
 TAHNODE = [sys.executable, "-m", "tahnode.cli"]
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def run(*args: str) -> subprocess.CompletedProcess:
@@ -25,7 +26,7 @@ def run(*args: str) -> subprocess.CompletedProcess:
 def test_flags_reach_the_bench_parser():
     r = run("bench", "kernels", "--help")
     assert r.returncode == 0
-    for flag in ("--shape", "--dtype", "--iters", "--out", "--profile"):
+    for flag in ("--shape", "--dtype", "--iters", "--out", "--profile", "--sweep"):
         assert flag in r.stdout
     r = run("bench", "kernels", "--shape", "4,x,8")
     assert r.returncode == 2 and "--shape must be B,S,C or 'all', got '4,x,8'" in r.stderr
@@ -115,3 +116,30 @@ def test_a_gpu_payload_waits_in_page_locked_memory():
     x = bench_kernels.activations((2, 64, 256), torch.bfloat16, device="cuda")
     path = HostPath("none")
     assert torch.equal(path.receive(path.send(x), "cuda"), x)
+
+
+def test_every_launch_setting_the_sweep_times_gives_the_references_bytes(kernels, monkeypatch):
+    """--sweep (issue 27): a run's default pair at every launch setting it times, in the GPU's
+    settings (Triton's interpreter runs them on a CPU), encodes the reference's payload byte for byte
+    and decodes its values bit for bit; the rows name each setting, the defaults first."""
+    from tahnode.kernels import rice_triton, symtiles_triton
+
+    for module in (rice_triton, symtiles_triton):
+        monkeypatch.setattr(module, "interpreting", lambda: False)
+    x = bench_kernels.activations((1, 16, 256), torch.bfloat16, device=DEVICE)
+    defaults = symtiles_triton.GPU_ENCODE_BLOCK, symtiles_triton.GPU_DECODE_BLOCK, rice_triton.GPU_DECODE_BLOCK
+    calls = []
+    rows = bench_kernels.sweep_rows(x, 1, timer=lambda fn, iters: calls.append(fn()) or 1e-3)
+    settings = bench_kernels.sweep_settings()
+    assert len(rows) == len(calls) == 2 * sum(len(names) for *_, names in settings)
+    assert len(settings) == 1 + len(bench_kernels.SYMTILES_BLOCKS) + len(bench_kernels.RICE_BLOCKS)
+    assert [r["diff"] for r in rows] == ["0"] * len(rows)
+    y = x.clone()
+    y[0, 3, :2] = -y[0, 3, :2] - 1
+    assert bench_kernels._differing(y, x) == "2" and bench_kernels._differing(y[0], x).startswith("[16, 256]")
+    assert rows[0]["op"] == "pertoken encode [symtiles {}/{}, default]".format(*defaults[0])
+    assert rows[3]["op"] == "tahquant rice decode [symtiles {}/{}, default]".format(*defaults[1])
+    assert "tahquant rice encode [symtiles {}/{}]".format(*bench_kernels.SYMTILES_BLOCKS[-1]) in [r["op"] for r in rows]
+    assert rows[-1]["op"] == "tahquant rice decode [rice {}/{}]".format(*bench_kernels.RICE_BLOCKS[-1][1])
+    assert defaults == (symtiles_triton.GPU_ENCODE_BLOCK, symtiles_triton.GPU_DECODE_BLOCK, rice_triton.GPU_DECODE_BLOCK)  # put back
+

@@ -1,6 +1,7 @@
 """`tahnode bench kernels`: time the Triton codec kernels on a GPU next to x.clone() of the same
 tensor (the memory-bandwidth yardstick) and the pure-torch reference on the same GPU; append the
-results, dated and naming the GPU, to docs/benchmarks.md.
+results, dated and naming the GPU, to docs/benchmarks.md. With --sweep, a run's default pair of
+kernels at other launch settings instead (values and warps per program), to choose the defaults.
 
 Timing: CUDA events around each call after warm-up (the first calls compile the kernels), the
 median of --iters runs (at most 5 for the much slower references). Effective GB/s = bytes of the
@@ -12,6 +13,7 @@ tensor to pinned host memory."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import os
 import statistics
@@ -29,6 +31,11 @@ from .host_path import HostPath
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 HOST_PATH_ITERS = 10  # whole messages kept in host memory at once (64 MB each uncompressed at 4,2048,4096 bf16)
 ALL_SHAPES = [(4, 2048, 4096), (1, 1024, 1600), (8, 4096, 8192)]
+# the launch settings --sweep times beside each module's defaults (GPU_ENCODE_BLOCK, GPU_DECODE_BLOCK):
+# (values, warps) per program of symtiles_triton's kernels (one setting for both), and pairs of
+# ((values, warps) of the Rice encode kernels, (stream bytes, warps) of its decode kernels)
+SYMTILES_BLOCKS = [(4096, 8), (2048, 4), (2048, 8), (1024, 4)]
+RICE_BLOCKS = [((512, 8), (256, 8)), ((1024, 8), (128, 4)), ((256, 4), (512, 8))]
 HEADER = """
 ### Kernel timings
 
@@ -69,6 +76,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--out", default="docs/benchmarks.md", help="markdown file the rows are appended to (default docs/benchmarks.md)")
     ap.add_argument("--profile", action="store_true",
                     help="also print the GPU time of each kernel of one encode and one decode (torch.profiler), per shape")
+    ap.add_argument("--sweep", action="store_true",
+                    help="instead of the usual rows, time a run's default pair (tahquant layout 3, pertoken) at other "
+                         "launch settings of its kernels (values/warps per program; 'default' marks the current ones)")
     return ap
 
 
@@ -141,16 +151,27 @@ def activations(shape, dtype, device="cuda", seed=0) -> torch.Tensor:
     return x.to(dtype)
 
 
-def bench_shape(shape, dtype, iters: int) -> list[dict]:
+def bench_shape(shape, dtype, iters: int, sweep: bool = False) -> list[dict]:
+    """x.clone()'s row, then codec_rows' (or sweep_rows'), each with the shape, the input's bytes and the clone's time."""
+    x = activations(shape, dtype)
+    t_clone = time_cuda(lambda: x.clone(), iters)
+    rows = [dict(op="x.clone()", t=t_clone, ref=None, diff="")]
+    rows += sweep_rows(x, iters) if sweep else codec_rows(x, iters)
+    for r in rows:
+        r.update(shape=shape, nbytes=x.numel() * x.element_size(), clone=t_clone)
+    return rows
+
+
+def codec_rows(x: torch.Tensor, iters: int) -> list[dict]:
+    """Encode and decode rows of the paper's tahquant, naive and symtiles_rows' codecs, beside their
+    references, then host_path_rows."""
     from tahnode.kernels import naive_ref, naive_triton, tahquant_ref, tahquant_triton
 
-    x = activations(shape, dtype)
-    nbytes = x.numel() * x.element_size()
-    t_clone = time_cuda(lambda: x.clone(), iters)
+    shape, dtype = tuple(x.shape), x.dtype
     tq = tahquant_ref.TahQuantParams()
     nv = naive_ref.NaiveParams()
     ref_iters = max(1, min(iters, 5))
-    rows = [dict(op="x.clone()", t=t_clone, ref=None, diff="")]
+    rows = []
 
     pay_k = tahquant_triton.encode(x, tq)
     pay_r = tahquant_ref.encode(x, tq)
@@ -169,8 +190,6 @@ def bench_shape(shape, dtype, iters: int) -> list[dict]:
                      ref=time_cuda(lambda: naive_ref.decode(nr, shape, nv, er, dtype), ref_iters), diff=""))
     rows += symtiles_rows(x, iters, ref_iters)
     rows += host_path_rows(x, min(iters, HOST_PATH_ITERS))
-    for r in rows:
-        r.update(shape=shape, nbytes=nbytes, clone=t_clone)
     return rows
 
 
@@ -194,6 +213,68 @@ def symtiles_rows(x: torch.Tensor, iters: int, ref_iters: int) -> list[dict]:
         rows.append(dict(op=op.replace("encode", "decode"), t=time_cuda(lambda: kernel.decode(pay_r, shape, params, dtype), iters),
                          ref=time_cuda(lambda: ref.decode(pay_r, shape, params, dtype), ref_iters), diff=""))
     return rows
+
+
+@contextlib.contextmanager
+def launch_blocks(module, encode: tuple[int, int], decode: tuple[int, int]):
+    """`module`'s GPU_ENCODE_BLOCK and GPU_DECODE_BLOCK set to `encode` and `decode` inside the block."""
+    saved = module.GPU_ENCODE_BLOCK, module.GPU_DECODE_BLOCK
+    module.GPU_ENCODE_BLOCK, module.GPU_DECODE_BLOCK = encode, decode
+    try:
+        yield
+    finally:
+        module.GPU_ENCODE_BLOCK, module.GPU_DECODE_BLOCK = saved
+
+
+def sweep_settings() -> list[tuple[str, object, tuple[int, int], tuple[int, int], tuple[str, ...]]]:
+    """(kernels, module, encode block, decode block, codecs timed) of each setting --sweep times: the
+    defaults first, then symtiles_triton's others (both codecs use it), then rice_triton's (layout 3)."""
+    from tahnode.kernels import rice_triton, symtiles_triton
+
+    both, layout3 = ("pertoken", "tahquant rice"), ("tahquant rice",)
+    default = (symtiles_triton.GPU_ENCODE_BLOCK, symtiles_triton.GPU_DECODE_BLOCK)
+    out = [("symtiles", symtiles_triton, *default, both)]
+    out += [("symtiles", symtiles_triton, b, b, both) for b in SYMTILES_BLOCKS if (b, b) != default]
+    default = (rice_triton.GPU_ENCODE_BLOCK, rice_triton.GPU_DECODE_BLOCK)
+    out += [("rice", rice_triton, e, d, layout3) for e, d in RICE_BLOCKS if (e, d) != default]
+    return out
+
+
+def sweep_rows(x: torch.Tensor, iters: int, timer: Callable[[Callable[[], object], int], float] | None = None) -> list[dict]:
+    """Encode and decode rows of a run's default pair at each of sweep_settings(), named
+    "CODEC encode [KERNELS values/warps]" ("default": the first setting, every module's defaults).
+    `diff`: payload bytes (encode) or decoded elements (decode) that differ from the reference's
+    (every setting must give 0)."""
+    from tahnode.kernels import pertoken_ref, pertoken_triton, tahquant_ref, tahquant_rice_ref, tahquant_rice_triton
+
+    timer = timer or time_cuda
+    shape, dtype, rows = tuple(x.shape), x.dtype, []
+    codecs = {"pertoken": (pertoken_triton, pertoken_ref, pertoken_ref.PerTokenParams()),
+              "tahquant rice": (tahquant_rice_triton, tahquant_rice_ref, tahquant_ref.TahQuantParams(**CODECS["tahquant"].run_params))}
+    wanted = {}
+    for name, (_, ref, params) in codecs.items():
+        payload = ref.encode(x, params)
+        wanted[name] = payload, ref.decode(payload, shape, params, dtype)
+    for i, (kernels, module, encode_block, decode_block, names) in enumerate(sweep_settings()):
+        with launch_blocks(module, encode_block, decode_block):
+            for name in names:
+                kernel, _, params = codecs[name]
+                payload, values = wanted[name]
+                ops = (("encode", encode_block, lambda: kernel.encode(x, params), _differing(kernel.encode(x, params), payload)),
+                       ("decode", decode_block, lambda: kernel.decode(payload, shape, params, dtype),
+                        _differing(kernel.decode(payload, shape, params, dtype), values)))
+                for op, block, fn, diff in ops:
+                    label = f"{name} {op} [{kernels} {block[0]}/{block[1]}{', default' if i == 0 else ''}]"
+                    rows.append(dict(op=label, t=timer(fn, iters), ref=None, diff=diff))
+    return rows
+
+
+def _differing(got: torch.Tensor, want: torch.Tensor) -> str:
+    """The elements of `got` whose bits differ from `want`'s (a payload's bytes, or decoded values)."""
+    if got.shape != want.shape or got.dtype != want.dtype:
+        return f"{list(got.shape)} {got.dtype} vs {list(want.shape)} {want.dtype}"
+    ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32}[got.element_size()]
+    return str(int((got.view(ints) != want.view(ints)).sum()))
 
 
 def time_wall(fn: Callable[[], object], iters: int, warmup: int = 2) -> float:
@@ -280,7 +361,7 @@ def main(argv: list[str] | None = None) -> int:
     date = datetime.date.today().isoformat()
     lines = []
     for shape in args.shape:
-        rows = bench_shape(shape, DTYPES[args.dtype], args.iters)
+        rows = bench_shape(shape, DTYPES[args.dtype], args.iters, args.sweep)
         print(f"{gpu}  shape {list(shape)} {args.dtype}  ({rows[0]['nbytes'] / 1e6:.1f} MB)")
         for r in rows:
             ref = f"  reference {r['ref'] * 1e6:9.1f} us (ref/kernel {r['ref'] / r['t']:.1f})" if r["ref"] is not None else ""
