@@ -79,3 +79,30 @@ def test_every_codec_sends_the_same_bytes_from_the_gpu(name, dtype):
             check_decode(got["cuda"], got["cpu"], pc, shape, codec.params)
         else:
             assert same_bits(got["cuda"], got["cpu"]), (name, k)
+
+
+@pytest.mark.parametrize("name,params", [("none", {}), ("pertoken", {}), ("tahquant", codecs.CODECS["tahquant"].run_params)],
+                         ids=["none", "pertoken", "tahquant-layout3"])
+def test_an_overlapped_encode_copies_on_the_side_stream_and_finishes_as_encode_apart(name, params):
+    """train.host_copy "overlap" on a GPU: the payload's copy to pinned memory runs on a side stream
+    (an event marks it done) and, finished on another thread, gives encode_apart's message and bytes,
+    though the compute stream has meanwhile freed the encoded tensor and written new tensors of its
+    size (the copy's source is not reused before it has been read)."""
+    import threading
+
+    from tahnode.proto import tahnode_pb2 as pb
+
+    codec = codecs.get_codec(name, **params)
+    x = activations((4, 2048, 4096), torch.bfloat16, seed=9).cuda()
+    want = pb.EncodedTensor()
+    want_payload = bytes(codec.encode_apart(x, want))
+    got = pb.EncodedTensor()
+    pending = codec.encode_overlapped(x * 1, got)  # a temporary: freed at once, its memory up for reuse
+    assert isinstance(pending.done, torch.cuda.Event) and pending.host.is_pinned()
+    noise = [torch.full_like(x, float(k)) for k in range(4)]  # the compute stream goes on
+    finished = []
+    thread = threading.Thread(target=lambda: finished.append(bytes(pending.finish())))
+    thread.start()
+    thread.join()
+    assert finished == [want_payload] and got == want
+    del noise

@@ -49,9 +49,11 @@ def plain_frames(sealer, to: str, data: bytes) -> list[pb.Frame]:
     return [pb.Frame.FromString(f.SerializeToString()) for f in frames_of(sealer, to, data)]
 
 
-def test_pipeline_equals_single_process(swarm, cache):
-    """Codec none, fp32, fixed seed: 5 steps of 3 stages give the losses of one process to 1e-5."""
-    state = run_swarm(swarm, 5, "--codec", "none", "--backward-codec", "none", "--seed", "3")
+@pytest.mark.parametrize("host_copy", ["inline", "overlap"])
+def test_pipeline_equals_single_process(swarm, cache, host_copy):
+    """Codec none, fp32, fixed seed: 5 steps of 3 stages give the losses of one process to 1e-5,
+    whether the compute thread checksums what it sends or the link's thread does (train.host_copy)."""
+    state = run_swarm(swarm, 5, "--codec", "none", "--backward-codec", "none", "--seed", "3", "--host-copy", host_copy)
     run = RunConfig.build("llama-tiny", **{"train.steps": 5, "codec.forward": "none", "codec.backward": "none",
                                             "codec.backward_params": {}, "train.seed": 3})
     reference = train_local(run, open_dataset(run, str(cache)))

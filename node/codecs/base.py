@@ -8,16 +8,14 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import struct
-import zlib
 from typing import Any, Callable, ClassVar
 
-import crc32c
 import torch
 
 from ..kernels.wire import CodecError
 from ..proto import tahnode_pb2 as pb
 from ..proto.parse import parse
+from .host import PendingPayload, checksum, copy_to_host, host_bytes
 from .state import CodecContext, CodecState
 
 __all__ = [
@@ -121,23 +119,36 @@ class Codec:
     def encode_apart(self, x: torch.Tensor, out: pb.EncodedTensor, ctx: CodecContext | None = None) -> memoryview:
         """`x` encoded into `out` but for its payload, which is returned as a view of its bytes on
         the host: the transport writes it to the wire from there (tahnode.net.body)."""
-        ctx = ctx if ctx is not None else CodecContext()
-        _check_input(x, self.name)
-        payload, extra = self.encode_payload(x.cpu() if self.on_cpu else x, ctx)
+        payload, extra = self._payload(x, ctx)
         return self.header(x, payload, extra, out)
+
+    def encode_overlapped(self, x: torch.Tensor, out: pb.EncodedTensor, ctx: CodecContext | None = None) -> "PendingPayload":
+        """encode_apart with the payload's copy to the host started on a side stream, not waited
+        for: its finish() (on a thread that may wait) checksums it and gives its bytes."""
+        payload, extra = self._payload(x, ctx)
+        self._fields(x, extra, out)
+        return PendingPayload(out, *copy_to_host(payload))
+
+    def _payload(self, x: torch.Tensor, ctx: CodecContext | None) -> tuple[torch.Tensor, dict[str, float]]:
+        _check_input(x, self.name)
+        return self.encode_payload(x.cpu() if self.on_cpu else x, ctx if ctx is not None else CodecContext())
 
     def header(self, x: torch.Tensor, payload: torch.Tensor, extra: dict[str, float], out: pb.EncodedTensor) -> memoryview:
         """Everything of `x`'s message but the payload, written into `out` (its checksum covers the
         payload); the payload's bytes on the host, uncopied where they are there already. Where a
         message's host path starts (tahnode.tools.bench_copies counts what follows)."""
+        self._fields(x, extra, out)
+        data = host_bytes(payload)
+        out.crc32 = checksum(out, data)
+        return data
+
+    def _fields(self, x: torch.Tensor, extra: dict[str, float], out: pb.EncodedTensor) -> None:
+        """Every field of `x`'s message but the payload and its checksum, into `out`."""
         out.codec, out.version, out.dtype = self.name, self.wire_version(), DTYPES[x.dtype]
         out.shape[:] = list(x.shape)
         out.checksum = pb.CRC32C
         for key, value in {**self.header_params(), **extra}.items():
             out.params[key] = value
-        data = host_bytes(payload)
-        out.crc32 = checksum(out, data)
-        return data
 
     def message(self, x: torch.Tensor, payload: torch.Tensor, extra: dict[str, float],
                 out: pb.EncodedTensor | None = None) -> pb.EncodedTensor:
@@ -190,39 +201,6 @@ class Codec:
         if unknown:
             raise CodecError(f"{cls.name} header has unknown parameters: {', '.join(sorted(unknown))}")
         return cls(**kwargs)
-
-
-def host_bytes(payload: torch.Tensor) -> memoryview:
-    """A payload's bytes on the host: a view of a CPU payload, and a CUDA payload's one copy, into
-    pinned memory (torch's caching host allocator keeps those blocks for the next message)."""
-    flat = payload.detach().contiguous().reshape(-1).view(torch.uint8)
-    if flat.device.type == "cuda":
-        host = torch.empty(flat.numel(), dtype=torch.uint8, pin_memory=True)
-        host.copy_(flat, non_blocking=True)
-        torch.cuda.current_stream(flat.device).synchronize()
-        flat = host
-    elif flat.device.type != "cpu":
-        flat = flat.cpu()
-    return memoryview(flat.numpy())
-
-
-def checksum(msg: pb.EncodedTensor, payload=None) -> int:
-    """The checksum `msg.checksum` names (CRC-32C, or zlib's CRC-32 of older senders) of the
-    canonical header followed by the payload (docs/wire-format.md): codec name, 0, version u32,
-    dtype u32, ndim u32, dims u64, then each param sorted by key as key, 0, value f64; all
-    little-endian. `payload`: the payload where it is kept apart. Raises CodecError for a checksum
-    this build does not know."""
-    head = bytearray(msg.codec.encode() + b"\0")
-    head += struct.pack("<III", msg.version, msg.dtype, len(msg.shape))
-    head += struct.pack(f"<{len(msg.shape)}Q", *msg.shape)
-    for key in sorted(msg.params):
-        head += key.encode() + b"\0" + struct.pack("<d", msg.params[key])
-    data = msg.payload if payload is None else payload
-    if msg.checksum == pb.CRC32C:
-        return crc32c.crc32c(data, crc32c.crc32c(bytes(head)))
-    if msg.checksum == pb.CRC32:
-        return zlib.crc32(data, zlib.crc32(bytes(head)))
-    raise CodecError(f"{msg.codec}: unknown checksum {msg.checksum} (this build checks CRC-32 and CRC-32C)")
 
 
 def pinned_buffer(n: int):

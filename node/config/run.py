@@ -12,7 +12,11 @@ from typing import Any
 from .model import ModelConfig
 from .toml import load_toml, toml_table
 
-__all__ = ["TrainConfig", "CodecConfig", "RunConfig"]
+__all__ = ["TrainConfig", "CodecConfig", "RunConfig", "HOST_COPIES"]
+
+# train.host_copy: "inline", the compute thread copies a payload to the host and checksums it before
+# it goes on; "overlap", a side stream copies it and the link's thread checksums it (issue 27)
+HOST_COPIES = ("inline", "overlap")
 
 
 def _knob(default, help: str, flag: str = "", choices: tuple = (), metavar: str = ""):
@@ -50,6 +54,9 @@ class TrainConfig:
                                  "or a diverged run); finite values up to 3e38 would overflow the stage's own output")
     stall_timeout_s: float = _knob(300.0, "stage 0 replays a step when no gradient came back for this long (a lost "
                                    "message)", flag="--stall-timeout", metavar="SECONDS")
+    host_copy: str = _knob("inline", "where a sent payload is copied to the host and checksummed: inline (the compute "
+                           "thread waits for it) or overlap (a side stream and the link's thread, while the next "
+                           "micro-batch computes)", choices=HOST_COPIES)
 
     @property
     def end_lr(self) -> float:
@@ -72,6 +79,8 @@ class TrainConfig:
             raise ValueError(f"train.schedule must be '1f1b' or 'gpipe', got {self.schedule!r}")
         if self.dtype not in ("float32", "bfloat16"):
             raise ValueError(f"train.dtype must be 'float32' or 'bfloat16', got {self.dtype!r}")
+        if self.host_copy not in HOST_COPIES:
+            raise ValueError(f"train.host_copy must be one of {', '.join(HOST_COPIES)}, got {self.host_copy!r}")
         if self.lr < 0:
             raise ValueError(f"train.lr (--lr) must be >= 0, got {self.lr:g}")
         if self.min_lr is None:

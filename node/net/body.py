@@ -14,7 +14,7 @@ from google.protobuf.message import DecodeError
 
 from ..proto import tahnode_pb2 as pb
 
-__all__ = ["Body", "UnusualField", "body_of", "fields", "open_body", "payload_field_bytes", "tail_prefix", "varint", "WIRE_LEN"]
+__all__ = ["Body", "PendingBody", "UnusualField", "body_of", "fields", "open_body", "payload_field_bytes", "tail_prefix", "varint", "WIRE_LEN"]
 
 WIRE_LEN = 2  # protobuf wire type of a length-delimited field
 # fields scanned in Python at one level of a message at most: ours have a handful; bytes made of
@@ -112,6 +112,19 @@ def body_of(envelope: pb.Envelope, payload=None) -> Body:
         return Body((head,))
     n = memoryview(payload).nbytes
     return Body((head, tail_prefix(n), payload))
+
+
+@dataclass(frozen=True)
+class PendingBody:
+    """An envelope whose micro-batch payload is still on its way to the host (a codec's
+    PendingPayload, train.host_copy = "overlap"): finish() waits for it on the calling thread (the
+    outgoing link's, not the compute thread) and makes the Body."""
+
+    envelope: pb.Envelope
+    payload: Any  # tahnode.codecs.PendingPayload: finish() -> the payload's bytes, its checksum written
+
+    def finish(self) -> Body:
+        return body_of(self.envelope, self.payload.finish())
 
 
 class UnusualField(Exception):

@@ -11,7 +11,7 @@ from typing import Any, Callable
 
 from ..config.emulation import LinkEmulation
 from ..proto import tahnode_pb2 as pb
-from .body import Body, body_of
+from .body import Body, PendingBody, body_of
 from .emulation import pacer_for
 from .framing import MAX_ENVELOPE_BYTES
 from .freshness import COORDINATOR
@@ -78,9 +78,12 @@ class OutLink:
 
     async def next_envelope(self) -> Body:
         """The next queued envelope of the current generation (stale ones are skipped), once an
-        emulated link would have carried it (tahnode.net.emulation)."""
+        emulated link would have carried it (tahnode.net.emulation); a PendingBody finished first,
+        on a thread of the loop's executor."""
         while True:
             generation, data, queued_at = await self.queue.get()
+            if generation == self.generation and isinstance(data, PendingBody):  # its payload's copy and checksum
+                data = await asyncio.get_running_loop().run_in_executor(None, data.finish)
             if generation == self.generation:
                 await self.pacer.wait(len(data), queued_at)
                 if generation == self.generation:
@@ -205,11 +208,11 @@ class LinkedTransport:
     def generation(self, direction: Direction) -> int:
         return self.links[direction].generation
 
-    async def send(self, direction: Direction, envelope: pb.Envelope | Body, generation: int) -> bool:
+    async def send(self, direction: Direction, envelope: pb.Envelope | Body | PendingBody, generation: int) -> bool:
         link = self.links[direction]
         if generation != link.generation or not link.address:
             return False
-        data = envelope if isinstance(envelope, Body) else body_of(envelope)
+        data = envelope if isinstance(envelope, (Body, PendingBody)) else body_of(envelope)
         link.idle.clear()
         await link.queue.put((generation, data, time.monotonic()))
         return generation == link.generation

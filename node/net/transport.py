@@ -9,7 +9,7 @@ from enum import Enum
 from typing import Awaitable, Callable, Protocol
 
 from ..proto import tahnode_pb2 as pb
-from .body import Body
+from .body import Body, PendingBody
 
 __all__ = ["Direction", "FORWARD", "BACKWARD", "EnvelopeKind", "Inbound", "LinkCounters", "Measurer", "Transport", "ByteBudget", "MAX_IN_FLIGHT",
            "QUEUE_LIMIT"]
@@ -134,9 +134,9 @@ class Transport(Protocol):
         """Counter of the outgoing link's streams; it changes when the link failed. Encode with
         codec state of the current generation, and hand that number to `send`."""
 
-    async def send(self, direction: Direction, envelope: pb.Envelope | Body, generation: int) -> bool:
-        """Queue an envelope, or its body with a payload kept apart (tahnode.net.body; awaits only
-        if QUEUE_LIMIT are queued). False if the link's generation moved on (the envelope is
+    async def send(self, direction: Direction, envelope: pb.Envelope | Body | PendingBody, generation: int) -> bool:
+        """Queue an envelope, or its body with a payload kept apart (tahnode.net.body; a PendingBody
+        is finished by the link before it is sent; awaits only if QUEUE_LIMIT are queued). False if the link's generation moved on (the envelope is
         dropped: its step will be replayed)."""
 
     def on_link_down(self, callback: Callable[[Direction, str], None]) -> None:

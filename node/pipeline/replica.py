@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..codecs.base import copy_into, receive_buffer
+from ..codecs.host import PendingPayload
 from ..config import RunConfig
 from ..net.transport import BACKWARD, FORWARD, Direction
 from ..proto import tahnode_pb2 as pb
@@ -78,10 +79,12 @@ class PipelineReplica:
         self.errors = CrossingErrors()
 
     # -- one boundary ---------------------------------------------------------------------------
-    def _received(self, payload: memoryview):
+    def _received(self, payload: memoryview | PendingPayload):
         """A sent payload as the receiving stage holds it: copied once into its receive buffer
-        (page-locked on a GPU), the message's header apart, as stages send them (Worker._message)."""
-        return copy_into(payload, receive_buffer(self.device))
+        (page-locked on a GPU), the message's header apart, as stages send them (Worker._message;
+        a pending one finished first, as the link does)."""
+        data = payload.finish() if isinstance(payload, PendingPayload) else payload
+        return copy_into(data, receive_buffer(self.device))
 
     def _cross_forward(self, sender: int, out: torch.Tensor, ids: list[int], step: int) -> torch.Tensor:
         """`out` of stage `sender` as the next stage decodes it, ready for its backward pass."""

@@ -9,7 +9,8 @@ import time
 import torch
 
 from .. import codecs
-from ..codecs import CodecContext, CodecState
+from ..codecs import CodecContext, CodecState, PendingPayload
+from ..codecs.host import CRC_FIELD_BYTES
 from ..config import RunConfig
 from ..net.body import payload_field_bytes
 from ..net.transport import BACKWARD, FORWARD, Direction, Transport
@@ -46,6 +47,7 @@ class CodecStreams:
         self.states: dict[Direction, CodecState] = {
             d: self.codecs[d].sender_state(run.model.dim, device) if sends[d] else CodecState() for d in (FORWARD, BACKWARD)}
         self.t, self.device, self.stats = transport, device, stats
+        self.overlap = run.train.host_copy == "overlap"  # encode(out=...) hands back a PendingPayload
         self.sending: dict[Direction, tuple[int, CodecContext]] = {}
         self.receiving: dict[Direction, tuple[int, CodecContext]] = {}
 
@@ -61,10 +63,11 @@ class CodecStreams:
         return self.codecs[direction]
 
     def encode(self, direction: Direction, tensor: torch.Tensor, sample_ids, step: int = 0,
-               out: pb.EncodedTensor | None = None) -> tuple[pb.EncodedTensor | memoryview, int]:
+               out: pb.EncodedTensor | None = None) -> tuple[pb.EncodedTensor | memoryview | PendingPayload, int]:
         """The encoded tensor and the link generation whose stream state encoded it. With `out`, the
         message is written there but for its payload, which comes back instead: a view of its bytes
-        on the host, which the transport sends as they are (tahnode.net.body)."""
+        on the host, which the transport sends as they are (tahnode.net.body); with train.host_copy
+        "overlap", a PendingPayload (its copy to the host and its checksum not waited for)."""
         gen = self.t.generation(direction)
         ctx = self._context(self.sending, direction, gen, self.states[direction].new_context)
         ctx.sample_ids = sample_ids
@@ -73,6 +76,9 @@ class CodecStreams:
         if out is None:
             result = msg = codec.encode(tensor.detach(), ctx)  # ends with the payload's bytes on the host
             size = msg.ByteSize()
+        elif self.overlap:
+            result = codec.encode_overlapped(tensor.detach(), out, ctx)
+            size = out.ByteSize() + CRC_FIELD_BYTES + payload_field_bytes(result.nbytes)  # finish() writes the checksum
         else:
             result = codec.encode_apart(tensor.detach(), out, ctx)
             size = out.ByteSize() + payload_field_bytes(result.nbytes)  # the whole message's size
@@ -105,10 +111,11 @@ class CodecStreams:
         return x
 
     def _clock(self) -> float:
-        """time.perf_counter() once the device's queued work is done: on a GPU, codec_seconds counts
-        the codec's kernels and copies, not the compute queued before them."""
+        """time.perf_counter() once the compute stream's queued work is done: on a GPU, codec_seconds
+        counts the codec's kernels and copies, not the compute queued before them (nor a payload's
+        copy on the side stream, train.host_copy "overlap": it runs beside the next compute)."""
         if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+            torch.cuda.current_stream(self.device).synchronize()
         return time.perf_counter()
 
     def discard(self, direction: Direction, stream: int, mb: pb.MicroBatch, payload=None) -> None:

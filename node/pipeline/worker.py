@@ -14,9 +14,9 @@ from typing import Callable
 
 import torch
 
-from ..codecs import CodecError
+from ..codecs import CodecError, PendingPayload
 from ..config import RunConfig
-from ..net.body import Body, body_of
+from ..net.body import Body, PendingBody, body_of
 from ..net.transport import BACKWARD, FORWARD, Direction, Inbound, Transport
 from ..proto import tahnode_pb2 as pb
 from ..train.data import TokenDataset
@@ -106,7 +106,8 @@ class StageWorker:
         """Run `fn` on the compute thread (every change to the step state happens there)."""
         return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
 
-    async def send(self, direction: Direction, gen: int | None = None, envelope: pb.Envelope | Body | None = None, **body) -> None:
+    async def send(self, direction: Direction, gen: int | None = None, envelope: pb.Envelope | Body | PendingBody | None = None,
+                   **body) -> None:
         """Send `envelope` (or an envelope's body), or an envelope with `body`; with the link's
         current generation unless `gen` is given."""
         await self.t.send(direction, envelope if envelope is not None else pb.Envelope(**body),
@@ -126,11 +127,12 @@ class StageWorker:
         log.warning("stage %d dropped an envelope from %s: %s", self.stage, item.sender or "?", exc)
 
     def _message(self, direction: Direction, tensor: torch.Tensor, ids: list[int], src: pb.MicroBatch | None = None,
-                 **fields) -> tuple[Body, int]:
+                 **fields) -> tuple[Body | PendingBody, int]:
         """An envelope with one micro-batch (`src`'s step, index, attempt and count, then `fields`)
         and this stage's own output (or input gradient, going BACKWARD) encoded, as the body the
-        transport sends (the payload's host bytes kept apart, uncopied: tahnode.net.body); and the
-        link generation that encoded it. A codec that cannot encode the tensor (a non-finite or
+        transport sends (the payload's host bytes kept apart, uncopied: tahnode.net.body; a
+        PendingBody the link finishes, with train.host_copy "overlap"); and the link generation
+        that encoded it. A codec that cannot encode the tensor (a non-finite or
         overflowing value) means the step diverged here, not that a peer misbehaved."""
         env = pb.Envelope()
         mb = env.micro_batch
@@ -150,7 +152,7 @@ class StageWorker:
         except CodecError as exc:
             raise DivergedStep(f"stage {self.stage} cannot encode its own {'gradient' if gradient else 'output'} of step "
                                f"{self.state.step}: {exc}") from None
-        return body_of(env, payload), gen
+        return (PendingBody(env, payload) if isinstance(payload, PendingPayload) else body_of(env, payload)), gen
 
     def replay_step(self, reason: str, tell: bool) -> None:
         """Have stage 0 replay the step in flight; a later stage tells it (if `tell`) through the
