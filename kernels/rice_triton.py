@@ -160,7 +160,7 @@ def _values_kernel(unary_ptr, nbytes, rank_ptr, low_ptr, n, codes_ptr, bad_ptr, 
 
 # (values, warps) per program of the encode kernels and (stream bytes, warps) of the decode kernels
 # on a GPU: a few thousand lanes each (the code grows with them: these compile to about 150 kB for
-# sm_90). `tahnode bench kernels --sweep` times others (the same bytes: tests/test_rice.py)
+# sm_90). `tahnode bench kernels --sweep` times others (the references' bytes at each: tests/test_bench.py)
 GPU_ENCODE_BLOCK = (512, 4)
 GPU_DECODE_BLOCK = (256, 4)
 

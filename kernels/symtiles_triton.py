@@ -27,7 +27,7 @@ __all__ = ["encode", "decode", "launch_encode", "raise_for_encode", "launch_deco
 MIN_NORMAL = 2.0 ** -126  # symtiles_ref.MIN_SCALE
 # (values, warps) per program of the encode and decode kernels on a GPU: a block is values // G
 # tokens of one tile. The interpreter's blocks are larger (its cost is per program). `tahnode bench
-# kernels --sweep` times others (the same bytes at every setting: tests/test_symtiles.py)
+# kernels --sweep` times others (the references' bytes at each: tests/test_bench.py)
 GPU_ENCODE_BLOCK = (4096, 4)
 GPU_DECODE_BLOCK = (4096, 4)
 

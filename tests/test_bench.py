@@ -12,7 +12,7 @@ import torch
 
 from tahnode.codecs import decode
 from tahnode.net.framing import FrameError
-from tahnode.tools import bench_kernels
+from tahnode.tools import bench_kernels, bench_sweep
 from tahnode.tools.host_path import HostPath
 
 TAHNODE = [sys.executable, "-m", "tahnode.cli"]
@@ -120,7 +120,8 @@ def test_a_gpu_payload_waits_in_page_locked_memory():
 def test_every_launch_setting_the_sweep_times_gives_the_references_bytes(kernels, monkeypatch):
     """--sweep (issue 27): a run's default pair at every launch setting it times, in the GPU's
     settings (Triton's interpreter runs them on a CPU), encodes the reference's payload byte for byte
-    and decodes its values bit for bit; the rows name each setting, the defaults first."""
+    and decodes its values bit for bit; the rows name each setting, the defaults first, and the
+    summary names the fastest setting that gives the reference's bytes."""
     from tahnode.kernels import rice_triton, symtiles_triton
 
     if torch.cuda.is_available():
@@ -130,17 +131,27 @@ def test_every_launch_setting_the_sweep_times_gives_the_references_bytes(kernels
     x = bench_kernels.activations((1, 16, 256), torch.bfloat16, device="cpu")
     defaults = symtiles_triton.GPU_ENCODE_BLOCK, symtiles_triton.GPU_DECODE_BLOCK, rice_triton.GPU_DECODE_BLOCK
     calls = []
-    rows = bench_kernels.sweep_rows(x, 1, timer=lambda fn, iters: calls.append(fn()) or 1e-3)
-    settings = bench_kernels.sweep_settings()
+    rows = bench_sweep.sweep_rows(x, 1, timer=lambda fn, iters: calls.append(fn()) or 1e-3)
+    settings = bench_sweep.sweep_settings()
     assert len(rows) == len(calls) == 2 * sum(len(names) for *_, names in settings)
-    assert len(settings) == 1 + len(bench_kernels.SYMTILES_BLOCKS) + len(bench_kernels.RICE_BLOCKS)
+    assert len(settings) == 1 + len(bench_sweep.SYMTILES_BLOCKS) + len(bench_sweep.RICE_BLOCKS)
     assert [r["diff"] for r in rows] == ["0"] * len(rows)
     y = x.clone()
     y[0, 3, :2] = -y[0, 3, :2] - 1
-    assert bench_kernels._differing(y, x) == "2" and bench_kernels._differing(y[0], x).startswith("[16, 256]")
+    assert bench_sweep._differing(y, x) == "2" and bench_sweep._differing(y[0], x).startswith("[16, 256]")
     assert rows[0]["op"] == "pertoken encode [symtiles {}/{}, default]".format(*defaults[0])
     assert rows[3]["op"] == "tahquant rice decode [symtiles {}/{}, default]".format(*defaults[1])
-    assert "tahquant rice encode [symtiles {}/{}]".format(*bench_kernels.SYMTILES_BLOCKS[-1]) in [r["op"] for r in rows]
-    assert rows[-1]["op"] == "tahquant rice decode [rice {}/{}]".format(*bench_kernels.RICE_BLOCKS[-1][1])
-    assert defaults == (symtiles_triton.GPU_ENCODE_BLOCK, symtiles_triton.GPU_DECODE_BLOCK, rice_triton.GPU_DECODE_BLOCK)  # put back
+    assert "tahquant rice encode [symtiles {}/{}]".format(*bench_sweep.SYMTILES_BLOCKS[-1]) in [r["op"] for r in rows]
+    assert rows[-1]["op"] == "tahquant rice decode [rice {}/{}]".format(*bench_sweep.RICE_BLOCKS[-1][1])
+    lines = bench_sweep.fastest_settings([dict(r, t=1e-3 if "default" in r["op"] else 2e-3) for r in rows])
+    assert lines[0] == "pertoken encode, symtiles: the defaults are fastest (1000.0 us)"
+    assert len(lines) == 6  # pertoken encode, decode; layout 3 encode, decode by symtiles and by rice
+    rows[-1].update(t=1e-4)
+    rows[-2].update(t=1e-4, diff="3")  # a faster setting that gives other bytes is not chosen
+    lines = bench_sweep.fastest_settings([dict(r, t=r["t"] if r["t"] < 1e-3 else 1e-3) for r in rows])
+    assert lines[-1] == "tahquant rice decode, rice: fastest {}/{} 100.0 us, the defaults 1000.0 us (10.00x)".format(
+        *bench_sweep.RICE_BLOCKS[-1][1])
+    assert lines[3] == "tahquant rice encode, rice: the defaults are fastest (1000.0 us)"
+    # every setting put back
+    assert defaults == (symtiles_triton.GPU_ENCODE_BLOCK, symtiles_triton.GPU_DECODE_BLOCK, rice_triton.GPU_DECODE_BLOCK)
 

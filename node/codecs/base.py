@@ -122,7 +122,7 @@ class Codec:
         payload, extra = self._payload(x, ctx)
         return self.header(x, payload, extra, out)
 
-    def encode_overlapped(self, x: torch.Tensor, out: pb.EncodedTensor, ctx: CodecContext | None = None) -> "PendingPayload":
+    def encode_overlapped(self, x: torch.Tensor, out: pb.EncodedTensor, ctx: CodecContext | None = None) -> PendingPayload:
         """encode_apart with the payload's copy to the host started on a side stream, not waited
         for: its finish() (on a thread that may wait) checksums it and gives its bytes."""
         payload, extra = self._payload(x, ctx)

@@ -34,7 +34,7 @@ def host_bytes(payload: torch.Tensor) -> memoryview:
 
 
 @functools.cache
-def _side_stream(device: torch.device) -> "torch.cuda.Stream":
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
     """The stream a device's payloads are copied to the host on, beside the compute stream."""
     return torch.cuda.Stream(device)
 

@@ -136,8 +136,8 @@ class Transport(Protocol):
 
     async def send(self, direction: Direction, envelope: pb.Envelope | Body | PendingBody, generation: int) -> bool:
         """Queue an envelope, or its body with a payload kept apart (tahnode.net.body; a PendingBody
-        is finished by the link before it is sent; awaits only if QUEUE_LIMIT are queued). False if the link's generation moved on (the envelope is
-        dropped: its step will be replayed)."""
+        is finished by the link before it is sent; awaits only if QUEUE_LIMIT are queued). False if
+        the link's generation moved on (the envelope is dropped: its step will be replayed)."""
 
     def on_link_down(self, callback: Callable[[Direction, str], None]) -> None:
         """Call callback(direction, reason) when an outgoing link fails."""

@@ -13,7 +13,6 @@ tensor to pinned host memory."""
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime
 import os
 import statistics
@@ -26,16 +25,12 @@ import torch
 from ..codecs import CODECS, decode
 from ..net.memory import reuse_message_buffers
 from .host_path import CODECS as HOST_PATH_CODECS
+from .bench_sweep import fastest_settings, sweep_rows
 from .host_path import HostPath
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 HOST_PATH_ITERS = 10  # whole messages kept in host memory at once (64 MB each uncompressed at 4,2048,4096 bf16)
 ALL_SHAPES = [(4, 2048, 4096), (1, 1024, 1600), (8, 4096, 8192)]
-# the launch settings --sweep times beside each module's defaults (GPU_ENCODE_BLOCK, GPU_DECODE_BLOCK):
-# (values, warps) per program of symtiles_triton's kernels (one setting for both), and pairs of
-# ((values, warps) of the Rice encode kernels, (stream bytes, warps) of its decode kernels)
-SYMTILES_BLOCKS = [(4096, 8), (2048, 4), (2048, 8), (1024, 4)]
-RICE_BLOCKS = [((512, 8), (256, 8)), ((1024, 8), (128, 4)), ((256, 4), (512, 8))]
 HEADER = """
 ### Kernel timings
 
@@ -156,7 +151,7 @@ def bench_shape(shape, dtype, iters: int, sweep: bool = False) -> list[dict]:
     x = activations(shape, dtype)
     t_clone = time_cuda(lambda: x.clone(), iters)
     rows = [dict(op="x.clone()", t=t_clone, ref=None, diff="")]
-    rows += sweep_rows(x, iters) if sweep else codec_rows(x, iters)
+    rows += sweep_rows(x, iters, time_cuda) if sweep else codec_rows(x, iters)
     for r in rows:
         r.update(shape=shape, nbytes=x.numel() * x.element_size(), clone=t_clone)
     return rows
@@ -213,68 +208,6 @@ def symtiles_rows(x: torch.Tensor, iters: int, ref_iters: int) -> list[dict]:
         rows.append(dict(op=op.replace("encode", "decode"), t=time_cuda(lambda: kernel.decode(pay_r, shape, params, dtype), iters),
                          ref=time_cuda(lambda: ref.decode(pay_r, shape, params, dtype), ref_iters), diff=""))
     return rows
-
-
-@contextlib.contextmanager
-def launch_blocks(module, encode: tuple[int, int], decode: tuple[int, int]):
-    """`module`'s GPU_ENCODE_BLOCK and GPU_DECODE_BLOCK set to `encode` and `decode` inside the block."""
-    saved = module.GPU_ENCODE_BLOCK, module.GPU_DECODE_BLOCK
-    module.GPU_ENCODE_BLOCK, module.GPU_DECODE_BLOCK = encode, decode
-    try:
-        yield
-    finally:
-        module.GPU_ENCODE_BLOCK, module.GPU_DECODE_BLOCK = saved
-
-
-def sweep_settings() -> list[tuple[str, object, tuple[int, int], tuple[int, int], tuple[str, ...]]]:
-    """(kernels, module, encode block, decode block, codecs timed) of each setting --sweep times: the
-    defaults first, then symtiles_triton's others (both codecs use it), then rice_triton's (layout 3)."""
-    from tahnode.kernels import rice_triton, symtiles_triton
-
-    both, layout3 = ("pertoken", "tahquant rice"), ("tahquant rice",)
-    default = (symtiles_triton.GPU_ENCODE_BLOCK, symtiles_triton.GPU_DECODE_BLOCK)
-    out = [("symtiles", symtiles_triton, *default, both)]
-    out += [("symtiles", symtiles_triton, b, b, both) for b in SYMTILES_BLOCKS if (b, b) != default]
-    default = (rice_triton.GPU_ENCODE_BLOCK, rice_triton.GPU_DECODE_BLOCK)
-    out += [("rice", rice_triton, e, d, layout3) for e, d in RICE_BLOCKS if (e, d) != default]
-    return out
-
-
-def sweep_rows(x: torch.Tensor, iters: int, timer: Callable[[Callable[[], object], int], float] | None = None) -> list[dict]:
-    """Encode and decode rows of a run's default pair at each of sweep_settings(), named
-    "CODEC encode [KERNELS values/warps]" ("default": the first setting, every module's defaults).
-    `diff`: payload bytes (encode) or decoded elements (decode) that differ from the reference's
-    (every setting must give 0)."""
-    from tahnode.kernels import pertoken_ref, pertoken_triton, tahquant_ref, tahquant_rice_ref, tahquant_rice_triton
-
-    timer = timer or time_cuda
-    shape, dtype, rows = tuple(x.shape), x.dtype, []
-    codecs = {"pertoken": (pertoken_triton, pertoken_ref, pertoken_ref.PerTokenParams()),
-              "tahquant rice": (tahquant_rice_triton, tahquant_rice_ref, tahquant_ref.TahQuantParams(**CODECS["tahquant"].run_params))}
-    wanted = {}
-    for name, (_, ref, params) in codecs.items():
-        payload = ref.encode(x, params)
-        wanted[name] = payload, ref.decode(payload, shape, params, dtype)
-    for i, (kernels, module, encode_block, decode_block, names) in enumerate(sweep_settings()):
-        with launch_blocks(module, encode_block, decode_block):
-            for name in names:
-                kernel, _, params = codecs[name]
-                payload, values = wanted[name]
-                ops = (("encode", encode_block, lambda: kernel.encode(x, params), _differing(kernel.encode(x, params), payload)),
-                       ("decode", decode_block, lambda: kernel.decode(payload, shape, params, dtype),
-                        _differing(kernel.decode(payload, shape, params, dtype), values)))
-                for op, block, fn, diff in ops:
-                    label = f"{name} {op} [{kernels} {block[0]}/{block[1]}{', default' if i == 0 else ''}]"
-                    rows.append(dict(op=label, t=timer(fn, iters), ref=None, diff=diff))
-    return rows
-
-
-def _differing(got: torch.Tensor, want: torch.Tensor) -> str:
-    """The elements of `got` whose bits differ from `want`'s (a payload's bytes, or decoded values)."""
-    if got.shape != want.shape or got.dtype != want.dtype:
-        return f"{list(got.shape)} {got.dtype} vs {list(want.shape)} {want.dtype}"
-    ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32}[got.element_size()]
-    return str(int((got.view(ints) != want.view(ints)).sum()))
 
 
 def time_wall(fn: Callable[[], object], iters: int, warmup: int = 2) -> float:
@@ -369,6 +302,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  {r['op']:<16} {r['t'] * 1e6:9.1f} us  {r['nbytes'] / r['t'] / 1e9:7.1f} GB/s  "
                   f"{r['t'] / r['clone']:5.2f}x clone{ref}{note}")
             lines.append(format_row(r, gpu, versions, args.dtype, date))
+        if args.sweep:
+            print("\n".join(["fastest launch settings:", *fastest_settings(rows)]))
         if args.profile:
             print(profile_codecs(shape, DTYPES[args.dtype]))
         torch.cuda.empty_cache()
