@@ -42,7 +42,11 @@ def test_rebalancing_moves_a_stage_to_a_faster_newcomer_and_off_the_slow_links(t
         ledger = swarm.state("ledger")["steps"]
     finally:
         LocalSwarm.down(spec.prefix, spec.workdir)
-    assert next(n for n in done["nodes"] if n["id"] == spare)["stage"] == -1  # moved off: stood by, then left
+    # one node moved off, stood by, then left: `spare`, or the node a later rebalancing swapped for it
+    # (seen once: a chain's compute on one loaded machine can differ by more than the hysteresis)
+    held = {n["id"]: n["stage"] for n in done["nodes"]}
+    assert sorted(held.values()) == [-1, 0, 1, 2] and held["n4"] != -1, held
+    assert held[spare] == -1 or sum("rebalancing:" in e for e in done["events"]) >= 2, done["events"]
     assert [e["step"] for e in ledger] == list(range(STEPS))
     losses = [e["loss"] for e in ledger]
     assert sum(losses[-5:]) / 5 < sum(losses[:5]) / 5 - 0.5
