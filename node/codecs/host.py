@@ -19,17 +19,21 @@ from ..proto import tahnode_pb2 as pb
 __all__ = ["host_bytes", "copy_to_host", "PendingPayload", "checksum", "CRC_FIELD_BYTES"]
 
 
+def _bytes_of(payload: torch.Tensor) -> torch.Tensor:
+    """A payload as flat uint8, on the GPU where it is on one, else on the host (uncopied there)."""
+    flat = payload.detach().contiguous().reshape(-1).view(torch.uint8)
+    return flat if flat.device.type in ("cuda", "cpu") else flat.cpu()
+
+
 def host_bytes(payload: torch.Tensor) -> memoryview:
     """A payload's bytes on the host: a view of a CPU payload, and a CUDA payload's one copy, into
     pinned memory (torch's caching host allocator keeps those blocks for the next message)."""
-    flat = payload.detach().contiguous().reshape(-1).view(torch.uint8)
+    flat = _bytes_of(payload)
     if flat.device.type == "cuda":
         host = torch.empty(flat.numel(), dtype=torch.uint8, pin_memory=True)
         host.copy_(flat, non_blocking=True)
         torch.cuda.current_stream(flat.device).synchronize()
         flat = host
-    elif flat.device.type != "cpu":
-        flat = flat.cpu()
     return memoryview(flat.numpy())
 
 
@@ -43,9 +47,9 @@ def copy_to_host(payload: torch.Tensor) -> tuple[torch.Tensor, Any]:
     """A payload's bytes (uint8) on their way to the host: (a CPU payload itself, None), or (pinned
     memory, the CUDA event that marks the copy done) for a CUDA payload, copied on the device's
     side stream once the compute stream's work so far (the encode) is done."""
-    flat = payload.detach().contiguous().reshape(-1).view(torch.uint8)
+    flat = _bytes_of(payload)
     if flat.device.type != "cuda":
-        return (flat if flat.device.type == "cpu" else flat.cpu()), None
+        return flat, None
     side = _side_stream(flat.device)
     side.wait_stream(torch.cuda.current_stream(flat.device))
     host = torch.empty(flat.numel(), dtype=torch.uint8, pin_memory=True)

@@ -24,8 +24,8 @@ import torch
 
 from ..codecs import CODECS, decode
 from ..net.memory import reuse_message_buffers
-from .host_path import CODECS as HOST_PATH_CODECS
 from .bench_sweep import fastest_settings, sweep_rows
+from .host_path import CODECS as HOST_PATH_CODECS
 from .host_path import HostPath
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}

@@ -5,19 +5,28 @@ checked against the references' bytes, and the fastest exact setting of each nam
 from __future__ import annotations
 
 import contextlib
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 
 from ..codecs import CODECS
 
-__all__ = ["SYMTILES_BLOCKS", "RICE_BLOCKS", "launch_blocks", "sweep_settings", "sweep_rows", "fastest_settings"]
+__all__ = ["SYMTILES_BLOCKS", "RICE_BLOCKS", "Setting", "launch_blocks", "sweep_settings", "sweep_rows", "fastest_settings"]
 
 # the launch settings --sweep times beside each module's defaults (GPU_ENCODE_BLOCK, GPU_DECODE_BLOCK):
 # (values, warps) per program of symtiles_triton's kernels (one setting for both), and pairs of
 # ((values, warps) of the Rice encode kernels, (stream bytes, warps) of its decode kernels)
 SYMTILES_BLOCKS = [(4096, 8), (2048, 4), (2048, 8), (1024, 4)]
 RICE_BLOCKS = [((512, 8), (256, 8)), ((1024, 8), (128, 4)), ((256, 4), (512, 8))]
+
+
+class Setting(NamedTuple):
+    """Which op of which codec a sweep row timed, at which setting of which kernels."""
+
+    op: str                  # "CODEC encode" or "CODEC decode"
+    kernels: str             # "symtiles" or "rice": the module whose setting the row varies
+    block: tuple[int, int]   # (values or stream bytes, warps) per program of that op's kernels
+    default: bool            # every module at its defaults
 
 
 @contextlib.contextmanager
@@ -71,7 +80,7 @@ def sweep_rows(x: torch.Tensor, iters: int, timer: Callable[[Callable[[], object
                 for op, block, fn, diff in ops:
                     label = f"{name} {op} [{kernels} {block[0]}/{block[1]}{', default' if i == 0 else ''}]"
                     rows.append(dict(op=label, t=timer(fn, iters), ref=None, diff=diff,
-                                     setting=(f"{name} {op}", kernels, block, i == 0)))
+                                     setting=Setting(f"{name} {op}", kernels, block, i == 0)))
     return rows
 
 
@@ -80,11 +89,11 @@ def fastest_settings(rows: list[dict]) -> list[str]:
     that gives the reference's bytes, against the defaults (the other kernels at theirs)."""
     settings = [r for r in rows if "setting" in r]
     lines = []
-    for op in dict.fromkeys(r["setting"][0] for r in settings):
-        mine = [r for r in settings if r["setting"][0] == op]
-        default = next(r for r in mine if r["setting"][3])
-        for kernels in dict.fromkeys(r["setting"][1] for r in mine):
-            exact = [r for r in mine if (r["setting"][1] == kernels or r["setting"][3]) and r["diff"] == "0"]
+    for op in dict.fromkeys(r["setting"].op for r in settings):
+        mine = [r for r in settings if r["setting"].op == op]
+        default = next(r for r in mine if r["setting"].default)
+        for kernels in dict.fromkeys(r["setting"].kernels for r in mine):
+            exact = [r for r in mine if (r["setting"].kernels == kernels or r["setting"].default) and r["diff"] == "0"]
             best = min(exact, key=lambda r: r["t"], default=None)
             if best is None:
                 lines.append(f"{op}, {kernels}: no setting gave the reference's bytes")
@@ -92,7 +101,8 @@ def fastest_settings(rows: list[dict]) -> list[str]:
             if best is default:
                 lines.append(f"{op}, {kernels}: the defaults are fastest ({default['t'] * 1e6:.1f} us)")
             else:
-                lines.append(f"{op}, {kernels}: fastest {best['setting'][2][0]}/{best['setting'][2][1]} {best['t'] * 1e6:.1f} us, "
+                values, warps = best["setting"].block
+                lines.append(f"{op}, {kernels}: fastest {values}/{warps} {best['t'] * 1e6:.1f} us, "
                              f"the defaults {default['t'] * 1e6:.1f} us ({default['t'] / best['t']:.2f}x)")
     return lines
 
