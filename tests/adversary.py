@@ -49,6 +49,11 @@ class Script:
         """The envelopes to send instead of `env` (itself, altered, or with another before it)."""
         body = env.WhichOneof("body")
         mb = env.micro_batch
+        # First: the later attacks get this node banned (its neighbours' refusals), after which it
+        # sends nothing, so an attack scripted after them may never be sent.
+        if body == "micro_batch" and direction == BACKWARD and mb.step >= 2 and self.once("shutdown backward"):
+            self.note("shutdown backward")
+            return [pb.Envelope(shutdown=pb.Shutdown(step=mb.step)), env]
         if body == "micro_batch" and direction == BACKWARD and "grad_sumsq" in mb.extras:
             if mb.step >= 2 and self.once("gradient norm -1"):
                 bad = pb.Envelope()
@@ -71,9 +76,6 @@ class Script:
             bad.step_end.grad_sumsq = math.inf
             self.note("step end norm inf")
             return [bad]
-        if body == "micro_batch" and direction == BACKWARD and mb.step >= 8 and self.once("shutdown backward"):
-            self.note("shutdown backward")
-            return [pb.Envelope(shutdown=pb.Shutdown(step=mb.step)), env]
         return [env]
 
 
