@@ -111,7 +111,7 @@ def _cases():
         econst = dict(const, PACKED=packed)
         sig.update({k: "constexpr" for k in econst})
         out.append((f"symtiles encode {dt} G={g} bits={bits} rotate={rotate} packed={packed}", st._encode_kernel, sig, econst))
-        dconst = dict(const, OUT_BF16=dt == "bf16")
+        dconst = dict(const, OUT_BF16=dt == "bf16", ALIGNED=packed)
         sig = dict(codes_ptr="*u8", n_pad="i64", scale_ptr="*bf16", signs_ptr="*fp32", out_ptr=PTR[dt], bad_ptr="*u8",
                    n_rows="i32", n_chan="i32", n_tpt="i32", width="i32")
         sig.update({k: "constexpr" for k in dconst})
