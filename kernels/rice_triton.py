@@ -1,12 +1,14 @@
 """tahnode.kernels.rice in Triton, for layout 3's zigzagged codes on the GPU: the reference's bytes,
 and its refusals, with one synchronization each way.
 
-encode: a kernel sums each block's high parts at every k and a cumsum runs them over the blocks
-(best_k and the payload's size from the totals, each block's first bit from the running sums); a
-second kernel, after the synchronization, writes k, packs the low bits into their planes and writes
-the unary stream a byte at a time, each byte by the last value whose zero-bit falls in it (no
-atomics). block_sums, write and launch_decode let a caller read other kernels' flags in the same
-synchronization.
+encode: a kernel sums each block's high parts at every k and a cumsum runs them over the blocks; a
+one-program kernel picks k (rice.best_k's) and the payload's size from the totals; a third packs the
+low bits into their planes and writes the unary stream a byte at a time, each byte by the last value
+whose zero-bit falls in it (no atomics), into a buffer with room for the longest payload. It is
+compiled for a guessed k and stores only if the device picked it, so no synchronization comes
+between the kernels: the one synchronization reads the size and k after all three (and launches the
+third again at the k picked, should the guess be wrong). block_sums, launch_write and launch_decode
+let a caller read other kernels' flags in the same synchronization.
 decode: a kernel counts each block's zero-bits; a second ranks every zero-bit (its value's index),
 counts the run of one-bits below it (the high part), adds the low bits, checks the range and stores
 the code; the synchronization reads the count and the range check. Only cumulative sums are
@@ -14,16 +16,17 @@ scanned, so Triton's interpreter runs them at numpy's speed."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
 
 from . import rice
-from .bitpack import packed_nbytes
 from .symtiles_triton import plane_shifts, store_planes
 from .triton_util import interpreting, on_device
 
-__all__ = ["encode", "block_sums", "write", "decode", "launch_decode", "raise_for_decode"]
+__all__ = ["encode", "block_sums", "launch_write", "RiceWrite", "decode", "launch_decode", "raise_for_decode"]
 
 
 @triton.jit
@@ -50,40 +53,74 @@ def _taken(codes_ptr, i, ok, QMAX: tl.constexpr, K: tl.constexpr):
 
 
 @triton.jit
-def _write_kernel(codes_ptr, n, sums_ptr, ends_ptr, k_ptr, low_ptr, unary_ptr, QMAX: tl.constexpr, K: tl.constexpr,
-                  BLOCK: tl.constexpr, S8: tl.constexpr, S4: tl.constexpr, S2: tl.constexpr, S1: tl.constexpr):
-    """Program b: values [b*BLOCK, +BLOCK). Their low K bits go to the planes at low_ptr (S<w>: the
-    bit offset of the width-w plane, -1 if absent). The block's first bit in the unary stream is
-    first_bit = b*BLOCK + the sum of z >> K over the blocks before it (ends - sums at K: block_sums);
-    value i's zero-bit is at first_bit + the sum of (z >> K) + 1 over the block's values up to i,
-    minus one. The last value whose zero-bit falls in a byte of the unary stream writes that byte: at
-    most 8 values end in it, its own and the 7 before it (their positions from their codes, loaded
-    again), one-bits elsewhere (a byte in which no value ends is all ones: the caller's). Positions
-    are int32 from the byte of first_bit on, indices int32 from the block's first value (n < 2**31):
-    only addresses are 64-bit. Program 0 also writes K to k_ptr."""
+def _pick_kernel(totals_ptr, n, start, capacity, picked_ptr, payload_ptr, KMAX: tl.constexpr):
+    """One program: k, the fewest coded bits n*(k + 1) + totals[k] over k = 0..KMAX (totals: the sums
+    of z >> k over all values, ends' last row), the smallest k on a tie (rice.shortest_k), to the
+    payload's byte 0 and picked[1]; the payload's size in bytes, start + those bits / 8 rounded up, to
+    picked[0]. Where the size exceeds `capacity` (codes above 2 QMAX), byte 0 is 255: no write
+    kernel's k, so none writes."""
+    n64 = n.to(tl.int64)
+    best = n64 + tl.load(totals_ptr)
+    k = tl.full([], 0, tl.int32)
+    for K in tl.static_range(1, KMAX + 1):
+        bits = n64 * (K + 1) + tl.load(totals_ptr + K)
+        k = tl.where(bits < best, K, k)
+        best = tl.minimum(bits, best)
+    size = start + (best + 7) // 8
+    tl.store(payload_ptr, tl.where(size <= capacity, k, 255).to(tl.uint8))
+    tl.store(picked_ptr, size)
+    tl.store(picked_ptr + 1, k.to(tl.int64))
+
+
+@triton.jit
+def _write_kernel(codes_ptr, n, sums_ptr, ends_ptr, payload_ptr, start, QMAX: tl.constexpr, K: tl.constexpr,
+                  BLOCK: tl.constexpr):
+    """Program b: values [b*BLOCK, +BLOCK) coded at K into the payload, if K is the k _pick_kernel
+    wrote at its byte 0 (else it stores nothing). Their low K bits go to the planes from byte `start`
+    on (the head, bytes [1, start), is the caller's), the unary stream n*K/8 bytes after. The block's
+    first bit in it is first_bit = b*BLOCK + the sum of z >> K over the blocks before it (ends - sums
+    at K: block_sums); value i's zero-bit is at first_bit + the sum of (z >> K) + 1 over the block's
+    values up to i, minus one. The last value whose zero-bit falls in a byte of the unary stream
+    writes that byte: at most 8 values end in it, its own and the 7 before it (their positions from
+    their codes, loaded again), one-bits elsewhere. Where a code can be longer than a byte, each value
+    also writes the bytes inside its run of one-bits (no value ends in them). Positions are int32 from
+    the byte of first_bit on, indices int32 from the block's first value (n < 2**31): only addresses
+    are 64-bit. No branch on the picked k: a branch around this body costs about 15 registers."""
+    S8: tl.constexpr = 0 if K == 8 else -1  # plane_shifts(K): planes of 4, 2 and 1 bits, low bits first
+    S4: tl.constexpr = 0 if (K != 8 and K & 4) else -1
+    S2: tl.constexpr = (K & 4) if (K != 8 and K & 2) else -1
+    S1: tl.constexpr = (K & 6) if (K != 8 and K & 1) else -1
+    INSIDE: tl.constexpr = (2 * QMAX >> K) // 8  # the most whole bytes inside one run of one-bits
+    live = tl.load(payload_ptr) == K
+    n = n.to(tl.int64)  # as if passed 64-bit: ptxas then allots 78 registers at 512 values in 4 warps, not 91
     pid = tl.program_id(0)
-    if pid == 0:
-        tl.store(k_ptr, K)
-    start = pid.to(tl.int64) * BLOCK  # the block's first value
-    block_codes = codes_ptr + start
-    left = n - start  # values from the block's first to the stream's end
+    first_value = pid.to(tl.int64) * BLOCK
+    block_codes = codes_ptr + first_value
+    left = n - first_value  # values from the block's first to the stream's end
     j = tl.arange(0, BLOCK)
-    ok = j < left
+    ok = tl.where(live, j < left, False)  # (a & of a loaded scalar: the interpreter's masks refuse it)
+    low_ptr = payload_ptr + start
     if K > 0:
-        first = tl.full([1], 0, tl.int64) + start
+        first = tl.full([1], 0, tl.int64) + first_value
         z = tl.reshape(_zigzag(block_codes, j, ok, QMAX), (1, BLOCK))
-        store_planes(low_ptr, n, z, first, n - first, first < n, 1, BLOCK, S8, S4, S2, S1)
-    first_bit = start + tl.load(ends_ptr + pid * 9 + K) - tl.load(sums_ptr + pid * 9 + K)
-    end = (first_bit & 7).to(tl.int32) + tl.cumsum(_taken(block_codes, j, ok, QMAX, K), axis=0) - 1
+        store_planes(low_ptr, n, z, first, n - first, tl.where(live, first < n, False), 1, BLOCK, S8, S4, S2, S1)
+    first_bit = first_value + tl.load(ends_ptr + pid * 9 + K) - tl.load(sums_ptr + pid * 9 + K)
+    own = _taken(block_codes, j, ok, QMAX, K)
+    end = (first_bit & 7).to(tl.int32) + tl.cumsum(own, axis=0) - 1
     byte = end >> 3  # from the byte of first_bit on
     last = j + 1 >= left  # the stream's last value: it ends its byte
     last_of_byte = ok & ((((end + _taken(block_codes, j + 1, ~last, QMAX, K)) >> 3) != byte) | last)
     m = tl.arange(0, 8)
     back = j[:, None] - m[None, :]  # this value and the 7 before it (into the block before: back < 0)
-    taken = _taken(block_codes, back, last_of_byte[:, None] & (back >= -start.to(tl.int32)), QMAX, K)
+    taken = _taken(block_codes, back, last_of_byte[:, None] & (back >= -first_value.to(tl.int32)), QMAX, K)
     ends = end[:, None] - (tl.cumsum(taken, axis=1) - taken)
     zero_bits = tl.sum(tl.where((taken > 0) & ((ends >> 3) == byte[:, None]), 1 << (ends & 7), 0), axis=1)
-    tl.store(unary_ptr + (first_bit >> 3) + byte, (~zero_bits & 0xFF).to(tl.uint8), mask=last_of_byte)
+    unary = low_ptr + n * K // 8 + (first_bit >> 3)
+    tl.store(unary + byte, (~zero_bits & 0xFF).to(tl.uint8), mask=last_of_byte)
+    if INSIDE > 0:
+        after = ((end - own) >> 3) + 1  # the byte after the one the value before ends in
+        for b in tl.static_range(INSIDE):
+            tl.store(unary + after + b, tl.full([BLOCK], 0xFF, tl.uint8), mask=ok & (after + b < byte))
 
 
 @triton.jit
@@ -171,17 +208,18 @@ def _blocks() -> tuple[tuple[int, int], tuple[int, int]]:
 
 
 def encode(codes: torch.Tensor, qmax: int, head: torch.Tensor) -> torch.Tensor:
-    """Codes q + qmax (uint8, a multiple of 8 of them) on a CUDA device (or interpreted) -> payload:
-    k u8 (rice.best_k of their zigzagged values), `head` (uint8), then rice.encode's low bits and
-    unary stream at k, byte for byte, the sections written in place."""
+    """Codes q + qmax (uint8, a multiple of 8 of them, each at most 2 qmax) on a CUDA device (or
+    interpreted) -> payload: k u8 (rice.best_k of their zigzagged values), `head` (uint8), then
+    rice.encode's low bits and unary stream at k, byte for byte, the sections written in place."""
     sums, ends = block_sums(codes, qmax)
-    return write(codes, qmax, head, sums, ends, ends[-1].tolist())  # the one synchronization
+    write = launch_write(codes, qmax, head, sums, ends)
+    return write.finish(*write.picked.tolist())  # the one synchronization
 
 
 def block_sums(codes: torch.Tensor, qmax: int) -> tuple[torch.Tensor, torch.Tensor]:
     """encode's first kernel and the sums over blocks, launched: (sums, ends), (blocks, 9) each,
     sums[b, k] (int32) the sum of z >> k over block b's values, ends[b, k] (int64) that over blocks
-    0..b. The totals over all blocks, ends[-1] (read by the caller), fix k and the payload's size."""
+    0..b. The totals over all blocks, ends[-1], fix k and the payload's size."""
     codes = codes.reshape(-1)
     n = codes.numel()
     rice.check_whole_bytes(n, "rice_triton")
@@ -194,32 +232,72 @@ def block_sums(codes: torch.Tensor, qmax: int) -> tuple[torch.Tensor, torch.Tens
         return sums, torch.cumsum(sums, 0, dtype=torch.int64)
 
 
-def write(codes: torch.Tensor, qmax: int, head: torch.Tensor, sums: torch.Tensor, ends: torch.Tensor,
-          totals: list[int]) -> torch.Tensor:
-    """encode's payload from block_sums' (sums, ends) and the `totals` over the blocks (ends[-1], on
-    the host): one copy (the head) and one kernel, and a fill of the unary stream with one-bits where
-    a value's code can be longer than a byte (else every byte holds a zero-bit, and the kernel writes
-    it)."""
+# The k the last payload of each (qmax, values) took: the next one's first write kernel is compiled
+# for it (k seldom changes between a stage's messages); a wrong guess costs a second launch, not bytes.
+_LAST_K: dict[tuple[int, int], int] = {}
+
+
+@dataclass
+class RiceWrite:
+    """A payload launch_write started: `payload`, a buffer with room for the longest; `picked`, int64
+    (2,) on the device: the payload's size in bytes and its k; what a second write kernel needs."""
+
+    payload: torch.Tensor
+    picked: torch.Tensor
+    start: int  # the low bits' first byte: 1 + the head's
+    codes: torch.Tensor
+    qmax: int
+    sums: torch.Tensor
+    ends: torch.Tensor
+    guess: int
+
+    def finish(self, size: int, k: int) -> torch.Tensor:
+        """The payload, from `picked` read on the host: a view of the buffer. Where k is not the
+        guess, the write kernel for k is launched now (its bytes follow on the stream, in order)."""
+        if size > self.payload.numel():
+            raise ValueError(f"rice_triton codes values up to 2 qmax: a code above that needs {size} bytes, "
+                             f"{self.payload.numel()} were allotted")
+        n = self.codes.numel()
+        if len(_LAST_K) > 64:  # many shapes: a guess per shape is no longer worth keeping
+            _LAST_K.clear()
+        _LAST_K[(self.qmax, n)] = k
+        if n and k != self.guess:
+            _launch_write_kernel(self, k)
+        return self.payload[:size]
+
+
+def launch_write(codes: torch.Tensor, qmax: int, head: torch.Tensor, sums: torch.Tensor, ends: torch.Tensor) -> RiceWrite:
+    """encode's payload from block_sums' (sums, ends), launched and not waited for (RiceWrite.finish
+    ends it, from `picked` read in the caller's synchronization): one copy (the head), a one-program
+    kernel that picks k and the size, and the write kernel compiled for the k guessed (the last
+    payload's of this size), which writes only if that is the k picked. The buffer has room for the
+    longest payload codes up to 2 qmax make: that at the largest k, where every high part is 0."""
     codes = codes.reshape(-1)
     n = codes.numel()
     if n >= 2 ** 31:  # the write kernel's indices and positions within a block are int32
         raise ValueError(f"rice_triton codes at most 2**31 - 1 values in one payload, not {n}")
+    kmax = (2 * qmax).bit_length()
+    start = 1 + head.numel()
     with on_device(codes):
-        (block, warps), _ = _blocks()
-        k = rice.shortest_k([n * (k + 1) + totals[k] for k in range((2 * qmax).bit_length() + 1)])
-        low_nbytes, unary_nbytes = packed_nbytes(n, k) if k else 0, -(-(n + totals[k]) // 8)
-        start = 1 + head.numel()
-        payload = torch.empty(start + low_nbytes + unary_nbytes, dtype=torch.uint8, device=codes.device)
+        payload = torch.empty(start + n * (kmax + 1) // 8, dtype=torch.uint8, device=codes.device)
         payload[1:start] = head
-        if (2 * qmax >> k) + 1 > 8:  # a code longer than a byte: bytes in which no value ends
-            payload[start + low_nbytes:] = 0xFF
+        picked = torch.empty(2, dtype=torch.int64, device=codes.device)  # (not torch.tensor: its copy would wait)
+        write = RiceWrite(payload, picked, start, codes, qmax, sums, ends, _LAST_K.get((qmax, n), max(0, kmax - 3)))
         if n:
-            _write_kernel[(triton.cdiv(n, block),)](codes, n, sums, ends, payload, payload[start:],
-                                                     payload[start + low_nbytes:], QMAX=qmax, K=k, BLOCK=block,
-                                                     **plane_shifts(k), num_warps=warps)
+            _pick_kernel[(1,)](ends[-1], n, start, payload.numel(), picked, payload, KMAX=kmax, num_warps=1)
+            _launch_write_kernel(write, write.guess)
         else:
-            payload[0] = k
-        return payload
+            payload[0], picked[0], picked[1] = 0, start, 0
+        return write
+
+
+def _launch_write_kernel(write: RiceWrite, k: int) -> None:
+    """The write kernel compiled for k, over write's codes."""
+    (block, warps), _ = _blocks()
+    n = write.codes.numel()
+    with on_device(write.codes):
+        _write_kernel[(triton.cdiv(n, block),)](write.codes, n, write.sums, write.ends, write.payload, write.start,
+                                                 QMAX=write.qmax, K=k, BLOCK=block, num_warps=warps)
 
 
 def decode(low: torch.Tensor, unary: torch.Tensor, count: int, k: int, qmax: int, codec: str) -> torch.Tensor:

@@ -1,6 +1,7 @@
 """TAH-Quant's entropy-coded layout (layout 3) on the GPU: symtiles_triton rotates, scales and quantizes
 (8-bit codes on the layout's grid), rice_triton Rice-codes them into the payload; the same payload as
-the reference byte for byte. One synchronization each way reads every kernel's flags.
+the reference byte for byte. One synchronization each way, after every kernel: it reads their flags
+(and the encode's payload size, which the Rice kernel fixes on the device).
 
 encode(x (..., C), params) -> uint8 payload       decode(payload, shape, params, dtype) -> (shape)"""
 
@@ -25,9 +26,10 @@ def encode(x: torch.Tensor, params: TahQuantParams) -> torch.Tensor:
     head = 2 * n * t  # the scales, then N*T*G codes: a multiple of G >= 8, as rice_triton needs
     codes = out[head: head + n * t * g]
     sums, ends = rice_triton.block_sums(codes, qmax)
-    bad, *totals = torch.cat([status.long(), ends[-1]]).tolist()  # the one synchronization
+    write = rice_triton.launch_write(codes, qmax, out[:head], sums, ends)
+    bad, size, k = torch.cat([status.long(), write.picked]).tolist()  # the one synchronization, every kernel launched
     symtiles_triton.raise_for_encode(bad, x2, "tahquant")
-    return rice_triton.write(codes, qmax, out[:head], sums, ends, totals)
+    return write.finish(size, k)
 
 
 def decode(payload: torch.Tensor, shape, params: TahQuantParams, dtype: torch.dtype) -> torch.Tensor:

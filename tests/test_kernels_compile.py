@@ -127,10 +127,16 @@ def _cases():
         sig = dict(codes_ptr="*u8", n="i64", sums_ptr="*i32", **{k: "constexpr" for k in const})
         out.append((f"rice sums qmax={qmax}", rt._sums_kernel, sig, const))
     for qmax, k in ((12, 0), (12, 3), (31, 5), (127, 8)):
-        const = dict(QMAX=qmax, K=k, BLOCK=512, **st.plane_shifts(k))
-        sig = dict(codes_ptr="*u8", n="i64", sums_ptr="*i32", ends_ptr="*i64", k_ptr="*u8", low_ptr="*u8", unary_ptr="*u8",
+        const = dict(QMAX=qmax, K=k, BLOCK=512)
+        sig = dict(codes_ptr="*u8", n="i32", sums_ptr="*i32", ends_ptr="*i64", payload_ptr="*u8", start="i64",
                    **{k: "constexpr" for k in const})
         out.append((f"rice write qmax={qmax} k={k}", rt._write_kernel, sig, const))
+    for kmax in (5, 8):
+        const = dict(KMAX=kmax, num_warps=1)
+        sig = dict(totals_ptr="*i64", n="i32", start="i64", capacity="i64", picked_ptr="*i64", payload_ptr="*u8",
+                   KMAX="constexpr")
+        out.append((f"rice pick kmax={kmax}", rt._pick_kernel, sig, const))
+    for qmax, k in ((12, 0), (12, 3), (31, 5), (127, 8)):
         const = dict(QMAX=qmax, K=k, WINDOWS=-(-((2 * qmax >> k) + 1) // 32), BLOCK=256, **st.plane_shifts(k))
         sig = dict(unary_ptr="*u8", nbytes="i64", rank_ptr="*i64", low_ptr="*u8", n="i64", codes_ptr="*u8", bad_ptr="*u8",
                    **{k: "constexpr" for k in const})

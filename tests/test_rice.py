@@ -182,6 +182,44 @@ def test_rice_kernels_give_the_references_bytes(kernels, monkeypatch, blocks, ki
     assert torch.equal(rice_triton.decode(low.to(DEVICE), unary.to(DEVICE), n, k, qmax, "t").cpu(), codes)
 
 
+def test_rice_kernels_write_the_same_bytes_whatever_k_they_guessed(kernels, monkeypatch):
+    """The write kernel runs before k is read on the host, compiled for a guess (the last payload's k
+    at that size) and storing nothing unless the device picked that k; a wrong guess costs a second
+    launch, at the k picked: one launch when right, two when wrong, the reference's bytes either way."""
+    n, qmax = 20_000, 12
+    codes = _codes("laplace", n, qmax, torch.Generator().manual_seed(5))
+    z = tahquant_rice_ref.zigzag(codes, qmax)
+    k = rice.best_k(z, 2 * qmax)
+    head = torch.arange(4, dtype=torch.uint8)
+    want = torch.cat([torch.tensor([k], dtype=torch.uint8), head, *rice.encode(z, k)])
+    launches = []
+    real = rice_triton._launch_write_kernel
+    monkeypatch.setattr(rice_triton, "_launch_write_kernel", lambda write, at: launches.append(at) or real(write, at))
+    for guess in range((2 * qmax).bit_length() + 1):
+        launches.clear()
+        monkeypatch.setitem(rice_triton._LAST_K, (qmax, n), guess)
+        assert torch.equal(rice_triton.encode(codes.to(DEVICE), qmax, head.to(DEVICE)).cpu(), want), guess
+        assert launches == ([k] if guess == k else [guess, k])
+        assert rice_triton._LAST_K[(qmax, n)] == k  # the next payload's guess
+    monkeypatch.setattr(rice_triton, "_launch_write_kernel", real)
+    write = rice_triton.launch_write(codes.to(DEVICE), qmax, head.to(DEVICE), *rice_triton.block_sums(codes.to(DEVICE), qmax))
+    write.payload[1:] = 0xAB
+    rice_triton._launch_write_kernel(write, (k + 1) % 6)  # compiled for a k not picked: it stores nothing
+    assert bool((write.payload[1:] == 0xAB).all()) and int(write.payload[0]) == k
+
+
+def test_rice_kernels_refuse_codes_above_the_grid_without_writing_past_the_buffer(kernels):
+    """The buffer has room for codes up to 2 qmax; larger ones would need more: refused, and no write
+    kernel stores (the one-program kernel marks k 255, which none is compiled for)."""
+    codes = torch.full((64,), 200, dtype=torch.uint8, device=DEVICE)  # qmax 3: codes at most 6
+    sums, ends = rice_triton.block_sums(codes, 3)
+    write = rice_triton.launch_write(codes, 3, torch.zeros(2, dtype=torch.uint8, device=DEVICE), sums, ends)
+    size, k = write.picked.tolist()
+    assert size > write.payload.numel() and int(write.payload[0]) == 255
+    with pytest.raises(ValueError, match="above"):
+        write.finish(size, k)
+
+
 def _streams():
     """(low, unary, k, qmax) of 8 values: well-formed ones, streams encode never writes, and random
     one-bit flips of well-formed ones."""
