@@ -92,7 +92,6 @@ def _write_kernel(codes_ptr, n, sums_ptr, ends_ptr, payload_ptr, start, QMAX: tl
     S1: tl.constexpr = (K & 6) if (K != 8 and K & 1) else -1
     INSIDE: tl.constexpr = (2 * QMAX >> K) // 8  # the most whole bytes inside one run of one-bits
     live = tl.load(payload_ptr) == K
-    n = n.to(tl.int64)  # as if passed 64-bit: ptxas then allots 78 registers at 512 values in 4 warps, not 91
     pid = tl.program_id(0)
     first_value = pid.to(tl.int64) * BLOCK
     block_codes = codes_ptr + first_value
@@ -115,7 +114,7 @@ def _write_kernel(codes_ptr, n, sums_ptr, ends_ptr, payload_ptr, start, QMAX: tl
     taken = _taken(block_codes, back, last_of_byte[:, None] & (back >= -first_value.to(tl.int32)), QMAX, K)
     ends = end[:, None] - (tl.cumsum(taken, axis=1) - taken)
     zero_bits = tl.sum(tl.where((taken > 0) & ((ends >> 3) == byte[:, None]), 1 << (ends & 7), 0), axis=1)
-    unary = low_ptr + n * K // 8 + (first_bit >> 3)
+    unary = low_ptr + n.to(tl.int64) * K // 8 + (first_bit >> 3)
     tl.store(unary + byte, (~zero_bits & 0xFF).to(tl.uint8), mask=last_of_byte)
     if INSIDE > 0:
         after = ((end - own) >> 3) + 1  # the byte after the one the value before ends in

@@ -15,13 +15,12 @@ __all__ = ["round_half_even", "to_bf16_rne", "on_device", "interpreting"]
 
 @triton.jit
 def round_half_even(u):
-    """u >= 0 (float32) -> nearest int32, ties to even. Exact: u - floor(u) is exact for u >= 0
-    (floor(u) + 0.5 is not: it rounds for u just below 0.5)."""
-    r = tl.floor(u)
-    f = u - r
-    ri = r.to(tl.int32)
-    up = (f > 0.5) | ((f == 0.5) & ((ri & 1) == 1))
-    return ri + up.to(tl.int32)
+    """u (float32, |u| <= 2^22) -> the nearest int32, ties to even: u + 1.5 * 2^23 lies in [2^23,
+    2^24), where float32's step is 1, so IEEE addition (the interpreter's numpy too) rounds it to
+    the integer there, ties to even (that sum is even exactly when the rounded u is); its bits less
+    those of 1.5 * 2^23 are that integer. Two instructions. u must not be a product: a multiply fed
+    straight into this add may fuse into one FMA, rounded once (callers clamp u first)."""
+    return (u + 12582912.0).to(tl.int32, bitcast=True) - 0x4B400000
 
 
 @triton.jit

@@ -4,8 +4,10 @@ front end, TTIR -> TTGIR -> LLVM IR -> PTX, and ptxas (bundled in the triton whe
 The interpreter (TRITON_INTERPRET=1, set for the rest of the suite) replaces triton.jit with a
 Python executor, so the compilation runs in a subprocess with TRITON_INTERPRET removed; run this
 file directly (python tests/test_kernels_compile.py) to compile without pytest, with --resources to
-print every kernel's registers and spills (docs/benchmarks.md, "Kernel resources on sm_90"), with
---shard i/n to compile every n-th case from case i (the test runs a shard per core)."""
+print every kernel's registers, spills and instructions as launched on aligned tensors (docs/
+benchmarks.md, "Kernel resources on sm_90"), with --settings beside it for the default pair at the
+sweep's launch settings, with --shard i/n to compile every n-th case from case i (the test runs a
+shard per core)."""
 
 from __future__ import annotations
 
@@ -111,7 +113,7 @@ def _cases():
         econst = dict(const, PACKED=packed)
         sig.update({k: "constexpr" for k in econst})
         out.append((f"symtiles encode {dt} G={g} bits={bits} rotate={rotate} packed={packed}", st._encode_kernel, sig, econst))
-        dconst = dict(const, OUT_BF16=dt == "bf16", ALIGNED=packed)
+        dconst = dict(const, OUT_BF16=dt == "bf16", SHORT=not rotate)
         sig = dict(codes_ptr="*u8", n_pad="i64", scale_ptr="*bf16", signs_ptr="*fp32", out_ptr=PTR[dt], bad_ptr="*u8",
                    n_rows="i32", n_chan="i32", n_tpt="i32", width="i32")
         sig.update({k: "constexpr" for k in dconst})
@@ -146,6 +148,61 @@ def _cases():
     return out
 
 
+def _setting_cases():
+    """The default pair's kernels (pertoken's and layout 3's: bf16, G = 128, qmax 31 and 12, Rice at
+    k = 2) at each launch setting `tahnode bench kernels --sweep` times (node/tools/bench_sweep.py),
+    the modules' defaults first: (name, kernel, signature, constexprs) as _cases."""
+    from tahnode.kernels import rice_triton as rt
+    from tahnode.kernels import symtiles_triton as st
+    from tahnode.tools.bench_sweep import RICE_BLOCKS, SYMTILES_BLOCKS
+
+    out = []
+    for values, warps in [st.GPU_ENCODE_BLOCK] + SYMTILES_BLOCKS:
+        for what, bits, qmax, rotate in (("pertoken", 6, 31, False), ("layout 3", 8, 12, True)):
+            const = dict(G=128, QMAX=qmax, ROTATE=rotate, BR=values // 128, num_warps=warps, **st.plane_shifts(bits))
+            sig = dict(x_ptr="*bf16", stride_x="i32", signs_ptr="*fp32", n_rows="i32", n_chan="i32", n_tpt="i32", width="i32",
+                       scale_ptr="*bf16", out_ptr="*u8", n_pad="i64", codes_ptr="*u8", status_ptr="*i32")
+            econst = dict(const, PACKED=True)
+            out.append((f"{what} encode [{values}/{warps}]", st._encode_kernel, dict(sig, **{k: "constexpr" for k in econst}),
+                        econst))
+            dconst = dict(const, OUT_BF16=True, SHORT=False)
+            sig = dict(codes_ptr="*u8", n_pad="i64", scale_ptr="*bf16", signs_ptr="*fp32", out_ptr="*bf16", bad_ptr="*u8",
+                       n_rows="i32", n_chan="i32", n_tpt="i32", width="i32")
+            out.append((f"{what} decode [{values}/{warps}]", st._decode_kernel, dict(sig, **{k: "constexpr" for k in dconst}),
+                        dconst))
+    for (values, warps), (nbytes, dwarps) in [(rt.GPU_ENCODE_BLOCK, rt.GPU_DECODE_BLOCK)] + RICE_BLOCKS:
+        const = dict(QMAX=12, K=2, BLOCK=values, num_warps=warps)
+        sig = dict(codes_ptr="*u8", n="i32", sums_ptr="*i32", ends_ptr="*i64", payload_ptr="*u8", start="i64")
+        out.append((f"rice write [{values}/{warps}]", rt._write_kernel, dict(sig, **{k: "constexpr" for k in const}), const))
+        const = dict(QMAX=12, K=2, WINDOWS=1, BLOCK=nbytes, num_warps=dwarps, **st.plane_shifts(2))
+        sig = dict(unary_ptr="*u8", nbytes="i64", rank_ptr="*i64", low_ptr="*u8", n="i64", codes_ptr="*u8", bad_ptr="*u8")
+        out.append((f"rice values [{nbytes}/{dwarps}]", rt._values_kernel, dict(sig, **{k: "constexpr" for k in const}), const))
+    return out
+
+
+def _aligned(kernel, sig: dict) -> dict:
+    """The attributes the JIT gives a launch whose pointers are 16-byte aligned and whose integer
+    arguments are multiples of 16 (every tensor and size of the bench's shapes): without them ptxas
+    sees unvectorized code (pertoken's decode: 242 registers and 2232 instructions, against 64 and
+    1216 as launched there)."""
+    return {(kernel.arg_names.index(a),): [["tt.divisibility", 16]] for a, v in sig.items() if v != "constexpr"}
+
+
+def instructions(cubin: bytes) -> int:
+    """The SASS instructions in a cubin (cuobjdump -sass): a straight-line kernel's thread runs about
+    that many."""
+    import tempfile
+
+    import triton
+
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        out = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True, check=True).stdout
+    return sum(1 for line in out.splitlines() if line.strip().startswith("/*") and "*/" in line and ";" in line)
+
+
 def resource_usage(cubin: bytes) -> str:
     """Registers, stack and local bytes per thread of a cubin's kernel, as cuobjdump (in Triton's
     wheel) reads them: a stack or local memory means spilled registers."""
@@ -162,28 +219,32 @@ def resource_usage(cubin: bytes) -> str:
     return f"{fields['REG']:>3} registers, stack {fields['STACK']} B, local {fields['LOCAL']} B"
 
 
-def compile_all(verbose: bool = True, resources: bool = False, shard: int = 0, shards: int = 1) -> tuple[int, int]:
+def compile_all(verbose: bool = True, resources: bool = False, shard: int = 0, shards: int = 1,
+                settings: bool = False) -> tuple[int, int]:
     """Compile every `shards`-th case for sm_90, from case `shard` on; returns (compiled, cases in
-    all) and raises on the first failure. resources: print each kernel's registers and spills
-    (resource_usage)."""
+    all) and raises on the first failure. resources: print each kernel's registers, spills and
+    instructions, compiled as launched on aligned tensors (_aligned). settings: the default pair at
+    the sweep's launch settings (_setting_cases) instead of every kernel."""
     import triton
     from triton.backends.compiler import GPUTarget
 
     assert os.environ.get("TRITON_INTERPRET", "0") in ("", "0"), "unset TRITON_INTERPRET to compile"
     target = GPUTarget("cuda", 90, 32)
-    n, cases = 0, _cases()
+    n, cases = 0, _setting_cases() if settings else _cases()
     for name, kernel, sig, const in cases[shard::shards]:
         t0 = time.time()
         warps = const.pop("num_warps", 4)  # a launch option, not a constexpr
         sig = {k: v for k, v in sig.items() if k != "num_warps"}
-        src = triton.compiler.ASTSource(fn=kernel, signature=sig, constexprs=const)
+        src = triton.compiler.ASTSource(fn=kernel, signature=sig, constexprs=const,
+                                        attrs=_aligned(kernel, sig) if resources else None)
         compiled = triton.compile(src, target=target, options=dict(num_warps=warps))
         asm = compiled.asm
         assert "ptx" in asm and ".target sm_90" in asm["ptx"], name
         assert len(asm.get("cubin", b"")) > 0, f"{name}: no cubin"
         n += 1
         if resources:
-            print(f"{resource_usage(asm['cubin'])}  {name} ({warps} warps)", flush=True)
+            print(f"{resource_usage(asm['cubin'])}, {instructions(asm['cubin']):>5} instructions  {name} ({warps} warps)",
+                  flush=True)
         elif verbose:
             print(f"ok {time.time() - t0:5.1f}s  {name}", flush=True)
     return n, len(cases)
@@ -215,5 +276,5 @@ def test_every_kernel_compiles_for_sm90(tmp_path):
 if __name__ == "__main__":
     at = sys.argv.index("--shard") + 1 if "--shard" in sys.argv else 0
     shard, shards = map(int, sys.argv[at].split("/")) if at else (0, 1)
-    n, cases = compile_all(resources="--resources" in sys.argv, shard=shard, shards=shards)
+    n, cases = compile_all(resources="--resources" in sys.argv, shard=shard, shards=shards, settings="--settings" in sys.argv)
     print(f"compiled {n} of {cases} kernels for sm_90")

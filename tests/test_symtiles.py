@@ -121,6 +121,22 @@ def test_kernels_give_the_references_bytes_and_values(kernels, shape, dtype, g, 
         assert_kernel_gives_the_reference(tahquant_rotated_triton, tahquant_rotated_ref, x, rotated, DEVICE)
 
 
+@pytest.mark.parametrize("bits", [6, 8])
+def test_kernels_round_halfway_quotients_to_even_as_the_reference(kernels, bits):
+    """Every quotient halfway between two codes, and one float32 step either side of it, in tiles
+    whose scale is exactly 1 (absmax = qmax): the kernels round them as the reference does."""
+    qmax = 2 ** (bits - 1) - 1
+    half = torch.arange(-qmax, qmax, dtype=torch.float32) + 0.5
+    values = torch.cat([half, torch.nextafter(half, half + 1), torch.nextafter(half, half - 1), -half.abs() * 0])
+    rows = -(-values.numel() // 127)
+    x = torch.zeros(rows * 127)
+    x[: values.numel()] = values
+    x = torch.cat([torch.full((rows, 1), float(qmax)), x.reshape(rows, 127)], dim=1)  # the tile's absmax: scale 1
+    assert_kernel_gives_the_reference(pertoken_triton, pertoken_ref, x, pertoken_ref.PerTokenParams(bits, 128), DEVICE)
+    codes = symtiles_ref.quantize(x, symtiles_ref.tile_scales(x, 128, qmax), 128, qmax).int() - qmax
+    assert set(codes[x.abs() == 2.5].tolist()) == {-2, 2} and set(codes[x.abs() == 3.5].tolist()) == {-4, 4}
+
+
 def corruptions(payload: torch.Tensor, n_scales: int, bits: int) -> list[tuple[str, torch.Tensor]]:
     """(what, payload) pairs a decoder must refuse, with the error it names."""
     out = []
