@@ -158,28 +158,43 @@ def _values_kernel(unary_ptr, nbytes, rank_ptr, low_ptr, n, codes_ptr, bad_ptr, 
                    WINDOWS: tl.constexpr, BLOCK: tl.constexpr, S8: tl.constexpr, S4: tl.constexpr, S2: tl.constexpr,
                    S1: tl.constexpr):
     """Program b: the zero-bits of bytes [b*BLOCK, +BLOCK), the r-th of the stream (r from rank[b] on)
-    ending value r: its high part is the run of one-bits just below it (counted in WINDOWS windows of
-    32 bits, enough for 2 QMAX >> K + 1), its low bits code r of the planes; code r = unzigzag(z) +
-    QMAX. bad[b] = 1 if one of its values exceeds 2 QMAX."""
+    ending value r: its high part is the run of one-bits just below it, its low bits code r of the
+    planes; code r = unzigzag(z) + QMAX. bad[b] = 1 if one of its values exceeds 2 QMAX. The run is
+    at most R = 2 QMAX >> K long in a valid stream. Where R + 1 bits below a zero-bit and its own
+    byte fit 3 bytes (R <= 15: qmax 12 at k >= 1), they are one int32 word and the run's end its
+    highest zero-bit below, read off the word's float32 exponent; else the run is counted in WINDOWS
+    windows of 32 bits (enough for R + 1), each 5 bytes wide (int64), by a binary search."""
+    R: tl.constexpr = 2 * QMAX >> K
+    NB: tl.constexpr = (R + 8) // 8 + 1  # the bytes that hold R + 1 bits below any bit, and its own
     pid = tl.program_id(0)
     pos = pid.to(tl.int64) * (8 * BLOCK) + tl.arange(0, 8 * BLOCK)
     in_stream = pos < nbytes * 8
     byte = tl.load(unary_ptr + (pos >> 3), mask=in_stream, other=0xFF).to(tl.int32)
     zero = in_stream & (((byte >> (pos & 7).to(tl.int32)) & 1) == 0)
-    high = tl.zeros([8 * BLOCK], dtype=tl.int64)
-    run_on = zero
-    for w in tl.static_range(WINDOWS):  # bits [top - 32, top) as one word; before the stream: zero-bits
-        start = pos - 32 * (w + 1)
-        word = tl.zeros([8 * BLOCK], dtype=tl.int64)
-        for m in tl.static_range(5):
-            at = (start >> 3) + m
-            word |= tl.load(unary_ptr + at, mask=run_on & (at >= 0), other=0).to(tl.int64) << (8 * m)
-        ones = _leading_ones((word >> (start & 7)) & 0xFFFFFFFF)
-        high += tl.where(run_on, ones, 0)
-        run_on = run_on & (ones == 32)
-    r = tl.load(rank_ptr + pid) + tl.cumsum(zero.to(tl.int64), axis=0) - 1
+    if NB <= 3:  # bytes (pos >> 3) - NB + 1 .. (pos >> 3), low to high; before the stream: zero-bits
+        word = byte << (8 * (NB - 1))
+        for m in tl.static_range(1, NB):
+            at = (pos >> 3) - m
+            word |= tl.load(unary_ptr + at, mask=zero & (at >= 0), other=0).to(tl.int32) << (8 * (NB - 1 - m))
+        below = 8 * (NB - 1) + (pos & 7).to(tl.int32)  # the zero-bit's place in the word: more than R bits below
+        x = ~word & ((1 << below) - 1)  # the zero-bits below it
+        highest = (x.to(tl.float32).to(tl.int32, bitcast=True) >> 23) - 127  # exact (x < 2^24); -127 for x = 0
+        high = below - 1 - highest  # the run of one-bits; more than R where every bit below is one
+    else:
+        high = tl.zeros([8 * BLOCK], dtype=tl.int64)
+        run_on = zero
+        for w in tl.static_range(WINDOWS):  # bits [top - 32, top) as one word; before the stream: zero-bits
+            start = pos - 32 * (w + 1)
+            word = tl.zeros([8 * BLOCK], dtype=tl.int64)
+            for m in tl.static_range(5):
+                at = (start >> 3) + m
+                word |= tl.load(unary_ptr + at, mask=run_on & (at >= 0), other=0).to(tl.int64) << (8 * m)
+            ones = _leading_ones((word >> (start & 7)) & 0xFFFFFFFF)
+            high += tl.where(run_on, ones, 0)
+            run_on = run_on & (ones == 32)
+    r = tl.load(rank_ptr + pid) + (tl.cumsum(zero.to(tl.int32), axis=0) - 1)  # a block's count fits 32 bits
     ok = zero & (r < n)
-    z = tl.minimum(high, 2 * QMAX >> K).to(tl.int32) << K
+    z = tl.minimum(high, R).to(tl.int32) << K
     if S8 >= 0:
         z |= _low_bits(low_ptr, n // 8 * S8, r, ok, 8) << S8
     if S4 >= 0:
@@ -188,7 +203,7 @@ def _values_kernel(unary_ptr, nbytes, rank_ptr, low_ptr, n, codes_ptr, bad_ptr, 
         z |= _low_bits(low_ptr, n // 8 * S2, r, ok, 2) << S2
     if S1 >= 0:
         z |= _low_bits(low_ptr, n // 8 * S1, r, ok, 1) << S1
-    bad = ok & ((high > (2 * QMAX >> K)) | (z > 2 * QMAX))
+    bad = ok & ((high > R) | (z > 2 * QMAX))
     tl.store(bad_ptr + pid, tl.max(bad.to(tl.int32), axis=0).to(tl.uint8))
     q = (z >> 1) ^ -(z & 1)
     tl.store(codes_ptr + r, (q + QMAX).to(tl.uint8), mask=ok)
