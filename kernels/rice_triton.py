@@ -85,7 +85,7 @@ def _write_kernel(codes_ptr, n, sums_ptr, ends_ptr, payload_ptr, start, QMAX: tl
     their codes, loaded again), one-bits elsewhere. Where a code can be longer than a byte, each value
     also writes the bytes inside its run of one-bits (no value ends in them). Positions are int32 from
     the byte of first_bit on, indices int32 from the block's first value (n < 2**31): only addresses
-    are 64-bit. No branch on the picked k: a branch around this body costs about 15 registers."""
+    are 64-bit. No branch on the picked k: a branch around this body took more registers."""
     S8: tl.constexpr = 0 if K == 8 else -1  # plane_shifts(K): planes of 4, 2 and 1 bits, low bits first
     S4: tl.constexpr = 0 if (K != 8 and K & 4) else -1
     S2: tl.constexpr = (K & 4) if (K != 8 and K & 2) else -1
