@@ -81,8 +81,9 @@ def _write_kernel(codes_ptr, n, sums_ptr, ends_ptr, payload_ptr, start, QMAX: tl
     first bit in it is first_bit = b*BLOCK + the sum of z >> K over the blocks before it (ends - sums
     at K: block_sums); value i's zero-bit is at first_bit + the sum of (z >> K) + 1 over the block's
     values up to i, minus one. The last value whose zero-bit falls in a byte of the unary stream
-    writes that byte: at most 8 values end in it, its own and the 7 before it (their positions from
-    their codes, loaded again), one-bits elsewhere. Where a code can be longer than a byte, each value
+    writes that byte: at most 8 values end in it, its own and the 7 before it (their positions
+    gathered from the other lanes' registers; the block before's, in its first byte only, from its
+    last 8 codes, once a program), one-bits elsewhere. Where a code can be longer than a byte, each value
     also writes the bytes inside its run of one-bits (no value ends in them). Positions are int32 from
     the byte of first_bit on, indices int32 from the block's first value (n < 2**31): only addresses
     are 64-bit. No branch on the picked k: a branch around this body took more registers."""
@@ -109,11 +110,16 @@ def _write_kernel(codes_ptr, n, sums_ptr, ends_ptr, payload_ptr, start, QMAX: tl
     byte = end >> 3  # from the byte of first_bit on
     last = j + 1 >= left  # the stream's last value: it ends its byte
     last_of_byte = ok & ((((end + _taken(block_codes, j + 1, ~last, QMAX, K)) >> 3) != byte) | last)
-    m = tl.arange(0, 8)
-    back = j[:, None] - m[None, :]  # this value and the 7 before it (into the block before: back < 0)
-    taken = _taken(block_codes, back, last_of_byte[:, None] & (back >= -first_value.to(tl.int32)), QMAX, K)
-    ends = end[:, None] - (tl.cumsum(taken, axis=1) - taken)
-    zero_bits = tl.sum(tl.where((taken > 0) & ((ends >> 3) == byte[:, None]), 1 << (ends & 7), 0), axis=1)
+    zero_bits = 1 << (end & 7)
+    for m in tl.static_range(1, 8):  # the 7 values before it in the block, from their ends in registers
+        before = tl.gather(end, tl.maximum(j - m, 0), axis=0)
+        zero_bits |= tl.where((j >= m) & ((before >> 3) == byte), 1 << (before & 7), 0)
+    # the values of the block before whose zero-bits lie in this block's first byte: its last 8
+    k8 = tl.arange(0, 8)
+    prev = _taken(block_codes, -1 - k8, tl.where(live, k8 < first_value, False), QMAX, K)  # the last first
+    prev_ends = (first_bit & 7).to(tl.int32) - 1 - (tl.cumsum(prev, axis=0) - prev)
+    carry = tl.sum(tl.where((prev > 0) & (prev_ends >= 0), 1 << (prev_ends & 7), 0), axis=0)
+    zero_bits |= tl.where(byte == 0, carry, 0)
     unary = low_ptr + n.to(tl.int64) * K // 8 + (first_bit >> 3)
     tl.store(unary + byte, (~zero_bits & 0xFF).to(tl.uint8), mask=last_of_byte)
     if INSIDE > 0:
