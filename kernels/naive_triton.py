@@ -124,9 +124,7 @@ def _naive_encode_kernel(
     s = s16.to(tl.float32) * pow2
     pos = s > 0
     u = tl.where(pos, tl.math.div_rn(x, tl.where(pos, s, 1.0)), 0.0)
-    u = tl.minimum(tl.maximum(u, -QMAX), QMAX)
-    r = round_half_even(tl.abs(u))
-    q = tl.where(u < 0, -r, r) + QMAX
+    q = round_half_even(tl.minimum(tl.maximum(u, -QMAX), QMAX)) + QMAX
     q = tl.where(inside, q, 0)
     if S8 >= 0:
         _store_plane(out_ptr, q, pid, n_pad, BLOCK, 8, S8)

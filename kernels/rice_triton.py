@@ -74,23 +74,20 @@ def _pick_kernel(totals_ptr, n, start, capacity, picked_ptr, payload_ptr, KMAX: 
 
 @triton.jit
 def _write_kernel(codes_ptr, n, sums_ptr, ends_ptr, payload_ptr, start, QMAX: tl.constexpr, K: tl.constexpr,
-                  BLOCK: tl.constexpr):
+                  BLOCK: tl.constexpr, S8: tl.constexpr, S4: tl.constexpr, S2: tl.constexpr, S1: tl.constexpr):
     """Program b: values [b*BLOCK, +BLOCK) coded at K into the payload, if K is the k _pick_kernel
     wrote at its byte 0 (else it stores nothing). Their low K bits go to the planes from byte `start`
-    on (the head, bytes [1, start), is the caller's), the unary stream n*K/8 bytes after. The block's
-    first bit in it is first_bit = b*BLOCK + the sum of z >> K over the blocks before it (ends - sums
-    at K: block_sums); value i's zero-bit is at first_bit + the sum of (z >> K) + 1 over the block's
-    values up to i, minus one. The last value whose zero-bit falls in a byte of the unary stream
-    writes that byte: at most 8 values end in it, its own and the 7 before it (their positions
-    gathered from the other lanes' registers; the block before's, in its first byte only, from its
-    last 8 codes, once a program), one-bits elsewhere. Where a code can be longer than a byte, each value
-    also writes the bytes inside its run of one-bits (no value ends in them). Positions are int32 from
-    the byte of first_bit on, indices int32 from the block's first value (n < 2**31): only addresses
-    are 64-bit. No branch on the picked k: a branch around this body took more registers."""
-    S8: tl.constexpr = 0 if K == 8 else -1  # plane_shifts(K): planes of 4, 2 and 1 bits, low bits first
-    S4: tl.constexpr = 0 if (K != 8 and K & 4) else -1
-    S2: tl.constexpr = (K & 4) if (K != 8 and K & 2) else -1
-    S1: tl.constexpr = (K & 6) if (K != 8 and K & 1) else -1
+    on (S<w>: the bit offset of the width-w plane, -1 if absent; the head, bytes [1, start), is the
+    caller's), the unary stream n*K/8 bytes after. The block's first bit in it is first_bit =
+    b*BLOCK + the sum of z >> K over the blocks before it (ends - sums at K: block_sums); value i's
+    zero-bit is at first_bit + the sum of (z >> K) + 1 over the block's values up to i, minus one.
+    The last value whose zero-bit falls in a byte of the unary stream writes that byte: at most 8
+    values end in it, its own and the 7 before it (their positions gathered from the other lanes'
+    registers; the block before's, in its first byte only, from its last 8 codes, once a program),
+    one-bits elsewhere. Where a code can be longer than a byte, each value also writes the bytes
+    inside its run of one-bits (no value ends in them). Positions are int32 from the byte of
+    first_bit on, indices int32 from the block's first value (n < 2**31): only addresses are 64-bit.
+    No branch on the picked k: a branch around this body took more registers."""
     INSIDE: tl.constexpr = (2 * QMAX >> K) // 8  # the most whole bytes inside one run of one-bits
     live = tl.load(payload_ptr) == K
     pid = tl.program_id(0)
@@ -317,7 +314,7 @@ def _launch_write_kernel(write: RiceWrite, k: int) -> None:
     n = write.codes.numel()
     with on_device(write.codes):
         _write_kernel[(triton.cdiv(n, block),)](write.codes, n, write.sums, write.ends, write.payload, write.start,
-                                                 QMAX=write.qmax, K=k, BLOCK=block, num_warps=warps)
+                                                 QMAX=write.qmax, K=k, BLOCK=block, **plane_shifts(k), num_warps=warps)
 
 
 def decode(low: torch.Tensor, unary: torch.Tensor, count: int, k: int, qmax: int, codec: str) -> torch.Tensor:

@@ -21,6 +21,24 @@ import pytest
 PTR = {"bf16": "*bf16", "fp16": "*fp16", "fp32": "*fp32"}
 
 
+def _symtiles_signatures(dt: str) -> tuple[dict, dict]:
+    """The runtime arguments of symtiles_triton's encode and decode kernels for input dtype dt."""
+    return (dict(x_ptr=PTR[dt], stride_x="i32", signs_ptr="*fp32", n_rows="i32", n_chan="i32", n_tpt="i32", width="i32",
+                 scale_ptr="*bf16", out_ptr="*u8", n_pad="i64", codes_ptr="*u8", status_ptr="*i32"),
+            dict(codes_ptr="*u8", n_pad="i64", scale_ptr="*bf16", signs_ptr="*fp32", out_ptr=PTR[dt], bad_ptr="*u8",
+                 n_rows="i32", n_chan="i32", n_tpt="i32", width="i32"))
+
+
+# the runtime arguments of rice_triton's write and values kernels
+RICE_WRITE = dict(codes_ptr="*u8", n="i32", sums_ptr="*i32", ends_ptr="*i64", payload_ptr="*u8", start="i64")
+RICE_VALUES = dict(unary_ptr="*u8", nbytes="i64", rank_ptr="*i64", low_ptr="*u8", n="i64", codes_ptr="*u8", bad_ptr="*u8")
+
+
+def _case(name: str, kernel, sig: dict, const: dict) -> tuple:
+    """(name, kernel, signature with the constexprs named in it, constexprs): a case of _cases."""
+    return name, kernel, dict(sig, **{k: "constexpr" for k in const}), const
+
+
 def _cases():
     """(name, kernel, signature, constexprs) for every kernel at representative configurations."""
     import triton
@@ -108,16 +126,11 @@ def _cases():
     for dt, g, bits, rotate, packed in (("bf16", 128, 6, False, True), ("fp32", 32, 6, False, False), ("bf16", 64, 4, True, True),
                                         ("fp16", 32, 4, True, True), ("fp32", 256, 8, True, True), ("bf16", 8, 3, False, True)):
         const = dict(G=g, QMAX=2 ** (bits - 1) - 1, ROTATE=rotate, BR=4096 // g, **st.plane_shifts(bits))
-        sig = dict(x_ptr=PTR[dt], stride_x="i32", signs_ptr="*fp32", n_rows="i32", n_chan="i32", n_tpt="i32", width="i32",
-                   scale_ptr="*bf16", out_ptr="*u8", n_pad="i64", codes_ptr="*u8", status_ptr="*i32")
-        econst = dict(const, PACKED=packed)
-        sig.update({k: "constexpr" for k in econst})
-        out.append((f"symtiles encode {dt} G={g} bits={bits} rotate={rotate} packed={packed}", st._encode_kernel, sig, econst))
-        dconst = dict(const, OUT_BF16=dt == "bf16", SHORT=not rotate)
-        sig = dict(codes_ptr="*u8", n_pad="i64", scale_ptr="*bf16", signs_ptr="*fp32", out_ptr=PTR[dt], bad_ptr="*u8",
-                   n_rows="i32", n_chan="i32", n_tpt="i32", width="i32")
-        sig.update({k: "constexpr" for k in dconst})
-        out.append((f"symtiles decode {dt} G={g} bits={bits} rotate={rotate}", st._decode_kernel, sig, dconst))
+        esig, dsig = _symtiles_signatures(dt)
+        out.append(_case(f"symtiles encode {dt} G={g} bits={bits} rotate={rotate} packed={packed}", st._encode_kernel, esig,
+                         dict(const, PACKED=packed)))
+        out.append(_case(f"symtiles decode {dt} G={g} bits={bits} rotate={rotate}", st._decode_kernel, dsig,
+                         dict(const, OUT_BF16=dt == "bf16", SHORT=not rotate)))
     for bits in (6, 3):
         const = dict(BLOCK=4096, **st.plane_shifts(bits))
         sig = dict(codes_ptr="*u8", out_ptr="*u8", n="i64", n_pad="i64", **{k: "constexpr" for k in const})
@@ -129,20 +142,16 @@ def _cases():
         sig = dict(codes_ptr="*u8", n="i64", sums_ptr="*i32", **{k: "constexpr" for k in const})
         out.append((f"rice sums qmax={qmax}", rt._sums_kernel, sig, const))
     for qmax, k in ((12, 0), (12, 3), (31, 5), (127, 8)):
-        const = dict(QMAX=qmax, K=k, BLOCK=512)
-        sig = dict(codes_ptr="*u8", n="i32", sums_ptr="*i32", ends_ptr="*i64", payload_ptr="*u8", start="i64",
-                   **{k: "constexpr" for k in const})
-        out.append((f"rice write qmax={qmax} k={k}", rt._write_kernel, sig, const))
+        out.append(_case(f"rice write qmax={qmax} k={k}", rt._write_kernel, RICE_WRITE,
+                         dict(QMAX=qmax, K=k, BLOCK=512, **st.plane_shifts(k))))
     for kmax in (5, 8):
         const = dict(KMAX=kmax, num_warps=1)
         sig = dict(totals_ptr="*i64", n="i32", start="i64", capacity="i64", picked_ptr="*i64", payload_ptr="*u8",
                    KMAX="constexpr")
         out.append((f"rice pick kmax={kmax}", rt._pick_kernel, sig, const))
     for qmax, k in ((12, 0), (12, 3), (31, 5), (127, 8)):
-        const = dict(QMAX=qmax, K=k, WINDOWS=-(-((2 * qmax >> k) + 1) // 32), BLOCK=256, **st.plane_shifts(k))
-        sig = dict(unary_ptr="*u8", nbytes="i64", rank_ptr="*i64", low_ptr="*u8", n="i64", codes_ptr="*u8", bad_ptr="*u8",
-                   **{k: "constexpr" for k in const})
-        out.append((f"rice values qmax={qmax} k={k}", rt._values_kernel, sig, const))
+        out.append(_case(f"rice values qmax={qmax} k={k}", rt._values_kernel, RICE_VALUES,
+                         dict(QMAX=qmax, K=k, WINDOWS=-(-((2 * qmax >> k) + 1) // 32), BLOCK=256, **st.plane_shifts(k))))
     sig = dict(unary_ptr="*u8", nbytes="i64", count_ptr="*i32", BLOCK="constexpr")
     out.append(("rice zeros", rt._zeros_kernel, sig, dict(BLOCK=256)))
     return out
@@ -157,26 +166,18 @@ def _setting_cases():
     from tahnode.tools.bench_sweep import RICE_BLOCKS, SYMTILES_BLOCKS
 
     out = []
+    esig, dsig = _symtiles_signatures("bf16")
     for values, warps in [st.GPU_ENCODE_BLOCK] + SYMTILES_BLOCKS:
         for what, bits, qmax, rotate in (("pertoken", 6, 31, False), ("layout 3", 8, 12, True)):
             const = dict(G=128, QMAX=qmax, ROTATE=rotate, BR=values // 128, num_warps=warps, **st.plane_shifts(bits))
-            sig = dict(x_ptr="*bf16", stride_x="i32", signs_ptr="*fp32", n_rows="i32", n_chan="i32", n_tpt="i32", width="i32",
-                       scale_ptr="*bf16", out_ptr="*u8", n_pad="i64", codes_ptr="*u8", status_ptr="*i32")
-            econst = dict(const, PACKED=True)
-            out.append((f"{what} encode [{values}/{warps}]", st._encode_kernel, dict(sig, **{k: "constexpr" for k in econst}),
-                        econst))
-            dconst = dict(const, OUT_BF16=True, SHORT=False)
-            sig = dict(codes_ptr="*u8", n_pad="i64", scale_ptr="*bf16", signs_ptr="*fp32", out_ptr="*bf16", bad_ptr="*u8",
-                       n_rows="i32", n_chan="i32", n_tpt="i32", width="i32")
-            out.append((f"{what} decode [{values}/{warps}]", st._decode_kernel, dict(sig, **{k: "constexpr" for k in dconst}),
-                        dconst))
+            out.append(_case(f"{what} encode [{values}/{warps}]", st._encode_kernel, esig, dict(const, PACKED=True)))
+            out.append(_case(f"{what} decode [{values}/{warps}]", st._decode_kernel, dsig,
+                             dict(const, OUT_BF16=True, SHORT=False)))
     for (values, warps), (nbytes, dwarps) in [(rt.GPU_ENCODE_BLOCK, rt.GPU_DECODE_BLOCK)] + RICE_BLOCKS:
-        const = dict(QMAX=12, K=2, BLOCK=values, num_warps=warps)
-        sig = dict(codes_ptr="*u8", n="i32", sums_ptr="*i32", ends_ptr="*i64", payload_ptr="*u8", start="i64")
-        out.append((f"rice write [{values}/{warps}]", rt._write_kernel, dict(sig, **{k: "constexpr" for k in const}), const))
-        const = dict(QMAX=12, K=2, WINDOWS=1, BLOCK=nbytes, num_warps=dwarps, **st.plane_shifts(2))
-        sig = dict(unary_ptr="*u8", nbytes="i64", rank_ptr="*i64", low_ptr="*u8", n="i64", codes_ptr="*u8", bad_ptr="*u8")
-        out.append((f"rice values [{nbytes}/{dwarps}]", rt._values_kernel, dict(sig, **{k: "constexpr" for k in const}), const))
+        out.append(_case(f"rice write [{values}/{warps}]", rt._write_kernel, RICE_WRITE,
+                         dict(QMAX=12, K=2, BLOCK=values, num_warps=warps, **st.plane_shifts(2))))
+        out.append(_case(f"rice values [{nbytes}/{dwarps}]", rt._values_kernel, RICE_VALUES,
+                         dict(QMAX=12, K=2, WINDOWS=1, BLOCK=nbytes, num_warps=dwarps, **st.plane_shifts(2))))
     return out
 
 
