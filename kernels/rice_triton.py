@@ -4,14 +4,15 @@ and its refusals, with one synchronization each way.
 encode: a kernel sums each block's high parts at every k and a cumsum runs them over the blocks; a
 one-program kernel picks k (rice.best_k's) and the payload's size from the totals; a third packs the
 low bits into their planes and writes the unary stream a byte at a time, each byte by the last value
-whose zero-bit falls in it (no atomics), into a buffer with room for the longest payload. It is
+whose zero-bit falls in it (no atomics; a thread takes 8 or more values in a row, carrying the
+zero-bits of a byte from one to the next), into a buffer with room for the longest payload. It is
 compiled for a guessed k and stores only if the device picked it, so no synchronization comes
 between the kernels: the one synchronization reads the size and k after all three (and launches the
 third again at the k picked, should the guess be wrong). block_sums, launch_write and launch_decode
 let a caller read other kernels' flags in the same synchronization.
 decode: a kernel counts each block's zero-bits; a second ranks every zero-bit (its value's index),
 counts the run of one-bits below it (the high part), adds the low bits, checks the range and stores
-the code; the synchronization reads the count and the range check. Only cumulative sums are
+the code (a thread takes a few stream bytes in a row, bit after bit); the synchronization reads the count and the range check. Only cumulative sums are
 scanned, so Triton's interpreter runs them at numpy's speed."""
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import triton.language as tl
 
 from . import rice
 from .symtiles_triton import plane_shifts, store_planes
-from .triton_util import interpreting, on_device
+from .triton_util import interpreting, leading_ones, on_device, zero_bits
 
 __all__ = ["encode", "block_sums", "launch_write", "RiceWrite", "decode", "launch_decode", "raise_for_decode"]
 
@@ -37,12 +38,13 @@ def _zigzag(codes_ptr, i, ok, QMAX: tl.constexpr):
 
 
 @triton.jit
-def _sums_kernel(codes_ptr, n, sums_ptr, QMAX: tl.constexpr, BLOCK: tl.constexpr):
-    """sums[program, k] = the sum of z >> k over the program's BLOCK values, k = 0..8."""
+def _sums_kernel(codes_ptr, n, sums_ptr, QMAX: tl.constexpr, KMAX: tl.constexpr, BLOCK: tl.constexpr):
+    """sums[program, k] = the sum of z >> k over the program's BLOCK values, k = 0..KMAX (the bit
+    length of 2 QMAX: no larger k is picked; the row's other entries are left as they are)."""
     pid = tl.program_id(0)
     i = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     z = _zigzag(codes_ptr, i, i < n, QMAX)
-    for k in tl.static_range(9):
+    for k in tl.static_range(KMAX + 1):
         tl.store(sums_ptr + pid * 9 + k, tl.sum(z >> k, axis=0))
 
 
@@ -74,55 +76,72 @@ def _pick_kernel(totals_ptr, n, start, capacity, picked_ptr, payload_ptr, KMAX: 
 
 @triton.jit
 def _write_kernel(codes_ptr, n, sums_ptr, ends_ptr, payload_ptr, start, QMAX: tl.constexpr, K: tl.constexpr,
-                  BLOCK: tl.constexpr, S8: tl.constexpr, S4: tl.constexpr, S2: tl.constexpr, S1: tl.constexpr):
+                  BLOCK: tl.constexpr, PER_LANE: tl.constexpr, S8: tl.constexpr, S4: tl.constexpr, S2: tl.constexpr,
+                  S1: tl.constexpr):
     """Program b: values [b*BLOCK, +BLOCK) coded at K into the payload, if K is the k _pick_kernel
     wrote at its byte 0 (else it stores nothing). Their low K bits go to the planes from byte `start`
     on (S<w>: the bit offset of the width-w plane, -1 if absent; the head, bytes [1, start), is the
     caller's), the unary stream n*K/8 bytes after. The block's first bit in it is first_bit =
-    b*BLOCK + the sum of z >> K over the blocks before it (ends - sums at K: block_sums); value i's
-    zero-bit is at first_bit + the sum of (z >> K) + 1 over the block's values up to i, minus one.
-    The last value whose zero-bit falls in a byte of the unary stream writes that byte: at most 8
-    values end in it, its own and the 7 before it (their positions gathered from the other lanes'
-    registers; the block before's, in its first byte only, from its last 8 codes, once a program),
-    one-bits elsewhere. Where a code can be longer than a byte, each value also writes the bytes
-    inside its run of one-bits (no value ends in them). Positions are int32 from the byte of
-    first_bit on, indices int32 from the block's first value (n < 2**31): only addresses are 64-bit.
-    No branch on the picked k: a branch around this body took more registers."""
+    b*BLOCK + the sum of z >> K over the blocks before it (ends - sums at K: block_sums).
+    A lane holds PER_LANE (8 or more) values in a row and takes them in turn (unrolled, each code
+    loaded where it is needed, a lane apart: no layout but one): the sum of their (z >> K) + 1 over
+    the lanes before it (a cumulative sum) is its first bit; a value's zero-bit follows its run of
+    one-bits. The last value whose zero-bit falls in a byte of the unary stream writes that byte,
+    with the zero-bits of the values before it in that byte, carried from one value to the next in
+    the lane; those of the lane before (or the block before), which can only fall in the lane's
+    first byte (8 or more values take 8 or more bits), come from its last 7 codes. Where a code can
+    be longer than a byte, each value also writes the bytes inside its run of one-bits (no value
+    ends in them). Positions are int32 from the byte of first_bit on, indices int32 from the
+    block's first value (n < 2**31): only addresses are 64-bit. No branch on the picked k: a branch
+    around this body took more registers."""
     INSIDE: tl.constexpr = (2 * QMAX >> K) // 8  # the most whole bytes inside one run of one-bits
+    LANES: tl.constexpr = BLOCK // PER_LANE
     live = tl.load(payload_ptr) == K
     pid = tl.program_id(0)
     first_value = pid.to(tl.int64) * BLOCK
     block_codes = codes_ptr + first_value
-    left = n - first_value  # values from the block's first to the stream's end
-    j = tl.arange(0, BLOCK)
-    ok = tl.where(live, j < left, False)  # (a & of a loaded scalar: the interpreter's masks refuse it)
+    left = tl.minimum(n - first_value, 2 * BLOCK).to(tl.int32)  # values from the block's first to the stream's end
     low_ptr = payload_ptr + start
     if K > 0:
+        j = tl.arange(0, BLOCK)
         first = tl.full([1], 0, tl.int64) + first_value
-        z = tl.reshape(_zigzag(block_codes, j, ok, QMAX), (1, BLOCK))
+        z = tl.reshape(_zigzag(block_codes, j, tl.where(live, j < left, False), QMAX), (1, BLOCK))
         store_planes(low_ptr, n, z, first, n - first, tl.where(live, first < n, False), 1, BLOCK, S8, S4, S2, S1)
     first_bit = first_value + tl.load(ends_ptr + pid * 9 + K) - tl.load(sums_ptr + pid * 9 + K)
-    own = _taken(block_codes, j, ok, QMAX, K)
-    end = (first_bit & 7).to(tl.int32) + tl.cumsum(own, axis=0) - 1
-    byte = end >> 3  # from the byte of first_bit on
-    last = j + 1 >= left  # the stream's last value: it ends its byte
-    last_of_byte = ok & ((((end + _taken(block_codes, j + 1, ~last, QMAX, K)) >> 3) != byte) | last)
-    zero_bits = 1 << (end & 7)
-    for m in tl.static_range(1, 8):  # the 7 values before it in the block, from their ends in registers
-        before = tl.gather(end, tl.maximum(j - m, 0), axis=0)
-        zero_bits |= tl.where((j >= m) & ((before >> 3) == byte), 1 << (before & 7), 0)
-    # the values of the block before whose zero-bits lie in this block's first byte: its last 8
-    k8 = tl.arange(0, 8)
-    prev = _taken(block_codes, -1 - k8, tl.where(live, k8 < first_value, False), QMAX, K)  # the last first
-    prev_ends = (first_bit & 7).to(tl.int32) - 1 - (tl.cumsum(prev, axis=0) - prev)
-    carry = tl.sum(tl.where((prev > 0) & (prev_ends >= 0), 1 << (prev_ends & 7), 0), axis=0)
-    zero_bits |= tl.where(byte == 0, carry, 0)
+    lane_first = tl.arange(0, LANES) * PER_LANE  # the lane's first value, from the block's first
+    total = tl.zeros([LANES], dtype=tl.int32)
+    for m in tl.static_range(PER_LANE):  # (a & of a loaded scalar: the interpreter's masks refuse it)
+        total += _taken(block_codes, lane_first + m, tl.where(live, lane_first + m < left, False), QMAX, K)
+    lane_bit = (first_bit & 7).to(tl.int32) + tl.cumsum(total, axis=0) - total  # from the byte of first_bit on
+    lane_byte = lane_bit >> 3
+    # the zero-bits of the values before the lane in its first byte: 7 at most (the lane's first value
+    # ends there or later), the last value first
+    bits = tl.zeros([LANES], dtype=tl.int32)
+    end = lane_bit - 1
+    lowest = tl.maximum(-first_value, -7).to(tl.int32)  # the block before's last 7 values, if any
+    for m in tl.static_range(7):
+        i = lane_first - 1 - m
+        ok = tl.where(live, i >= lowest, False)
+        bits |= tl.where(ok & (end >= 8 * lane_byte), 1 << (end & 7), 0)
+        if m < 6:
+            end -= _taken(block_codes, i, ok, QMAX, K)
     unary = low_ptr + n.to(tl.int64) * K // 8 + (first_bit >> 3)
-    tl.store(unary + byte, (~zero_bits & 0xFF).to(tl.uint8), mask=last_of_byte)
-    if INSIDE > 0:
-        after = ((end - own) >> 3) + 1  # the byte after the one the value before ends in
-        for b in tl.static_range(INSIDE):
-            tl.store(unary + after + b, tl.full([BLOCK], 0xFF, tl.uint8), mask=ok & (after + b < byte))
+    end = lane_bit - 1
+    byte = lane_byte  # where the value before ends (or the lane's first byte)
+    was_ok = lane_first < 0  # (value m - 1 is in the lane from m = 1 on)
+    for m in tl.static_range(PER_LANE + 1):  # value m - 1's byte is written once value m's end is known
+        ok = tl.where(live, lane_first + m < left, False)
+        own = _taken(block_codes, lane_first + m, ok, QMAX, K)
+        if m > 0:  # value m - 1 ends its byte where value m ends in a later byte, or the stream ends
+            tl.store(unary + byte, (~bits & 0xFF).to(tl.uint8), mask=was_ok & (((end + own) >> 3 != byte) | ~ok))
+        if m < PER_LANE:
+            for b in tl.static_range(INSIDE):  # the bytes after the one the value before ends in
+                inside = (end >> 3) + 1 + b
+                tl.store(unary + inside, tl.full([LANES], 0xFF, tl.uint8), mask=ok & (inside < (end + own) >> 3))
+            end += own
+            bits = tl.where(end >> 3 == byte, bits, 0) | (1 << (end & 7))
+            byte = end >> 3
+            was_ok = ok
 
 
 @triton.jit
@@ -131,91 +150,96 @@ def _zeros_kernel(unary_ptr, nbytes, count_ptr, BLOCK: tl.constexpr):
     pid = tl.program_id(0)
     byte = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     b = tl.load(unary_ptr + byte, mask=byte < nbytes, other=0xFF).to(tl.int32)
-    zero = ((b[:, None] >> tl.arange(0, 8)[None, :]) & 1) == 0
-    tl.store(count_ptr + pid, tl.sum(tl.sum(zero.to(tl.int32), axis=1), axis=0))
+    tl.store(count_ptr + pid, tl.sum(zero_bits(b), axis=0))
 
 
 @triton.jit
-def _leading_ones(x):
-    """The one-bits at the top of x (int64 holding 32 bits), from bit 31 down: 0..32 (a binary search
-    for the highest zero-bit: 16, 8, 4, 2, then 1 bit at a time)."""
-    y = ~x & 0xFFFFFFFF
-    count = tl.where(y == 0, 32, 0)
-    for step in tl.static_range(5):  # a width of 16 >> step bits
-        short = y < (1 << (32 - (16 >> step)))
-        count += tl.where(short, 16 >> step, 0)
-        y = tl.where(short, y << (16 >> step), y)
-    return tl.where(count > 32, 32, count)
-
-
-@triton.jit
-def _low_bits(low_ptr, plane, index, ok, W: tl.constexpr):
-    """The width-W plane's values (int32) of the codes at `index` (any order)."""
+def _low_bits(low_ptr, plane, first, index, ok, W: tl.constexpr):
+    """The width-W plane's values (int32) of the codes at first + index (first: a scalar; index:
+    int32, 0 or more, any order)."""
     PER: tl.constexpr = 8 // W
-    b = tl.load(low_ptr + plane + index // PER, mask=ok, other=0).to(tl.int32)
-    return (b >> ((index % PER) * W).to(tl.int32)) & ((1 << W) - 1)
+    at = ((first % PER).to(tl.int32) + index).to(tl.uint32)  # unsigned: // and % by PER are a shift and a mask
+    b = tl.load(low_ptr + plane + first // PER + at // PER, mask=ok, other=0).to(tl.int32)
+    return (b >> ((at % PER) * W).to(tl.int32)) & ((1 << W) - 1)
 
 
 @triton.jit
 def _values_kernel(unary_ptr, nbytes, rank_ptr, low_ptr, n, codes_ptr, bad_ptr, QMAX: tl.constexpr, K: tl.constexpr,
-                   WINDOWS: tl.constexpr, BLOCK: tl.constexpr, S8: tl.constexpr, S4: tl.constexpr, S2: tl.constexpr,
-                   S1: tl.constexpr):
+                   WINDOWS: tl.constexpr, BLOCK: tl.constexpr, PER_LANE: tl.constexpr, S8: tl.constexpr,
+                   S4: tl.constexpr, S2: tl.constexpr, S1: tl.constexpr):
     """Program b: the zero-bits of bytes [b*BLOCK, +BLOCK), the r-th of the stream (r from rank[b] on)
     ending value r: its high part is the run of one-bits just below it, its low bits code r of the
-    planes; code r = unzigzag(z) + QMAX. bad[b] = 1 if one of its values exceeds 2 QMAX. The run is
-    at most R = 2 QMAX >> K long in a valid stream. Where R + 1 bits below a zero-bit and its own
-    byte fit 3 bytes (R <= 15: qmax 12 at k >= 1), they are one int32 word and the run's end its
-    highest zero-bit below, read off the word's float32 exponent; else the run is counted in WINDOWS
-    windows of 32 bits (enough for R + 1), each 5 bytes wide (int64), by a binary search."""
+    planes; code r = unzigzag(z) + QMAX. bad[b] = 1 if one of its values exceeds 2 QMAX. A lane takes
+    PER_LANE bytes in a row bit by bit (unrolled), each byte loaded by itself (as one vector they take
+    another layout than the codes' stores: a conversion through shared memory at every bit); a
+    zero-bit's rank is its lane's (a cumsum over the lanes) plus the zero-bits before it in the lane.
+    A valid run is at most R = 2 QMAX >> K. Where R + 1 bits below a zero-bit fit the 3 bytes up to
+    its own (R <= 15), they are one int32 word and the run's end its highest zero-bit below (the
+    float32 exponent); else WINDOWS windows of 32 bits (5 bytes, int64) are searched. Indices are
+    int32 from the block's first value on."""
     R: tl.constexpr = 2 * QMAX >> K
     NB: tl.constexpr = (R + 8) // 8 + 1  # the bytes that hold R + 1 bits below any bit, and its own
+    LANES: tl.constexpr = BLOCK // PER_LANE
     pid = tl.program_id(0)
-    pos = pid.to(tl.int64) * (8 * BLOCK) + tl.arange(0, 8 * BLOCK)
-    in_stream = pos < nbytes * 8
-    byte = tl.load(unary_ptr + (pos >> 3), mask=in_stream, other=0xFF).to(tl.int32)
-    zero = in_stream & (((byte >> (pos & 7).to(tl.int32)) & 1) == 0)
-    if NB <= 3:  # bytes (pos >> 3) - NB + 1 .. (pos >> 3), low to high; before the stream: zero-bits
-        word = byte << (8 * (NB - 1))
-        for m in tl.static_range(1, NB):
-            at = (pos >> 3) - m
-            word |= tl.load(unary_ptr + at, mask=zero & (at >= 0), other=0).to(tl.int32) << (8 * (NB - 1 - m))
-        below = 8 * (NB - 1) + (pos & 7).to(tl.int32)  # the zero-bit's place in the word: more than R bits below
-        x = ~word & ((1 << below) - 1)  # the zero-bits below it
-        highest = (x.to(tl.float32).to(tl.int32, bitcast=True) >> 23) - 127  # exact (x < 2^24); -127 for x = 0
-        high = below - 1 - highest  # the run of one-bits; more than R where every bit below is one
-    else:
-        high = tl.zeros([8 * BLOCK], dtype=tl.int64)
-        run_on = zero
-        for w in tl.static_range(WINDOWS):  # bits [top - 32, top) as one word; before the stream: zero-bits
-            start = pos - 32 * (w + 1)
-            word = tl.zeros([8 * BLOCK], dtype=tl.int64)
-            for m in tl.static_range(5):
-                at = (start >> 3) + m
-                word |= tl.load(unary_ptr + at, mask=run_on & (at >= 0), other=0).to(tl.int64) << (8 * m)
-            ones = _leading_ones((word >> (start & 7)) & 0xFFFFFFFF)
-            high += tl.where(run_on, ones, 0)
-            run_on = run_on & (ones == 32)
-    r = tl.load(rank_ptr + pid) + (tl.cumsum(zero.to(tl.int32), axis=0) - 1)  # a block's count fits 32 bits
-    ok = zero & (r < n)
-    z = tl.minimum(high, R).to(tl.int32) << K
-    if S8 >= 0:
-        z |= _low_bits(low_ptr, n // 8 * S8, r, ok, 8) << S8
-    if S4 >= 0:
-        z |= _low_bits(low_ptr, n // 8 * S4, r, ok, 4) << S4
-    if S2 >= 0:
-        z |= _low_bits(low_ptr, n // 8 * S2, r, ok, 2) << S2
-    if S1 >= 0:
-        z |= _low_bits(low_ptr, n // 8 * S1, r, ok, 1) << S1
-    bad = ok & ((high > R) | (z > 2 * QMAX))
-    tl.store(bad_ptr + pid, tl.max(bad.to(tl.int32), axis=0).to(tl.uint8))
-    q = (z >> 1) ^ -(z & 1)
-    tl.store(codes_ptr + r, (q + QMAX).to(tl.uint8), mask=ok)
+    lane_at = pid.to(tl.int64) * BLOCK + tl.arange(0, LANES) * PER_LANE  # the lane's first byte
+    count = tl.zeros([LANES], dtype=tl.int32)
+    for j in tl.static_range(PER_LANE):
+        at = lane_at + j
+        count += zero_bits(tl.load(unary_ptr + at, mask=at < nbytes, other=0xFF).to(tl.int32))
+    first = tl.load(rank_ptr + pid)  # the rank of the block's first zero-bit
+    rank = tl.cumsum(count, axis=0) - count  # of the lane's first zero-bit, from `first` on
+    left = tl.minimum(n - first, BLOCK * 8).to(tl.int32)  # values from `first` to the stream's end (those here)
+    codes = codes_ptr + first
+    bad = tl.zeros([LANES], dtype=tl.int32)
+    for j in tl.static_range(PER_LANE):
+        at = lane_at + j
+        in_stream = at < nbytes
+        byte = tl.load(unary_ptr + at, mask=in_stream, other=0xFF).to(tl.int32)
+        if NB <= 3:  # bytes at - NB + 1 .. at, low to high; before the stream: zero-bits
+            word = byte << (8 * (NB - 1))
+            for m in tl.static_range(1, NB):
+                word |= tl.load(unary_ptr + at - m, mask=in_stream & (at >= m), other=0).to(tl.int32) << (8 * (NB - 1 - m))
+        for bit in tl.static_range(8):
+            zero = in_stream & (((byte >> bit) & 1) == 0)
+            if NB <= 3:
+                below = 8 * (NB - 1) + bit  # the zero-bit's place in the word: more than R bits below
+                x = ~word & ((1 << below) - 1)  # the zero-bits below it
+                highest = (x.to(tl.float32).to(tl.int32, bitcast=True) >> 23) - 127  # exact (x < 2^24); -127 for 0
+                high = below - 1 - highest  # the run of one-bits; more than R where every bit below is one
+            else:
+                pos = at * 8 + bit
+                high = tl.zeros([LANES], dtype=tl.int32)
+                run_on = zero
+                for w in tl.static_range(WINDOWS):  # bits [top - 32, top) as one word; before the stream: zero-bits
+                    start = pos - 32 * (w + 1)
+                    window = tl.zeros([LANES], dtype=tl.int64)
+                    for m in tl.static_range(5):
+                        byte_at = (start >> 3) + m
+                        window |= tl.load(unary_ptr + byte_at, mask=run_on & (byte_at >= 0),
+                                          other=0).to(tl.int64) << (8 * m)
+                    ones = leading_ones((window >> (start & 7)) & 0xFFFFFFFF).to(tl.int32)
+                    high += tl.where(run_on, ones, 0)
+                    run_on = run_on & (ones == 32)
+            ok = zero & (rank < left)
+            z = tl.minimum(high, R + 1) << K  # more than 2 QMAX where the run is longer than R
+            if S8 >= 0:
+                z |= _low_bits(low_ptr, n // 8 * S8, first, rank, ok, 8) << S8
+            if S4 >= 0:
+                z |= _low_bits(low_ptr, n // 8 * S4, first, rank, ok, 4) << S4
+            if S2 >= 0:
+                z |= _low_bits(low_ptr, n // 8 * S2, first, rank, ok, 2) << S2
+            if S1 >= 0:
+                z |= _low_bits(low_ptr, n // 8 * S1, first, rank, ok, 1) << S1
+            bad |= (ok & (z > 2 * QMAX)).to(tl.int32)
+            q = (z >> 1) ^ -(z & 1)
+            tl.store(codes + rank, (q + QMAX).to(tl.uint8), mask=ok)
+            rank += zero.to(tl.int32)
+    tl.store(bad_ptr + pid, tl.max(bad, axis=0).to(tl.uint8))
 
 
-# (values, warps) per program of the encode kernels and (stream bytes, warps) of the decode kernels
-# on a GPU: a few thousand lanes each (the code grows with them: these compile to about 150 kB for
-# sm_90). `tahnode bench kernels --sweep` times others (the references' bytes at each: tests/test_bench.py)
-GPU_ENCODE_BLOCK = (512, 4)
+# (values, warps) per program of the encode kernels and (stream bytes, warps) of the decode kernels on
+# a GPU. `tahnode bench kernels --sweep` times others (the references' bytes at each: tests/test_bench.py)
+GPU_ENCODE_BLOCK = (1024, 4)
 GPU_DECODE_BLOCK = (256, 4)
 
 
@@ -235,8 +259,8 @@ def encode(codes: torch.Tensor, qmax: int, head: torch.Tensor) -> torch.Tensor:
 
 def block_sums(codes: torch.Tensor, qmax: int) -> tuple[torch.Tensor, torch.Tensor]:
     """encode's first kernel and the sums over blocks, launched: (sums, ends), (blocks, 9) each,
-    sums[b, k] (int32) the sum of z >> k over block b's values, ends[b, k] (int64) that over blocks
-    0..b. The totals over all blocks, ends[-1], fix k and the payload's size."""
+    sums[b, k] (int32) the sum of z >> k over block b's values (0 for k above the bit length of
+    2 qmax), ends[b, k] (int64) that over blocks 0..b. The totals, ends[-1], fix k and the size."""
     codes = codes.reshape(-1)
     n = codes.numel()
     rice.check_whole_bytes(n, "rice_triton")
@@ -245,7 +269,8 @@ def block_sums(codes: torch.Tensor, qmax: int) -> tuple[torch.Tensor, torch.Tens
         blocks = triton.cdiv(n, block)
         sums = torch.zeros(max(blocks, 1), 9, dtype=torch.int32, device=codes.device)
         if blocks:
-            _sums_kernel[(blocks,)](codes, n, sums, QMAX=qmax, BLOCK=block, num_warps=warps)
+            _sums_kernel[(blocks,)](codes, n, sums, QMAX=qmax, KMAX=(2 * qmax).bit_length(), BLOCK=block,
+                                    num_warps=warps)
         return sums, torch.cumsum(sums, 0, dtype=torch.int64)
 
 
@@ -314,7 +339,20 @@ def _launch_write_kernel(write: RiceWrite, k: int) -> None:
     n = write.codes.numel()
     with on_device(write.codes):
         _write_kernel[(triton.cdiv(n, block),)](write.codes, n, write.sums, write.ends, write.payload, write.start,
-                                                 QMAX=write.qmax, K=k, BLOCK=block, **plane_shifts(k), num_warps=warps)
+                                                 QMAX=write.qmax, K=k, BLOCK=block, PER_LANE=_values_per_lane(block, warps),
+                                                 **plane_shifts(k), num_warps=warps)
+
+
+def _values_per_lane(block: int, warps: int) -> int:
+    """Values a lane of the write kernel takes: 8 or more (a byte of the unary stream then holds
+    zero-bits of two lanes at most), a program's values over its threads on a GPU."""
+    return 8 if interpreting() else max(8, block // (32 * warps))
+
+
+def _per_lane(block: int, warps: int) -> int:
+    """Stream bytes a lane of the values kernel takes: a program's bytes over its threads on a GPU, one
+    in the interpreter (whose cost is per operation, and a lane's bytes are unrolled)."""
+    return 1 if interpreting() else max(1, block // (32 * warps))
 
 
 def decode(low: torch.Tensor, unary: torch.Tensor, count: int, k: int, qmax: int, codec: str) -> torch.Tensor:
@@ -346,7 +384,8 @@ def launch_decode(low: torch.Tensor, unary: torch.Tensor, count: int, k: int, qm
         bad = torch.empty(blocks, dtype=torch.uint8, device=unary.device)
         windows = -(-((2 * qmax >> k) + 1) // 32)
         _values_kernel[(blocks,)](unary, unary.numel(), rank, low if k else unary, count, codes, bad, QMAX=qmax, K=k,
-                                  WINDOWS=windows, BLOCK=block, **plane_shifts(k), num_warps=warps)
+                                  WINDOWS=windows, BLOCK=block, PER_LANE=_per_lane(block, warps), **plane_shifts(k),
+                                  num_warps=warps)
         found = rank[-1] + zeros[-1] - count  # 0 when the stream ends `count` values
         return codes, torch.stack([found, (unary[-1] == 0xFF).long(), bad.max().long()])
 

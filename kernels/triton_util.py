@@ -1,5 +1,5 @@
 """Small pieces shared by the Triton kernels: exact rounding by hand (the CPU interpreter lacks
-rint and truncates fp32 -> bf16 casts) and launching on a tensor's own GPU."""
+rint and truncates fp32 -> bf16 casts), counting bits, and launching on a tensor's own GPU."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["round_half_even", "to_bf16_rne", "on_device", "interpreting"]
+__all__ = ["round_half_even", "to_bf16_rne", "leading_ones", "zero_bits", "on_device", "interpreting"]
 
 
 @triton.jit
@@ -29,6 +29,28 @@ def to_bf16_rne(y):
     b = y.to(tl.uint32, bitcast=True)
     b = b + 0x7FFF + ((b >> 16) & 1)
     return (b >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
+def leading_ones(x):
+    """The one-bits at the top of x (int64 holding 32 bits), from bit 31 down: 0..32 (a binary search
+    for the highest zero-bit: 16, 8, 4, 2, then 1 bit at a time)."""
+    y = ~x & 0xFFFFFFFF
+    count = tl.where(y == 0, 32, 0)
+    for step in tl.static_range(5):  # a width of 16 >> step bits
+        short = y < (1 << (32 - (16 >> step)))
+        count += tl.where(short, 16 >> step, 0)
+        y = tl.where(short, y << (16 >> step), y)
+    return tl.where(count > 32, 32, count)
+
+
+@triton.jit
+def zero_bits(byte):
+    """The zero-bits of each byte (int32 holding 8 bits): 0..8."""
+    x = ~byte & 0xFF
+    x = x - ((x >> 1) & 0x55)
+    x = (x & 0x33) + ((x >> 2) & 0x33)
+    return (x + (x >> 4)) & 0x0F
 
 
 def on_device(t: torch.Tensor):

@@ -138,12 +138,12 @@ def _cases():
 
     from tahnode.kernels import rice_triton as rt
     for qmax in (12, 127):
-        const = dict(QMAX=qmax, BLOCK=512)
+        const = dict(QMAX=qmax, KMAX=(2 * qmax).bit_length(), BLOCK=1024)
         sig = dict(codes_ptr="*u8", n="i64", sums_ptr="*i32", **{k: "constexpr" for k in const})
         out.append((f"rice sums qmax={qmax}", rt._sums_kernel, sig, const))
     for qmax, k in ((12, 0), (12, 3), (31, 5), (127, 8)):
         out.append(_case(f"rice write qmax={qmax} k={k}", rt._write_kernel, RICE_WRITE,
-                         dict(QMAX=qmax, K=k, BLOCK=512, **st.plane_shifts(k))))
+                         dict(QMAX=qmax, K=k, BLOCK=1024, PER_LANE=rt._values_per_lane(1024, 4), **st.plane_shifts(k))))
     for kmax in (5, 8):
         const = dict(KMAX=kmax, num_warps=1)
         sig = dict(totals_ptr="*i64", n="i32", start="i64", capacity="i64", picked_ptr="*i64", payload_ptr="*u8",
@@ -151,7 +151,8 @@ def _cases():
         out.append((f"rice pick kmax={kmax}", rt._pick_kernel, sig, const))
     for qmax, k in ((12, 0), (12, 3), (31, 5), (127, 8)):
         out.append(_case(f"rice values qmax={qmax} k={k}", rt._values_kernel, RICE_VALUES,
-                         dict(QMAX=qmax, K=k, WINDOWS=-(-((2 * qmax >> k) + 1) // 32), BLOCK=256, **st.plane_shifts(k))))
+                         dict(QMAX=qmax, K=k, WINDOWS=-(-((2 * qmax >> k) + 1) // 32), BLOCK=256,
+                              PER_LANE=rt._per_lane(256, 4), **st.plane_shifts(k))))
     sig = dict(unary_ptr="*u8", nbytes="i64", count_ptr="*i32", BLOCK="constexpr")
     out.append(("rice zeros", rt._zeros_kernel, sig, dict(BLOCK=256)))
     return out
@@ -175,9 +176,11 @@ def _setting_cases():
                              dict(const, OUT_BF16=True, SHORT=False)))
     for (values, warps), (nbytes, dwarps) in [(rt.GPU_ENCODE_BLOCK, rt.GPU_DECODE_BLOCK)] + RICE_BLOCKS:
         out.append(_case(f"rice write [{values}/{warps}]", rt._write_kernel, RICE_WRITE,
-                         dict(QMAX=12, K=2, BLOCK=values, num_warps=warps, **st.plane_shifts(2))))
+                         dict(QMAX=12, K=2, BLOCK=values, PER_LANE=rt._values_per_lane(values, warps), num_warps=warps,
+                              **st.plane_shifts(2))))
         out.append(_case(f"rice values [{nbytes}/{dwarps}]", rt._values_kernel, RICE_VALUES,
-                         dict(QMAX=12, K=2, WINDOWS=1, BLOCK=nbytes, num_warps=dwarps, **st.plane_shifts(2))))
+                         dict(QMAX=12, K=2, WINDOWS=1, BLOCK=nbytes, PER_LANE=rt._per_lane(nbytes, dwarps),
+                              num_warps=dwarps, **st.plane_shifts(2))))
     return out
 
 

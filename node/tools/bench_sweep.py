@@ -17,7 +17,7 @@ __all__ = ["SYMTILES_BLOCKS", "RICE_BLOCKS", "Setting", "launch_blocks", "sweep_
 # (values, warps) per program of symtiles_triton's kernels (one setting for both), and pairs of
 # ((values, warps) of the Rice encode kernels, (stream bytes, warps) of its decode kernels)
 SYMTILES_BLOCKS = [(4096, 8), (2048, 4), (2048, 8), (1024, 4)]
-RICE_BLOCKS = [((512, 8), (256, 8)), ((1024, 8), (128, 4)), ((256, 4), (512, 8))]
+RICE_BLOCKS = [((512, 2), (128, 4)), ((2048, 8), (512, 4)), ((2048, 4), (512, 8))]
 
 
 class Setting(NamedTuple):
