@@ -18,7 +18,7 @@ import triton.language as tl
 from .bitpack import packed_nbytes, padded_count, plane_widths
 from .quant_ref import check_finite
 from .symtiles_ref import corrupt_codes, rotation_signs
-from .triton_util import interpreting, on_device, round_half_even, to_bf16_rne
+from .triton_util import interpreting, on_device, quotient, round_half_even, to_bf16_rne
 from .wire import CodecError
 
 __all__ = ["encode", "decode", "launch_encode", "raise_for_encode", "launch_decode", "raise_for_decode", "store_planes",
@@ -130,7 +130,10 @@ def _encode_kernel(x_ptr, stride_x, signs_ptr, n_rows, n_chan, n_tpt, width, sca
     tl.store(scale_ptr + rows.to(tl.int64) * n_tpt + t, s16, mask=rows_ok)
     s = s16.to(tl.float32)[:, None]
     pos = s > 0
-    u = tl.where(pos, tl.math.div_rn(x, tl.where(pos, s, 1.0)), 0.0)
+    if ROTATE:  # (a thread's values lie in different rows here: quotient's reciprocal a row would be one a value)
+        u = tl.where(pos, tl.math.div_rn(x, tl.where(pos, s, 1.0)), 0.0)
+    else:
+        u = tl.where(pos, quotient(x, tl.where(pos, s, 1.0)), 0.0)
     q = round_half_even(tl.minimum(tl.maximum(u, -QMAX), QMAX)) + QMAX
     first = rows.to(tl.int64) * width + t * G
     if PACKED:

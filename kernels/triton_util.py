@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["round_half_even", "to_bf16_rne", "leading_ones", "zero_bits", "on_device", "interpreting"]
+__all__ = ["round_half_even", "quotient", "to_bf16_rne", "leading_ones", "zero_bits", "on_device", "interpreting"]
 
 
 @triton.jit
@@ -21,6 +21,24 @@ def round_half_even(u):
     those of 1.5 * 2^23 are that integer. Two instructions. u must not be a product: a multiply fed
     straight into this add may fuse into one FMA, rounded once (callers clamp u first)."""
     return (u + 12582912.0).to(tl.int32, bitcast=True) - 0x4B400000
+
+
+@triton.jit
+def quotient(x, s):
+    """x / s in float32 (s: positive normal scales, broadcast against x, one a row) as a quantizer
+    rounds it: IEEE's quotient wherever |x / s| >= 2^-60, and within 2^-120 of it below (where no
+    integer code sees the difference). A correctly rounded reciprocal y a scale, then a multiply and
+    Markstein's correction a value: q = x*y, q + (x - q*s)*y in two FMAs. Where s < 2^-60, x and s
+    are scaled by 2^64 first, so the residual x - q*s is not subnormal; above 2^126 (qmax 1 only) y
+    is subnormal, a bit short, and the correction still lands on IEEE's quotient (tests/test_symtiles.py:
+    every bf16 mantissa at both ends). IEEE division (div_rn) a value took a range check and a branch
+    around its own reciprocal besides."""
+    k = tl.where(s < 8.673617379884035e-19, 1.8446744073709552e19, 1.0)
+    s = s * k
+    y = tl.math.div_rn(tl.zeros_like(s) + 1.0, s)
+    x = x * k
+    q = x * y
+    return tl.fma(tl.fma(-q, s, x), y, q)
 
 
 @triton.jit

@@ -137,6 +137,30 @@ def test_kernels_round_halfway_quotients_to_even_as_the_reference(kernels, bits)
     assert set(codes[x.abs() == 2.5].tolist()) == {-2, 2} and set(codes[x.abs() == 3.5].tolist()) == {-4, 4}
 
 
+@pytest.mark.parametrize("bits", [2, 6, 8])
+def test_kernels_round_halfway_quotients_at_any_scale_as_the_reference(kernels, bits):
+    """Quotients halfway between two codes and a float32 step above, and tiny ones, in tiles whose
+    scales are bf16 values of every size, subnormal inputs among them: pertoken's kernel (a
+    reciprocal per scale and a corrected product, triton_util.quotient, in place of a division per
+    value) gives the reference's codes, where a scale near either end of float32's range would
+    leave a step of that product subnormal unless scaled."""
+    qmax = 2 ** (bits - 1) - 1
+    gen = torch.Generator().manual_seed(bits)
+    top = 127 - qmax.bit_length()  # qmax times the largest scale stays finite
+    spread = torch.arange(-126, top + 1, 5)
+    every = (1 + torch.arange(128) / 128).repeat(6)  # every mantissa at both ends and at quotient's bound
+    mantissa = torch.cat([1 + torch.randint(0, 128, spread.shape, generator=gen) / 128, every])
+    exponents = torch.cat([spread, torch.tensor([-125, -122, -60, 59, top - 1, top]).repeat_interleave(128)])
+    scale = (mantissa.double() * 2.0 ** exponents.double()).float()  # bf16 values: 8 significant bits
+    k = torch.randint(-qmax, qmax, (scale.numel(), 42), generator=gen).double() + 0.5
+    half = (k * scale.double()[:, None]).float()
+    tiny = (torch.rand(scale.numel(), 42, generator=gen) - 0.5) * scale[:, None] * 2.0 ** -70
+    values = torch.cat([half, torch.nextafter(half, half + scale[:, None]), tiny], dim=1)
+    x = torch.cat([(qmax * scale)[:, None], values], dim=1)  # the tile's absmax: its scale exactly
+    assert torch.equal(symtiles_ref.tile_scales(x, 128, qmax).float().reshape(-1), scale)
+    assert_kernel_gives_the_reference(pertoken_triton, pertoken_ref, x, pertoken_ref.PerTokenParams(bits, 128), DEVICE)
+
+
 def corruptions(payload: torch.Tensor, n_scales: int, bits: int) -> list[tuple[str, torch.Tensor]]:
     """(what, payload) pairs a decoder must refuse, with the error it names."""
     out = []
