@@ -12,8 +12,9 @@ third again at the k picked, should the guess be wrong). block_sums, launch_writ
 let a caller read other kernels' flags in the same synchronization.
 decode: a kernel counts each block's zero-bits; a second ranks every zero-bit (its value's index),
 counts the run of one-bits below it (the high part), adds the low bits, checks the range and stores
-the code (a thread takes a few stream bytes in a row, bit after bit); the synchronization reads the count and the range check. Only cumulative sums are
-scanned, so Triton's interpreter runs them at numpy's speed."""
+the code (a thread takes a few stream bytes in a row, bit after bit); the synchronization reads the
+count and the range check. Only cumulative sums are scanned, so Triton's interpreter runs them at
+numpy's speed."""
 
 from __future__ import annotations
 
@@ -100,7 +101,7 @@ def _write_kernel(codes_ptr, n, sums_ptr, ends_ptr, payload_ptr, start, QMAX: tl
     pid = tl.program_id(0)
     first_value = pid.to(tl.int64) * BLOCK
     block_codes = codes_ptr + first_value
-    left = tl.minimum(n - first_value, 2 * BLOCK).to(tl.int32)  # values from the block's first to the stream's end
+    left = tl.minimum(n - first_value, 2 * BLOCK).to(tl.int32)  # values from the block's first on (2 BLOCK at most)
     low_ptr = payload_ptr + start
     if K > 0:
         j = tl.arange(0, BLOCK)
@@ -128,7 +129,7 @@ def _write_kernel(codes_ptr, n, sums_ptr, ends_ptr, payload_ptr, start, QMAX: tl
     unary = low_ptr + n.to(tl.int64) * K // 8 + (first_bit >> 3)
     end = lane_bit - 1
     byte = lane_byte  # where the value before ends (or the lane's first byte)
-    was_ok = lane_first < 0  # (value m - 1 is in the lane from m = 1 on)
+    was_ok = lane_first < 0  # whether value m - 1 is in the stream (set at each m, read from m = 1 on)
     for m in tl.static_range(PER_LANE + 1):  # value m - 1's byte is written once value m's end is known
         ok = tl.where(live, lane_first + m < left, False)
         own = _taken(block_codes, lane_first + m, ok, QMAX, K)
@@ -344,12 +345,11 @@ def _launch_write_kernel(write: RiceWrite, k: int) -> None:
 
 
 def _values_per_lane(block: int, warps: int) -> int:
-    """Values a lane of the write kernel takes: 8 or more (a byte of the unary stream then holds
-    zero-bits of two lanes at most), a program's values over its threads on a GPU."""
+    """Values a lane of the write kernel takes: a program's over its threads, 8 at least (see _write_kernel)."""
     return 8 if interpreting() else max(8, block // (32 * warps))
 
 
-def _per_lane(block: int, warps: int) -> int:
+def _bytes_per_lane(block: int, warps: int) -> int:
     """Stream bytes a lane of the values kernel takes: a program's bytes over its threads on a GPU, one
     in the interpreter (whose cost is per operation, and a lane's bytes are unrolled)."""
     return 1 if interpreting() else max(1, block // (32 * warps))
@@ -384,7 +384,7 @@ def launch_decode(low: torch.Tensor, unary: torch.Tensor, count: int, k: int, qm
         bad = torch.empty(blocks, dtype=torch.uint8, device=unary.device)
         windows = -(-((2 * qmax >> k) + 1) // 32)
         _values_kernel[(blocks,)](unary, unary.numel(), rank, low if k else unary, count, codes, bad, QMAX=qmax, K=k,
-                                  WINDOWS=windows, BLOCK=block, PER_LANE=_per_lane(block, warps), **plane_shifts(k),
+                                  WINDOWS=windows, BLOCK=block, PER_LANE=_bytes_per_lane(block, warps), **plane_shifts(k),
                                   num_warps=warps)
         found = rank[-1] + zeros[-1] - count  # 0 when the stream ends `count` values
         return codes, torch.stack([found, (unary[-1] == 0xFF).long(), bad.max().long()])

@@ -152,7 +152,7 @@ def _cases():
     for qmax, k in ((12, 0), (12, 3), (31, 5), (127, 8)):
         out.append(_case(f"rice values qmax={qmax} k={k}", rt._values_kernel, RICE_VALUES,
                          dict(QMAX=qmax, K=k, WINDOWS=-(-((2 * qmax >> k) + 1) // 32), BLOCK=256,
-                              PER_LANE=rt._per_lane(256, 4), **st.plane_shifts(k))))
+                              PER_LANE=rt._bytes_per_lane(256, 4), **st.plane_shifts(k))))
     sig = dict(unary_ptr="*u8", nbytes="i64", count_ptr="*i32", BLOCK="constexpr")
     out.append(("rice zeros", rt._zeros_kernel, sig, dict(BLOCK=256)))
     return out
@@ -179,7 +179,7 @@ def _setting_cases():
                          dict(QMAX=12, K=2, BLOCK=values, PER_LANE=rt._values_per_lane(values, warps), num_warps=warps,
                               **st.plane_shifts(2))))
         out.append(_case(f"rice values [{nbytes}/{dwarps}]", rt._values_kernel, RICE_VALUES,
-                         dict(QMAX=12, K=2, WINDOWS=1, BLOCK=nbytes, PER_LANE=rt._per_lane(nbytes, dwarps),
+                         dict(QMAX=12, K=2, WINDOWS=1, BLOCK=nbytes, PER_LANE=rt._bytes_per_lane(nbytes, dwarps),
                               num_warps=dwarps, **st.plane_shifts(2))))
     return out
 
