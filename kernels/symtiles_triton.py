@@ -114,15 +114,17 @@ def _encode_kernel(x_ptr, stride_x, signs_ptr, n_rows, n_chan, n_tpt, width, sca
     """Program (r, t): tokens [r*BR, +BR), tile t. Scales go to scale_ptr[token * n_tpt + t]; code i
     of a token (i < width: C, or T*G when ROTATE) is code token*width + i of the payload's planes
     (S<w>: the bit offset of the width-w plane, -1 if absent), or of codes_ptr unpacked when not
-    PACKED. status[0] |= 1 for a non-finite input, |= 2 for a rotated value too large."""
+    PACKED. status[0] |= 1 for a non-finite input, |= 2 for a rotated value too large (|= 3 for either
+    when ROTATE: raise_for_encode tells them apart on the host)."""
     t, rows, rows_ok, j, c = _block(n_rows, BR, G)
     m = rows_ok[:, None] & (c < n_chan)[None, :]
     x = tl.load(x_ptr + rows.to(tl.int64)[:, None] * stride_x + c[None, :], mask=m, other=0.0).to(tl.float32)
-    bad = tl.max(tl.max(((x != x) | (tl.abs(x) == float("inf"))).to(tl.int32), axis=1), axis=0)
-    if ROTATE:
+    if ROTATE:  # a non-finite input makes its tile's sums non-finite: one check after the rotation finds both
         x = _fwht(x * tl.load(signs_ptr + j)[None, :], BR, G)
-        big = tl.abs(x * G) == float("inf")
-        bad |= 2 * tl.max(tl.max(big.to(tl.int32), axis=1), axis=0)
+        xg = x * G
+        bad = 3 * tl.max(tl.max((xg - xg != 0).to(tl.int32), axis=1), axis=0)  # inf - inf, nan - nan: nan
+    else:
+        bad = tl.max(tl.max(((x != x) | (tl.abs(x) == float("inf"))).to(tl.int32), axis=1), axis=0)
     if bad != 0:
         tl.atomic_or(status_ptr, bad)
     ratio = tl.math.div_rn(tl.max(tl.abs(x), axis=1), tl.full([BR], QMAX, tl.float32))
@@ -252,7 +254,9 @@ def launch_encode(x2: torch.Tensor, g: int, bits: int, rotate: bool, qmax: int =
 
 
 def raise_for_encode(status: int, x2: torch.Tensor, codec: str) -> None:
-    """The reference's error for a status launch_encode's kernel set, if any."""
+    """The reference's error for a status launch_encode's kernel set, if any: a non-finite input first
+    (checked again here, as the rotated kernel flags both with one check), then a rotated value too
+    large."""
     if status & 1:
         check_finite(x2, codec)  # raises with the reference's message
     if status & 2:

@@ -86,11 +86,24 @@ def test_rotated_layout_spreads_an_outlier():
     assert 4.25 < codecs.bits_per_element(msg) < 4.27
 
 
-def test_rotated_layout_refuses_values_it_cannot_rotate():
+def test_rotated_layout_refuses_values_it_cannot_rotate(kernels):
+    """A finite value too large to rotate, and a non-finite one, are told apart by the rotated
+    layouts' kernels as by the codec on the CPU (the kernel flags both with one check)."""
+    from tahnode.kernels import tahquant_rice_triton
+
     x = torch.zeros(1, 2, 64)
     x[0, 0, 0] = 3e37
     with pytest.raises(CodecError, match="too large to rotate"):
         codecs.get_codec("tahquant", layout=2).encode(x)
+    layout3 = TahQuantParams(group_size=64, layout=3, qmax=12)
+    for kernel, params in ((tahquant_rotated_triton, ROTATED), (tahquant_rice_triton, layout3)):
+        with pytest.raises(CodecError, match="too large to rotate"):
+            kernel.encode(x.to(DEVICE), params)
+        for bad in (float("nan"), float("inf"), -float("inf")):
+            y = torch.randn(1, 2, 64)  # nothing too large besides
+            y[0, 1, 7] = bad
+            with pytest.raises(CodecError, match="NaN/Inf"):
+                kernel.encode(y.to(DEVICE), params)
 
 
 def test_layout_travels_as_the_version():
