@@ -49,19 +49,18 @@ class Script:
         """The envelopes to send instead of `env` (itself, altered, or with another before it)."""
         body = env.WhichOneof("body")
         mb = env.micro_batch
-        # First: the later attacks get this node banned (its neighbours' refusals), after which it
-        # sends nothing, so an attack scripted after them may never be sent.
-        if body == "micro_batch" and direction == BACKWARD and mb.step >= 2 and self.once("shutdown backward"):
-            self.note("shutdown backward")
-            return [pb.Envelope(shutdown=pb.Shutdown(step=mb.step)), env]
-        if body == "micro_batch" and direction == BACKWARD and "grad_sumsq" in mb.extras:
-            if mb.step >= 2 and self.once("gradient norm -1"):
-                bad = pb.Envelope()
-                bad.CopyFrom(env)
-                bad.micro_batch.extras["grad_sumsq"] = -1.0
-                self.note("gradient norm -1")
-                return [bad]
-        if body == "micro_batch" and direction == FORWARD and mb.step >= 4 and mb.index == 0 and self.once("activation 3e38"):
+        # Each attack is an offence its neighbour reports, and 3 from one neighbour (a refusal can
+        # bring another, from what was in flight) ban this node, which then sends nothing more: so
+        # the attacks come as close together as the run allows. The step-end lie first (the end of
+        # step 2: nothing reported yet), then in step 3 the bad activation (its forward comes first)
+        # and, in one send, the backward shutdown and the bad gradient norm.
+        if body == "step_end" and env.step_end.step >= 2 and self.once("step end norm inf"):
+            bad = pb.Envelope()
+            bad.CopyFrom(env)
+            bad.step_end.grad_sumsq = math.inf
+            self.note("step end norm inf")
+            return [bad]
+        if body == "micro_batch" and direction == FORWARD and mb.step >= 3 and mb.index == 0 and self.once("activation 3e38"):
             bad = pb.Envelope()
             bad.CopyFrom(env)
             x = torch.frombuffer(bytearray(mb.tensor.payload), dtype=torch.float32).clone()
@@ -70,12 +69,14 @@ class Script:
             bad.micro_batch.tensor.crc32 = checksum(bad.micro_batch.tensor)
             self.note("activation 3e38")
             return [bad]
-        if body == "step_end" and env.step_end.step >= 6 and self.once("step end norm inf"):
+        if (body == "micro_batch" and direction == BACKWARD and "grad_sumsq" in mb.extras and mb.step >= 3
+                and self.once("gradient norm -1")):
             bad = pb.Envelope()
             bad.CopyFrom(env)
-            bad.step_end.grad_sumsq = math.inf
-            self.note("step end norm inf")
-            return [bad]
+            bad.micro_batch.extras["grad_sumsq"] = -1.0
+            self.note("shutdown backward")
+            self.note("gradient norm -1")
+            return [pb.Envelope(shutdown=pb.Shutdown(step=mb.step)), bad]
         return [env]
 
 
