@@ -26,13 +26,13 @@ def round_half_even(u):
 @triton.jit
 def quotient(x, s):
     """x / s in float32 (s: positive normal scales, broadcast against x, one a row) as a quantizer
-    rounds it: IEEE's quotient wherever |x / s| >= 2^-60, and within 2^-120 of it below (where no
-    integer code sees the difference). A correctly rounded reciprocal y a scale, then a multiply and
-    Markstein's correction a value: q = x*y, q + (x - q*s)*y in two FMAs. Where s < 2^-60, x and s
-    are scaled by 2^64 first, so the residual x - q*s is not subnormal; above 2^126 (qmax 1 only) y
-    is subnormal, a bit short, and the correction still lands on IEEE's quotient (tests/test_symtiles.py:
-    every bf16 mantissa at both ends). IEEE division (div_rn) a value took a range check and a branch
-    around its own reciprocal besides."""
+    rounds it: IEEE's quotient wherever |x / s| >= 1/4; a smaller one may differ in its last bits
+    and rounds to code 0 either way. A correctly rounded reciprocal y a scale, then a multiply and
+    Markstein's correction a value: q = x*y, q + (x - q*s)*y in two FMAs. Scales below 2^-60 and
+    their x are scaled by 2^64 first, so that residual x - q*s is not subnormal. Above 2^126 (qmax 1
+    only) y is subnormal, a bit short, and the correction still gives IEEE's quotient
+    (tests/test_symtiles.py tries every bf16 mantissa at both ends). div_rn a value took a range
+    check and a branch around its own reciprocal besides."""
     k = tl.where(s < 8.673617379884035e-19, 1.8446744073709552e19, 1.0)
     s = s * k
     y = tl.math.div_rn(tl.zeros_like(s) + 1.0, s)

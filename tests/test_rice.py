@@ -170,7 +170,7 @@ def test_rice_kernels_give_the_references_bytes(kernels, monkeypatch, blocks, ki
     """rice_triton's payload (k, head, low bits, unary stream) is the reference's byte for byte, and its
     decode gives the codes back, at the GPU's block sizes (many programs, values and runs across
     their edges) and the interpreter's."""
-    if blocks == "gpu":  # (their programs are small: 12,000 values make 12 or more, at a few seconds each)
+    if blocks == "gpu":  # small programs, about 0.1 s each in the interpreter: 12,000 values make 12 or more
         monkeypatch.setattr(rice_triton, "interpreting", lambda: False)
         n = min(n, 12_000)
     codes = _codes(kind, n, qmax, torch.Generator().manual_seed(n + qmax))
