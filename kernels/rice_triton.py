@@ -118,14 +118,14 @@ def _write_kernel(codes_ptr, n, sums_ptr, ends_ptr, payload_ptr, start, QMAX: tl
     # the zero-bits of the values before the lane in its first byte: 7 at most (the lane's first value
     # ends there or later), the last value first
     bits = tl.zeros([LANES], dtype=tl.int32)
-    end = lane_bit - 1
+    before = lane_bit - 1  # where value lane_first - 1 - m ends
     lowest = tl.maximum(-first_value, -7).to(tl.int32)  # the block before's last 7 values, if any
     for m in tl.static_range(7):
         i = lane_first - 1 - m
         ok = tl.where(live, i >= lowest, False)
-        bits |= tl.where(ok & (end >= 8 * lane_byte), 1 << (end & 7), 0)
+        bits |= tl.where(ok & (before >= 8 * lane_byte), 1 << (before & 7), 0)
         if m < 6:
-            end -= _taken(block_codes, i, ok, QMAX, K)
+            before -= _taken(block_codes, i, ok, QMAX, K)
     unary = low_ptr + n.to(tl.int64) * K // 8 + (first_bit >> 3)
     end = lane_bit - 1
     byte = lane_byte  # where the value before ends (or the lane's first byte)

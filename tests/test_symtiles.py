@@ -155,13 +155,13 @@ def test_kernels_round_halfway_quotients_at_any_scale_as_the_reference(kernels, 
     """Quotients halfway between two codes and a float32 step above, and tiny ones, in tiles whose
     scales are bf16 values of every size, subnormal inputs among them: pertoken's kernel (a
     reciprocal per scale and a corrected product, triton_util.quotient, in place of a division per
-    value) gives the reference's codes, where a scale near either end of float32's range would
-    leave a step of that product subnormal unless scaled."""
+    value) gives the reference's codes: near the bottom of float32's range a scale would leave the
+    correction's residual subnormal unless scaled, near the top its reciprocal is subnormal."""
     qmax = 2 ** (bits - 1) - 1
     gen = torch.Generator().manual_seed(bits)
     top = 127 - qmax.bit_length()  # qmax times the largest scale stays finite
     spread = torch.arange(-126, top + 1, 5)
-    every = (1 + torch.arange(128) / 128).repeat(6)  # every mantissa at both ends and at quotient's bound
+    every = (1 + torch.arange(128) / 128).repeat(6)  # every mantissa at both ends, at 2^-60 (quotient's bound), 2^59
     mantissa = torch.cat([1 + torch.randint(0, 128, spread.shape, generator=gen) / 128, every])
     exponents = torch.cat([spread, torch.tensor([-125, -122, -60, 59, top - 1, top]).repeat_interleave(128)])
     scale = (mantissa.double() * 2.0 ** exponents.double()).float()  # bf16 values: 8 significant bits
