@@ -12,6 +12,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+from tahnode.tools.demo import stages_reported
 from tahnode.tools.swarm import fetch, free_port
 
 TAHNODE = [sys.executable, "-m", "tahnode.cli"]
@@ -78,8 +79,7 @@ class Swarm:
         """Until the last stage reported `steps` steps and every stage its final figures (stage 0's
         last report may come after the last stage's)."""
         def done(s: dict) -> bool:
-            reported = {n["stage"] for n in s["nodes"] if n["finished"]}
-            return s["training"]["finished"] and s["training"]["step"] >= steps and reported >= set(range(s["stages"]))
+            return s["training"]["finished"] and s["training"]["step"] >= steps and stages_reported(s)
         return self.wait_for(done, timeout, f"{steps} steps")
 
     def losses(self, state: dict) -> list[float]:

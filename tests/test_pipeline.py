@@ -237,6 +237,22 @@ def test_the_demo_codec_share_counts_from_the_state_after_warm_up():
     assert codec_share(state(("s", -1, 0.0, 0.0)), None) == 0.0
 
 
+def test_the_demo_summary_waits_for_every_stages_last_report():
+    """The loss stage finishes first; the stages before it (the activations' senders) report their
+    last figures after it, and a 2-step run can end before their first periodic report: the
+    summary is read once every stage's holder reported finished (a standby's report counts for none)."""
+    from tahnode.tools.demo import stages_reported
+
+    def state(*nodes):
+        return {"stages": 3, "nodes": [dict(id=f"n{i}", stage=st, finished=f) for i, (st, f) in enumerate(nodes)]}
+
+    assert not stages_reported(state((0, False), (1, False), (2, True)))
+    assert not stages_reported(state((0, True), (2, True), (-1, True)))
+    assert not stages_reported(state((0, True), (1, False), (1, False), (2, True)))
+    assert stages_reported(state((0, True), (1, False), (1, True), (2, True)))  # a replaced holder and its successor
+    assert stages_reported(state((0, True), (1, True), (2, True), (-1, False)))
+
+
 def test_the_demo_codec_share_counts_after_the_precision_schedules_opening_phase():
     """Leaving the schedule's opening phase compiles the forward codec's kernels for its run
     parameters again: the share counts from WARM_STEPS after it (from WARM_STEPS without a schedule)."""

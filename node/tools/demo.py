@@ -21,6 +21,7 @@ from ..config.token import new_token_file
 from .swarm import fetch, free_port, share_of_cores
 
 WARM_STEPS = 2  # steps that compile kernels and fill caches; the codec share counts after them
+LAST_REPORTS_S = 15.0  # how long the summary waits, once the loss stage finished, for the other stages' last reports
 
 
 def warm_steps(run: RunConfig) -> int:
@@ -54,6 +55,14 @@ def codec_share(state: dict, since: dict | None) -> float:
     if not shares and since is not None:  # no heartbeat since `since` (a short run): from the start then
         return codec_share(state, None)
     return max(shares, default=0.0)
+
+
+def stages_reported(state: dict) -> bool:
+    """Every stage's holder has sent its last report (finished): the summary's byte and bit counts
+    are whole only then, as the stages before the loss stage finish after it, and a short run
+    can end before their first periodic report."""
+    done = {n["stage"] for n in state["nodes"] if n["finished"]}
+    return done >= set(range(state["stages"]))
 
 
 def summary_of(state: dict, elapsed: float, warm: dict | None = None) -> dict:
@@ -142,7 +151,7 @@ def main(args, run: RunConfig) -> int:
         console.print(f"tahnode demo: coordinator + {run.stages} stage daemons on 127.0.0.1, {run.model.n_layers}-layer model, "
                       f"codecs {run.codec.forward}/{run.codec.backward}, {run.train.steps} steps, device {args.device}")
         console.print(f"status page: http://127.0.0.1:{http_port}/   logs and checkpoints: {workdir}")
-        state = warm = None
+        state = warm = ended = None
         warm_at = warm_steps(run)
         with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total} steps"),
                       TextColumn("{task.fields[info]}"), TimeElapsedColumn(), console=console) as bar:
@@ -164,7 +173,9 @@ def main(args, run: RunConfig) -> int:
                 if warm is None and t["step"] >= warm_at > 0:
                     warm = state
                 if t["finished"] and t["step"] >= run.train.steps:
-                    break
+                    ended = ended or time.monotonic()
+                    if stages_reported(state) or time.monotonic() - ended > LAST_REPORTS_S:
+                        break
         summary = summary_of(state, time.monotonic() - started, warm)
     except KeyboardInterrupt:
         console.print("interrupted: stopping the swarm (each stage saves its checkpoint)")
