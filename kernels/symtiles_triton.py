@@ -34,11 +34,19 @@ GPU_DECODE_BLOCK = (4096, 4)
 
 @triton.jit
 def _butterfly(y, BR: tl.constexpr, G: tl.constexpr, H: tl.constexpr):
-    """One fwht stage on y (BR, G): within each block of 2H entries, (y[j], y[j + H]) -> (a + b, a - b)."""
+    """One fwht stage on y (BR, G): within each block of 2H entries, (y[j], y[j + H]) -> (a + b, a - b).
+    Each entry adds its partner to itself or to its negation (b + a; a + -b, which is a - b exactly).
+    Its partner's bits are the pair's sum of bits (int32, modulo 2^32) less its own: a shuffle where
+    the two lie in different lanes, nothing where a thread holds both (tl.flip's xor gives the same
+    code on a GPU, but the interpreter runs its reduction value by value). So y keeps its layout from
+    stage to stage: splitting the pair off took a layout conversion a stage and, in the encode, left
+    a thread's values in different rows, a reciprocal of a scale for each."""
     if H < G:
-        v = tl.permute(tl.reshape(y, (BR, G // (2 * H), 2, H)), (0, 1, 3, 2))
-        a, b = tl.split(v)
-        y = tl.reshape(tl.permute(tl.join(a + b, a - b), (0, 1, 3, 2)), (BR, G))
+        v = tl.reshape(y, (BR * G // (2 * H), 2, H))
+        first = (tl.arange(0, 2) == 0)[None, :, None]
+        bits = v.to(tl.int32, bitcast=True)
+        partner = (tl.sum(bits, axis=1)[:, None, :] - bits).to(tl.float32, bitcast=True)
+        y = tl.reshape(partner + tl.where(first, v, -v), (BR, G))
     return y
 
 
@@ -132,10 +140,7 @@ def _encode_kernel(x_ptr, stride_x, signs_ptr, n_rows, n_chan, n_tpt, width, sca
     tl.store(scale_ptr + rows.to(tl.int64) * n_tpt + t, s16, mask=rows_ok)
     s = s16.to(tl.float32)[:, None]
     pos = s > 0
-    if ROTATE:  # (a thread's values lie in different rows here: quotient's reciprocal a row would be one a value)
-        u = tl.where(pos, tl.math.div_rn(x, tl.where(pos, s, 1.0)), 0.0)
-    else:
-        u = tl.where(pos, quotient(x, tl.where(pos, s, 1.0)), 0.0)
+    u = tl.where(pos, quotient(x, tl.where(pos, s, 1.0)), 0.0)
     q = round_half_even(tl.minimum(tl.maximum(u, -QMAX), QMAX)) + QMAX
     first = rows.to(tl.int64) * width + t * G
     if PACKED:

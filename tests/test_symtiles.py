@@ -150,6 +150,16 @@ def test_kernels_round_halfway_quotients_to_even_as_the_reference(kernels, bits)
     assert set(codes[x.abs() == 2.5].tolist()) == {-2, 2} and set(codes[x.abs() == 3.5].tolist()) == {-4, 4}
 
 
+def scales_of_every_size(top: int, gen: torch.Generator) -> torch.Tensor:
+    """bf16 values (as float32) from 2^-126 to 2^top: random mantissas every 5 powers of two, and
+    every mantissa at both ends, at 2^-60 (triton_util.quotient's bound) and at 2^59."""
+    spread = torch.arange(-126, top + 1, 5)
+    every = (1 + torch.arange(128) / 128).repeat(6)
+    mantissa = torch.cat([1 + torch.randint(0, 128, spread.shape, generator=gen) / 128, every])
+    exponents = torch.cat([spread, torch.tensor([-125, -122, -60, 59, top - 1, top]).repeat_interleave(128)])
+    return (mantissa.double() * 2.0 ** exponents.double()).float()  # 8 significant bits
+
+
 @pytest.mark.parametrize("bits", [2, 6, 8])
 def test_kernels_round_halfway_quotients_at_any_scale_as_the_reference(kernels, bits):
     """Quotients halfway between two codes and a float32 step above, and tiny ones, in tiles whose
@@ -159,12 +169,7 @@ def test_kernels_round_halfway_quotients_at_any_scale_as_the_reference(kernels, 
     correction's residual subnormal unless scaled, near the top its reciprocal is subnormal."""
     qmax = 2 ** (bits - 1) - 1
     gen = torch.Generator().manual_seed(bits)
-    top = 127 - qmax.bit_length()  # qmax times the largest scale stays finite
-    spread = torch.arange(-126, top + 1, 5)
-    every = (1 + torch.arange(128) / 128).repeat(6)  # every mantissa at both ends, at 2^-60 (quotient's bound), 2^59
-    mantissa = torch.cat([1 + torch.randint(0, 128, spread.shape, generator=gen) / 128, every])
-    exponents = torch.cat([spread, torch.tensor([-125, -122, -60, 59, top - 1, top]).repeat_interleave(128)])
-    scale = (mantissa.double() * 2.0 ** exponents.double()).float()  # bf16 values: 8 significant bits
+    scale = scales_of_every_size(127 - qmax.bit_length(), gen)  # qmax times the largest scale stays finite
     k = torch.randint(-qmax, qmax, (scale.numel(), 42), generator=gen).double() + 0.5
     half = (k * scale.double()[:, None]).float()
     tiny = (torch.rand(scale.numel(), 42, generator=gen) - 0.5) * scale[:, None] * 2.0 ** -70
@@ -172,6 +177,26 @@ def test_kernels_round_halfway_quotients_at_any_scale_as_the_reference(kernels, 
     x = torch.cat([(qmax * scale)[:, None], values], dim=1)  # the tile's absmax: its scale exactly
     assert torch.equal(symtiles_ref.tile_scales(x, 128, qmax).float().reshape(-1), scale)
     assert_kernel_gives_the_reference(pertoken_triton, pertoken_ref, x, pertoken_ref.PerTokenParams(bits, 128), DEVICE)
+
+
+@pytest.mark.parametrize("bits", [2, 6, 8])
+def test_rotated_kernels_round_halfway_quotients_at_any_scale_as_the_reference(kernels, bits):
+    """The rotated layout's kernel divides by triton_util.quotient too: inputs that rotate to
+    quotients halfway between two codes (most of them exactly: the rotation of these sums is exact)
+    in tiles whose scales are bf16 values of every size, and tiles of quotients a float32 step
+    above halfway and of tiny ones, give the reference's codes."""
+    qmax = 2 ** (bits - 1) - 1
+    gen = torch.Generator().manual_seed(bits)
+    scale = scales_of_every_size(127 - qmax.bit_length() - 8, gen)[:, None]  # the rotation's sums stay finite
+    half = ((torch.randint(-qmax, qmax, (scale.numel(), 127), generator=gen).double() + 0.5) * scale.double()).float()
+    tiny = (torch.rand(scale.numel(), 64, generator=gen) - 0.5) * scale * 2.0 ** -70
+    above = torch.cat([torch.nextafter(half[:, :63], half[:, :63] + scale), tiny], dim=1)
+    rotated = torch.cat([torch.cat([qmax * scale, half], dim=1), torch.cat([qmax * scale, above], dim=1)])
+    x = symtiles_ref.unrotate(rotated, 128, 128)
+    exact = symtiles_ref.rotate(x, 128)[: scale.numel()] == rotated[: scale.numel()]
+    assert exact.float().mean() > 0.9, exact.float().mean()
+    params = TahQuantParams(group_size=128, bits_high=bits, bits_low=2, layout=2)
+    assert_kernel_gives_the_reference(tahquant_rotated_triton, tahquant_rotated_ref, x, params, DEVICE)
 
 
 def corruptions(payload: torch.Tensor, n_scales: int, bits: int) -> list[tuple[str, torch.Tensor]]:
