@@ -1,7 +1,8 @@
 """tahnode.kernels.rice in Triton, for layout 3's zigzagged codes on the GPU: the reference's bytes,
 and its refusals, with one synchronization each way.
 
-encode: a kernel sums each block's high parts at every k and a cumsum runs them over the blocks; a
+encode: a kernel sums each block's high parts at every k (rice_sums_triton: layout 3's quantizing
+kernel adds them instead, as it makes the codes) and a cumsum runs them over the blocks; a
 one-program kernel picks k (rice.best_k's) and the payload's size from the totals; a third packs the
 low bits into their planes and writes the unary stream a byte at a time, each byte by the last value
 whose zero-bit falls in it (no atomics; a thread takes 8 or more values in a row, carrying the
@@ -25,28 +26,28 @@ import triton
 import triton.language as tl
 
 from . import rice
+from .rice_sums_triton import add_block_sums, zigzag
 from .symtiles_triton import plane_shifts, store_planes
 from .triton_util import interpreting, leading_ones, on_device, zero_bits
 
-__all__ = ["encode", "block_sums", "launch_write", "RiceWrite", "decode", "launch_decode", "raise_for_decode"]
+__all__ = ["encode", "block_sums", "sums_buffer", "ends_of", "launch_write", "RiceWrite", "decode", "launch_decode", "raise_for_decode"]
 
 
 @triton.jit
 def _zigzag(codes_ptr, i, ok, QMAX: tl.constexpr):
-    """The zigzagged codes (int32) at indices i (0 where not ok): q = code - QMAX -> (2q) xor (q >> 31)."""
-    q = tl.load(codes_ptr + i, mask=ok, other=QMAX).to(tl.int32) - QMAX
-    return (q << 1) ^ (q >> 31)
+    """The zigzagged codes (int32) at indices i (0 where not ok)."""
+    return zigzag(tl.load(codes_ptr + i, mask=ok, other=QMAX).to(tl.int32) - QMAX)
 
 
 @triton.jit
 def _sums_kernel(codes_ptr, n, sums_ptr, QMAX: tl.constexpr, KMAX: tl.constexpr, BLOCK: tl.constexpr):
-    """sums[program, k] = the sum of z >> k over the program's BLOCK values, k = 0..KMAX (the bit
-    length of 2 QMAX: no larger k is picked; the row's other entries are left as they are)."""
+    """sums[program, k] += the sum of z >> k over the program's BLOCK values, k = 0..KMAX (the bit
+    length of 2 QMAX: no larger k is picked)."""
     pid = tl.program_id(0)
     i = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    z = _zigzag(codes_ptr, i, i < n, QMAX)
-    for k in tl.static_range(KMAX + 1):
-        tl.store(sums_ptr + pid * 9 + k, tl.sum(z >> k, axis=0))
+    row = tl.zeros([1], dtype=tl.int32)
+    add_block_sums(tl.reshape(_zigzag(codes_ptr, i, i < n, QMAX), (1, BLOCK)), sums_ptr + pid * 9 + row, row == 0, 1,
+                   BLOCK, KMAX)
 
 
 @triton.jit
@@ -266,13 +267,23 @@ def block_sums(codes: torch.Tensor, qmax: int) -> tuple[torch.Tensor, torch.Tens
     n = codes.numel()
     rice.check_whole_bytes(n, "rice_triton")
     with on_device(codes):
-        (block, warps), _ = _blocks()
-        blocks = triton.cdiv(n, block)
-        sums = torch.zeros(max(blocks, 1), 9, dtype=torch.int32, device=codes.device)
-        if blocks:
-            _sums_kernel[(blocks,)](codes, n, sums, QMAX=qmax, KMAX=(2 * qmax).bit_length(), BLOCK=block,
-                                    num_warps=warps)
-        return sums, torch.cumsum(sums, 0, dtype=torch.int64)
+        sums, block = sums_buffer(n, codes.device)
+        if n:
+            _sums_kernel[(triton.cdiv(n, block),)](codes, n, sums, QMAX=qmax, KMAX=(2 * qmax).bit_length(), BLOCK=block,
+                                                   num_warps=_blocks()[0][1])
+        return sums, ends_of(sums)
+
+
+def sums_buffer(n: int, device) -> tuple[torch.Tensor, int]:
+    """(zeros (blocks, 9) int32, block): where the block sums of n codes go, block codes each (the
+    write kernel's block), for block_sums' kernel or another that computes them (symtiles_triton's)."""
+    (block, _), _ = _blocks()
+    return torch.zeros(max(triton.cdiv(n, block), 1), 9, dtype=torch.int32, device=device), block
+
+
+def ends_of(sums: torch.Tensor) -> torch.Tensor:
+    """The block sums' running totals (int64), ends[b] over blocks 0..b: what launch_write reads beside them."""
+    return torch.cumsum(sums, 0, dtype=torch.int64)
 
 
 # The k the last payload of each (qmax, values) took: the next one's first write kernel is compiled

@@ -4,7 +4,8 @@ rotated layout, giving the references' bytes and values exactly.
 
 encode: one kernel over blocks of (BR tokens x one tile): load, [signs, fwht butterflies in fp32],
 absmax, scale, quantize, and the codes straight into their bit planes when every tile starts on a
-whole byte (row width a multiple of 8; else into a code buffer that one flat kernel packs).
+whole byte (row width a multiple of 8; else into a code buffer that one flat kernel packs); for
+layout 3 also the Rice coder's block sums of those codes (rice_sums_triton).
 decode: one kernel over the same blocks: unpack, check, dequantize, [fwht, 1/G, signs], store.
 The one synchronization of each reads its error flags, to raise the references' errors (launch_*:
 the kernels alone, for a caller that reads the flags in a synchronization of its own)."""
@@ -17,6 +18,7 @@ import triton.language as tl
 
 from .bitpack import packed_nbytes, padded_count, plane_widths
 from .quant_ref import check_finite
+from .rice_sums_triton import add_block_sums, zigzag
 from .symtiles_ref import corrupt_codes, rotation_signs
 from .triton_util import interpreting, on_device, quotient, round_half_even, to_bf16_rne
 from .wire import CodecError
@@ -117,13 +119,17 @@ def _block(n_rows, BR: tl.constexpr, G: tl.constexpr):
 
 @triton.jit
 def _encode_kernel(x_ptr, stride_x, signs_ptr, n_rows, n_chan, n_tpt, width, scale_ptr, out_ptr, n_pad, codes_ptr, status_ptr,
-                   G: tl.constexpr, QMAX: tl.constexpr, ROTATE: tl.constexpr, PACKED: tl.constexpr, BR: tl.constexpr,
-                   S8: tl.constexpr, S4: tl.constexpr, S2: tl.constexpr, S1: tl.constexpr):
+                   sums_ptr, G: tl.constexpr, QMAX: tl.constexpr, ROTATE: tl.constexpr, PACKED: tl.constexpr,
+                   BR: tl.constexpr, S8: tl.constexpr, S4: tl.constexpr, S2: tl.constexpr, S1: tl.constexpr,
+                   SUMS_BLOCK: tl.constexpr, KMAX: tl.constexpr):
     """Program (r, t): tokens [r*BR, +BR), tile t. Scales go to scale_ptr[token * n_tpt + t]; code i
     of a token (i < width: C, or T*G when ROTATE) is code token*width + i of the payload's planes
     (S<w>: the bit offset of the width-w plane, -1 if absent), or of codes_ptr unpacked when not
     PACKED. status[0] |= 1 for a non-finite input, |= 2 for a rotated value too large (|= 3 for either
-    when ROTATE: raise_for_encode tells them apart on the host)."""
+    when ROTATE: raise_for_encode tells them apart on the host). Where SUMS_BLOCK > 0, also adds the
+    block sums rice_triton's write kernel reads: sums[b, k] += the sum of z >> k (k <= KMAX) over the
+    program's codes in block b of SUMS_BLOCK codes (z: the code less QMAX, zigzagged), a row's tile
+    at a time (a multiple of G: each lies in one block), by atomic additions."""
     t, rows, rows_ok, j, c = _block(n_rows, BR, G)
     m = rows_ok[:, None] & (c < n_chan)[None, :]
     x = tl.load(x_ptr + rows.to(tl.int64)[:, None] * stride_x + c[None, :], mask=m, other=0.0).to(tl.float32)
@@ -147,6 +153,8 @@ def _encode_kernel(x_ptr, stride_x, signs_ptr, n_rows, n_chan, n_tpt, width, sca
         store_planes(out_ptr, n_pad, q, first, width - t * G, rows_ok, BR, G, S8, S4, S2, S1)
     else:
         tl.store(codes_ptr + first[:, None] + j[None, :], q.to(tl.uint8), mask=m)
+    if SUMS_BLOCK > 0:  # (rows past n_rows have codes QMAX: z = 0)
+        add_block_sums(zigzag(q - QMAX), sums_ptr + first // SUMS_BLOCK * 9, rows_ok, BR, G, KMAX)
 
 
 @triton.jit
@@ -230,9 +238,12 @@ def encode(x2: torch.Tensor, g: int, bits: int, rotate: bool, codec: str, qmax: 
     return out, width
 
 
-def launch_encode(x2: torch.Tensor, g: int, bits: int, rotate: bool, qmax: int = 0) -> tuple[torch.Tensor, int, torch.Tensor]:
+def launch_encode(x2: torch.Tensor, g: int, bits: int, rotate: bool, qmax: int = 0,
+                  sums: tuple[torch.Tensor, int] | None = None) -> tuple[torch.Tensor, int, torch.Tensor]:
     """encode's kernels, launched: (payload, width, status int32 (1,) for raise_for_encode), not
-    waited for (a caller may read the status in a synchronization of its own)."""
+    waited for (a caller may read the status in a synchronization of its own). `sums`: (zeros
+    (blocks, 9) int32, block), to which the kernel adds rice_triton's block sums of the codes, their
+    blocks `block` codes each (a multiple of g; rice_triton.sums_buffer)."""
     with on_device(x2):
         n, c = x2.shape
         if x2.stride(1) != 1:
@@ -249,9 +260,13 @@ def launch_encode(x2: torch.Tensor, g: int, bits: int, rotate: bool, qmax: int =
         packed = width % 8 == 0
         codes = out if packed else torch.empty(n_codes, dtype=torch.uint8, device=x2.device)
         br, warps = _launch(GPU_ENCODE_BLOCK, g, n)
+        sums_at, sums_block = sums if sums is not None else (status, 0)
+        if sums_block % g:
+            raise ValueError(f"block sums over {sums_block} codes would cut tiles of {g}")
         _encode_kernel[(triton.cdiv(n, br), t)](
             x2, x2.stride(0), signs, n, c, t, width, out[:head].view(torch.bfloat16), out[head:], n_pad, codes, status,
-            G=g, QMAX=qmax, ROTATE=rotate, PACKED=packed, BR=br, **plane_shifts(bits), num_warps=warps)
+            sums_at, G=g, QMAX=qmax, ROTATE=rotate, PACKED=packed, BR=br, **plane_shifts(bits), SUMS_BLOCK=sums_block,
+            KMAX=(2 * qmax).bit_length(), num_warps=warps)
         if not packed:
             block = 65536 if interpreting() else 4096
             _pack_kernel[(triton.cdiv(n_pad, block),)](codes, out[head:], n_codes, n_pad, BLOCK=block, **plane_shifts(bits))

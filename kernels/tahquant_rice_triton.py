@@ -1,6 +1,6 @@
 """TAH-Quant's entropy-coded layout (layout 3) on the GPU: symtiles_triton rotates, scales and quantizes
-(8-bit codes on the layout's grid), rice_triton Rice-codes them into the payload; the same payload as
-the reference byte for byte. One synchronization each way, after every kernel: it reads their flags
+(8-bit codes on the layout's grid) and adds up the Rice coder's block sums of them as it goes,
+rice_triton Rice-codes them into the payload; the same payload as the reference byte for byte. One synchronization each way, after every kernel: it reads their flags
 (and the encode's payload size, which the Rice kernel fixes on the device).
 
 encode(x (..., C), params) -> uint8 payload       decode(payload, shape, params, dtype) -> (shape)"""
@@ -22,11 +22,11 @@ def encode(x: torch.Tensor, params: TahQuantParams) -> torch.Tensor:
     params.validate()
     n, c, t, g = shape_of(tuple(x.shape), params)
     x2, qmax = x.detach().reshape(n, c), int(params.qmax)
-    out, _, status = symtiles_triton.launch_encode(x2, g, CODE_BITS, True, qmax)
+    sums = rice_triton.sums_buffer(n * t * g, x2.device)  # the quantizing kernel sums the codes for the Rice coder
+    out, _, status = symtiles_triton.launch_encode(x2, g, CODE_BITS, True, qmax, sums)
     head = 2 * n * t  # the scales, then N*T*G codes: a multiple of G >= 8, as rice_triton needs
     codes = out[head: head + n * t * g]
-    sums, ends = rice_triton.block_sums(codes, qmax)
-    write = rice_triton.launch_write(codes, qmax, out[:head], sums, ends)
+    write = rice_triton.launch_write(codes, qmax, out[:head], sums[0], rice_triton.ends_of(sums[0]))
     bad, size, k = torch.cat([status.long(), write.picked]).tolist()  # the one synchronization, every kernel launched
     symtiles_triton.raise_for_encode(bad, x2, "tahquant")
     return write.finish(size, k)

@@ -24,7 +24,7 @@ PTR = {"bf16": "*bf16", "fp16": "*fp16", "fp32": "*fp32"}
 def _symtiles_signatures(dt: str) -> tuple[dict, dict]:
     """The runtime arguments of symtiles_triton's encode and decode kernels for input dtype dt."""
     return (dict(x_ptr=PTR[dt], stride_x="i32", signs_ptr="*fp32", n_rows="i32", n_chan="i32", n_tpt="i32", width="i32",
-                 scale_ptr="*bf16", out_ptr="*u8", n_pad="i64", codes_ptr="*u8", status_ptr="*i32"),
+                 scale_ptr="*bf16", out_ptr="*u8", n_pad="i64", codes_ptr="*u8", status_ptr="*i32", sums_ptr="*i32"),
             dict(codes_ptr="*u8", n_pad="i64", scale_ptr="*bf16", signs_ptr="*fp32", out_ptr=PTR[dt], bad_ptr="*u8",
                  n_rows="i32", n_chan="i32", n_tpt="i32", width="i32"))
 
@@ -127,8 +127,9 @@ def _cases():
                                         ("fp16", 32, 4, True, True), ("fp32", 256, 8, True, True), ("bf16", 8, 3, False, True)):
         const = dict(G=g, QMAX=2 ** (bits - 1) - 1, ROTATE=rotate, BR=4096 // g, **st.plane_shifts(bits))
         esig, dsig = _symtiles_signatures(dt)
+        sums = dict(SUMS_BLOCK=1024 if rotate else 0, KMAX=(2 * const["QMAX"]).bit_length())  # layout 3 sums for Rice
         out.append(_case(f"symtiles encode {dt} G={g} bits={bits} rotate={rotate} packed={packed}", st._encode_kernel, esig,
-                         dict(const, PACKED=packed)))
+                         dict(const, PACKED=packed, **sums)))
         out.append(_case(f"symtiles decode {dt} G={g} bits={bits} rotate={rotate}", st._decode_kernel, dsig,
                          dict(const, OUT_BF16=dt == "bf16", SHORT=not rotate)))
     for bits in (6, 3):
@@ -171,7 +172,8 @@ def _setting_cases():
     for values, warps in [st.GPU_ENCODE_BLOCK] + SYMTILES_BLOCKS:
         for what, bits, qmax, rotate in (("pertoken", 6, 31, False), ("layout 3", 8, 12, True)):
             const = dict(G=128, QMAX=qmax, ROTATE=rotate, BR=values // 128, num_warps=warps, **st.plane_shifts(bits))
-            out.append(_case(f"{what} encode [{values}/{warps}]", st._encode_kernel, esig, dict(const, PACKED=True)))
+            sums = dict(SUMS_BLOCK=rt.GPU_ENCODE_BLOCK[0] if rotate else 0, KMAX=(2 * qmax).bit_length())
+            out.append(_case(f"{what} encode [{values}/{warps}]", st._encode_kernel, esig, dict(const, PACKED=True, **sums)))
             out.append(_case(f"{what} decode [{values}/{warps}]", st._decode_kernel, dsig,
                              dict(const, OUT_BF16=True, SHORT=False)))
     for (values, warps), (nbytes, dwarps) in [(rt.GPU_ENCODE_BLOCK, rt.GPU_DECODE_BLOCK)] + RICE_BLOCKS:

@@ -129,6 +129,36 @@ def test_kernels_give_the_references_bytes_and_values(kernels, shape, dtype, g, 
     assert_kernel_gives_the_reference(tahquant_rice_triton, tahquant_rice_ref, x, p, DEVICE)
 
 
+SUMS_CASES = [(128, 12), (32, 7), (16, 1), (8, 12), (256, 12), (128, 31), (64, 127)]
+
+
+@pytest.mark.parametrize("g,qmax", SUMS_CASES, ids=[f"G{g}-q{q}" for g, q in SUMS_CASES])
+def test_the_quantizing_kernel_sums_the_codes_as_the_rice_coder_needs(kernels, monkeypatch, g, qmax):
+    """Layout 3's quantizing kernel adds the Rice coder's block sums as it makes the codes (by bit
+    counts where z < 32 and G <= 128, by shifts elsewhere): the sum of z >> k over each block's codes,
+    k = 0..the bit length of 2 qmax, and 0 beyond; blocks of 256 codes here, several tiles each, and
+    a token whose tiles rotate to qmax everywhere (each bit of 2 qmax set in all G codes)."""
+    from tahnode.kernels import symtiles_triton
+
+    monkeypatch.setattr(rice_triton, "_blocks", lambda: ((256, 4), (256, 4)))
+    from tahnode.kernels import symtiles_ref
+
+    x = kernel_test_input((5, 33, 3 * g), torch.float32).reshape(-1, 3 * g)
+    n, t = x.shape[0], 3
+    x[1] = symtiles_ref.unrotate(torch.full((1, t * g), float(qmax)), g, t * g)  # codes all 2 qmax: every count G
+    sums = rice_triton.sums_buffer(n * t * g, DEVICE)
+    out, width, status = symtiles_triton.launch_encode(x.to(DEVICE), g, 8, True, qmax, sums)
+    assert width == t * g and int(status) == 0
+    c = out[2 * n * t:].cpu().long() - qmax
+    z = torch.nn.functional.pad((2 * c) ^ (c >> 63), (0, -(n * width) % 256)).reshape(-1, 256)
+    kmax = (2 * qmax).bit_length()
+    want = torch.zeros(z.shape[0], 9, dtype=torch.int32)
+    for k in range(kmax + 1):
+        want[:, k] = (z >> k).sum(1).int()
+    assert int(z.max()) >= 2 ** (kmax - 1) and torch.equal(sums[0].cpu(), want)  # (the top bit in use)
+    assert torch.equal(sums[0], rice_triton.block_sums(out[2 * n * t:], qmax)[0])  # the Rice coder's own kernel
+
+
 def test_corrupt_payloads_are_refused_alike(kernels):
     shape, p = (2, 5, 40), TahQuantParams(layout=3, group_size=32)
     payload = tahquant_rice_ref.encode(torch.randn(shape), p)
