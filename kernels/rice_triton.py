@@ -88,15 +88,13 @@ def _write_kernel(codes_ptr, n, sums_ptr, ends_ptr, payload_ptr, start, QMAX: tl
     A lane holds PER_LANE (8 or more) values in a row and takes them in turn (unrolled, each code
     loaded where it is needed, a lane apart: no layout but one): the sum of their (z >> K) + 1 over
     the lanes before it (a cumulative sum) is its first bit; a value's zero-bit follows its run of
-    one-bits. The last value whose zero-bit falls in a byte of the unary stream writes that byte,
-    with the zero-bits of the values before it in that byte, carried from one value to the next in
-    the lane; those of the lane before (or the block before), which can only fall in the lane's
-    first byte (8 or more values take 8 or more bits), come from its last 7 codes. Where a code can
-    be longer than a byte, each value also writes the bytes inside its run of one-bits (no value
-    ends in them). Positions are int32 from the byte of first_bit on, indices int32 from the
-    block's first value (n < 2**31): only addresses are 64-bit. No branch on the picked k: a branch
-    around this body took more registers."""
-    INSIDE: tl.constexpr = (2 * QMAX >> K) // 8  # the most whole bytes inside one run of one-bits
+    one-bits. A byte of the unary stream is written once, by the last value whose zero-bit falls in
+    it (all its other bits are ones), with the zero-bits of the values before it in that byte; those
+    of the lane before (or the block before) can only fall in the lane's first byte (8 or more values
+    take 8 or more bits). _write_by_word does that where a lane's bits fit an int64, _write_by_byte
+    elsewhere. Positions are int32 from the byte of first_bit on, indices int32 from the block's
+    first value (n < 2**31): only addresses are 64-bit. No branch on the picked k: a branch around
+    this body took more registers."""
     LANES: tl.constexpr = BLOCK // PER_LANE
     live = tl.load(payload_ptr) == K
     pid = tl.program_id(0)
@@ -115,19 +113,67 @@ def _write_kernel(codes_ptr, n, sums_ptr, ends_ptr, payload_ptr, start, QMAX: tl
     for m in tl.static_range(PER_LANE):  # (a & of a loaded scalar: the interpreter's masks refuse it)
         total += _taken(block_codes, lane_first + m, tl.where(live, lane_first + m < left, False), QMAX, K)
     lane_bit = (first_bit & 7).to(tl.int32) + tl.cumsum(total, axis=0) - total  # from the byte of first_bit on
+    unary = low_ptr + n.to(tl.int64) * K // 8 + (first_bit >> 3)
+    lowest = tl.maximum(-first_value, -7).to(tl.int32)  # the block before's last 7 values, if any
+    if 7 + PER_LANE * ((2 * QMAX >> K) + 1) <= 64:  # a lane's bits, from its first byte on, fit an int64
+        _write_by_word(block_codes, unary, lane_first, lane_bit, (first_bit & 7).to(tl.int32), left, live, lowest, QMAX,
+                       K, PER_LANE, LANES)
+    else:
+        _write_by_byte(block_codes, unary, lane_first, lane_bit, left, live, lowest, QMAX, K, PER_LANE, LANES)
+
+
+@triton.jit
+def _write_by_word(block_codes, unary, lane_first, lane_bit, first_bit, left, live, lowest, QMAX: tl.constexpr,
+                   K: tl.constexpr, PER_LANE: tl.constexpr, LANES: tl.constexpr):
+    """The write kernel's unary stream where a lane's bits, from its first byte on, fit an int64 (qmax
+    12 at k >= 2, 8 values a lane): each value sets its zero-bit in the lane's word; the lane writes
+    each byte a value of it ends in, but its last when the next lane's first value ends there too
+    (that lane writes it). The zero-bits of the lane before in the lane's first byte are those it has
+    in its last (one gather), for the block's first lane those of the block before's last 7 values
+    (one vector of them). first_bit: the block's, within its byte."""
+    lane_byte = lane_bit >> 3
+    end = lane_bit - 1 - 8 * lane_byte  # where the value before ends, from the lane's first byte on: -1 to 6
+    mine = tl.zeros([LANES], dtype=tl.int64)  # the lane's zero-bits
+    for m in tl.static_range(PER_LANE):
+        ok = tl.where(live, lane_first + m < left, False)
+        end += _taken(block_codes, lane_first + m, ok, QMAX, K)
+        mine |= tl.where(ok, tl.full([LANES], 1, tl.int64) << tl.maximum(end, 0).to(tl.int64), 0)
+    ok = tl.where(live, lane_first + PER_LANE < left, False)
+    later = ~ok | ((end + _taken(block_codes, lane_first + PER_LANE, ok, QMAX, K)) >> 3 != end >> 3)
+    last = tl.maximum(end, 0) >> 3
+    lane = tl.arange(0, LANES)
+    before = tl.gather(((mine >> (8 * last).to(tl.int64)) & 0xFF).to(tl.int32), tl.maximum(lane - 1, 0), 0)
+    m = tl.arange(0, 8)  # the block before's values, the last first
+    ok = tl.where(live, -1 - m >= lowest, False)
+    taken = _taken(block_codes, -1 - m, ok, QMAX, K)
+    at = first_bit - 1 - (tl.cumsum(taken, axis=0) - taken)  # where value -1 - m ends (7 take 7 bits or more)
+    before = tl.where(lane == 0, tl.sum(tl.where(ok & (at >= 0), 1 << tl.maximum(at, 0), 0), axis=0), before)
+    zeros = mine | tl.where((lane_bit & 7) != 0, before, 0).to(tl.int64)
+    for x in tl.static_range((6 + PER_LANE * ((2 * QMAX >> K) + 1)) // 8 + 1):
+        mask = (((mine >> (8 * x)) & 0xFF) != 0) & ((x < last) | later)
+        tl.store(unary + lane_byte + x, (~(zeros >> (8 * x)) & 0xFF).to(tl.uint8), mask=mask)
+
+
+@triton.jit
+def _write_by_byte(block_codes, unary, lane_first, lane_bit, left, live, lowest, QMAX: tl.constexpr, K: tl.constexpr,
+                   PER_LANE: tl.constexpr, LANES: tl.constexpr):
+    """The write kernel's unary stream a byte at a time (any qmax and k): the last value whose zero-bit
+    falls in a byte writes it, with the zero-bits of the values before it in that byte, carried from
+    one value to the next in the lane; those of the lane before (or the block before), which can only
+    fall in the lane's first byte, come from its last 7 codes. Where a code can be longer than a
+    byte, each value also writes the bytes inside its run of one-bits (no value ends in them)."""
+    INSIDE: tl.constexpr = (2 * QMAX >> K) // 8  # the most whole bytes inside one run of one-bits
     lane_byte = lane_bit >> 3
     # the zero-bits of the values before the lane in its first byte: 7 at most (the lane's first value
     # ends there or later), the last value first
     bits = tl.zeros([LANES], dtype=tl.int32)
     before = lane_bit - 1  # where value lane_first - 1 - m ends
-    lowest = tl.maximum(-first_value, -7).to(tl.int32)  # the block before's last 7 values, if any
     for m in tl.static_range(7):
         i = lane_first - 1 - m
         ok = tl.where(live, i >= lowest, False)
         bits |= tl.where(ok & (before >= 8 * lane_byte), 1 << (before & 7), 0)
         if m < 6:
             before -= _taken(block_codes, i, ok, QMAX, K)
-    unary = low_ptr + n.to(tl.int64) * K // 8 + (first_bit >> 3)
     end = lane_bit - 1
     byte = lane_byte  # where the value before ends (or the lane's first byte)
     was_ok = lane_first < 0  # whether value m - 1 is in the stream (set at each m, read from m = 1 on)
