@@ -221,10 +221,11 @@ def _values_kernel(unary_ptr, nbytes, rank_ptr, low_ptr, n, codes_ptr, bad_ptr, 
     PER_LANE bytes in a row bit by bit (unrolled), each byte loaded by itself (as one vector they take
     another layout than the codes' stores: a conversion through shared memory at every bit); a
     zero-bit's rank is its lane's (a cumsum over the lanes) plus the zero-bits before it in the lane.
-    A valid run is at most R = 2 QMAX >> K. Where R + 1 bits below a zero-bit fit the 3 bytes up to
-    its own (R <= 15), they are one int32 word and the run's end its highest zero-bit below (the
-    float32 exponent); else WINDOWS windows of 32 bits (5 bytes, int64) are searched. Indices are
-    int32 from the block's first value on."""
+    A valid run is at most R = 2 QMAX >> K. Where R + 1 bits fit the 2 bytes before a lane's first
+    (R <= 15), the run below its first bit ends at the highest zero-bit of those bytes as one int32
+    word (the float32 exponent), and is carried from bit to bit after (a one-bit adds one, a zero-bit
+    ends it); else WINDOWS windows of 32 bits (5 bytes, int64) are searched below each zero-bit.
+    Indices are int32 from the block's first value on."""
     R: tl.constexpr = 2 * QMAX >> K
     NB: tl.constexpr = (R + 8) // 8 + 1  # the bytes that hold R + 1 bits below any bit, and its own
     LANES: tl.constexpr = BLOCK // PER_LANE
@@ -243,17 +244,19 @@ def _values_kernel(unary_ptr, nbytes, rank_ptr, low_ptr, n, codes_ptr, bad_ptr, 
         at = lane_at + j
         in_stream = at < nbytes
         byte = tl.load(unary_ptr + at, mask=in_stream, other=0xFF).to(tl.int32)
-        if NB <= 3:  # bytes at - NB + 1 .. at, low to high; before the stream: zero-bits
-            word = byte << (8 * (NB - 1))
+        if NB <= 3 and j == 0:  # the run of one-bits below the lane's first bit, in the NB - 1 bytes before it
+            word = tl.zeros([LANES], dtype=tl.int32)  # before the stream: zero-bits
             for m in tl.static_range(1, NB):
                 word |= tl.load(unary_ptr + at - m, mask=in_stream & (at >= m), other=0).to(tl.int32) << (8 * (NB - 1 - m))
+            x = ~word & ((1 << (8 * (NB - 1))) - 1)  # their zero-bits
+            highest = (x.to(tl.float32).to(tl.int32, bitcast=True) >> 23) - 127  # exact (x < 2^24); -127 for 0
+            run = 8 * (NB - 1) - 1 - highest  # more than R where every bit is one
         for bit in tl.static_range(8):
-            zero = in_stream & (((byte >> bit) & 1) == 0)
-            if NB <= 3:
-                below = 8 * (NB - 1) + bit  # the zero-bit's place in the word: more than R bits below
-                x = ~word & ((1 << below) - 1)  # the zero-bits below it
-                highest = (x.to(tl.float32).to(tl.int32, bitcast=True) >> 23) - 127  # exact (x < 2^24); -127 for 0
-                high = below - 1 - highest  # the run of one-bits; more than R where every bit below is one
+            one = ((byte >> bit) & 1) != 0
+            zero = in_stream & ~one
+            if NB <= 3:  # the run carried from bit to bit
+                high = run
+                run = tl.where(one, run + 1, 0)
             else:
                 pos = at * 8 + bit
                 high = tl.zeros([LANES], dtype=tl.int32)
