@@ -37,7 +37,9 @@ GPU_DECODE_BLOCK = (4096, 4)
 @triton.jit
 def _butterfly(y, BR: tl.constexpr, G: tl.constexpr, H: tl.constexpr):
     """One fwht stage on y (BR, G): within each block of 2H entries, (y[j], y[j + H]) -> (a + b, a - b).
-    Each entry adds its partner to itself or to its negation (b + a; a + -b, which is a - b exactly).
+    Each entry adds its partner to itself or to its negation (b + a; a + -b, which is a - b exactly),
+    as fma(v, +-1, partner): the product is exact, so it rounds once as the sum does, and the sign is
+    one register a thread where the pair lies in two lanes (a select of v or -v took one a value).
     Its partner's bits are the pair's sum of bits (int32, modulo 2^32) less its own: a shuffle where
     the two lie in different lanes, nothing where a thread holds both (tl.flip's xor gives the same
     code on a GPU, but the interpreter runs its reduction value by value). So y keeps its layout from
@@ -48,7 +50,7 @@ def _butterfly(y, BR: tl.constexpr, G: tl.constexpr, H: tl.constexpr):
         first = (tl.arange(0, 2) == 0)[None, :, None]
         bits = v.to(tl.int32, bitcast=True)
         partner = (tl.sum(bits, axis=1)[:, None, :] - bits).to(tl.float32, bitcast=True)
-        y = tl.reshape(partner + tl.where(first, v, -v), (BR, G))
+        y = tl.reshape(tl.fma(v, tl.where(first, 1.0, -1.0), partner), (BR, G))
     return y
 
 
