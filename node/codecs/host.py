@@ -26,15 +26,13 @@ def _bytes_of(payload: torch.Tensor) -> torch.Tensor:
 
 
 def host_bytes(payload: torch.Tensor) -> memoryview:
-    """A payload's bytes on the host: a view of a CPU payload, and a CUDA payload's one copy, into
-    pinned memory (torch's caching host allocator keeps those blocks for the next message)."""
-    flat = _bytes_of(payload)
-    if flat.device.type == "cuda":
-        host = torch.empty(flat.numel(), dtype=torch.uint8, pin_memory=True)
-        host.copy_(flat, non_blocking=True)
-        torch.cuda.current_stream(flat.device).synchronize()
-        flat = host
-    return memoryview(flat.numpy())
+    """A payload's bytes on the host, waited for: a view of a CPU payload, and a CUDA payload's one
+    copy (copy_to_host's, into pinned memory: torch's caching host allocator keeps those blocks
+    for the next message)."""
+    host, done = copy_to_host(payload)
+    if done is not None:
+        done.synchronize()
+    return memoryview(host.numpy())
 
 
 @functools.cache
