@@ -212,6 +212,32 @@ def _low_bits(low_ptr, plane, first, index, ok, W: tl.constexpr):
 
 
 @triton.jit
+def _plane_window(low_ptr, plane, first, rank, n, W: tl.constexpr, PER_LANE: tl.constexpr, WINDOWED: tl.constexpr):
+    """Where WINDOWED, the width-W plane's bits (int64) from the byte code first + rank starts in on,
+    for the 8 PER_LANE codes from it (8 PER_LANE W + 7 <= 64), and the bit that code starts at in
+    them; else zeros."""
+    window = tl.zeros_like(rank).to(tl.int64)
+    at = tl.zeros_like(rank)
+    if WINDOWED:
+        PER: tl.constexpr = 8 // W
+        at = ((first % PER).to(tl.int32) + rank) * W  # bits from the byte of code `first` on
+        byte = first // PER + (at >> 3)
+        for m in tl.static_range((8 * PER_LANE * W + 14) // 8):
+            window |= tl.load(low_ptr + plane + byte + m, mask=byte + m < n // PER, other=0).to(tl.int64) << (8 * m)
+    return window, at & 7
+
+
+@triton.jit
+def _plane_bits(window, off, low_ptr, plane, first, rank, ok, W: tl.constexpr, WINDOWED: tl.constexpr):
+    """A code's low bits in the width-W plane (int32): from the lane's window at bit `off`, or loaded."""
+    if WINDOWED:
+        bits = ((window >> off.to(tl.int64)) & ((1 << W) - 1)).to(tl.int32)
+    else:
+        bits = _low_bits(low_ptr, plane, first, rank, ok, W)
+    return bits
+
+
+@triton.jit
 def _values_kernel(unary_ptr, nbytes, rank_ptr, low_ptr, n, codes_ptr, bad_ptr, QMAX: tl.constexpr, K: tl.constexpr,
                    WINDOWS: tl.constexpr, BLOCK: tl.constexpr, PER_LANE: tl.constexpr, S8: tl.constexpr,
                    S4: tl.constexpr, S2: tl.constexpr, S1: tl.constexpr):
@@ -224,8 +250,10 @@ def _values_kernel(unary_ptr, nbytes, rank_ptr, low_ptr, n, codes_ptr, bad_ptr, 
     A valid run is at most R = 2 QMAX >> K. Where R + 1 bits fit the 2 bytes before a lane's first
     (R <= 15), the run below its first bit ends at the highest zero-bit of those bytes as one int32
     word (the float32 exponent), and is carried from bit to bit after (a one-bit adds one, a zero-bit
-    ends it); else WINDOWS windows of 32 bits (5 bytes, int64) are searched below each zero-bit.
-    Indices are int32 from the block's first value on."""
+    ends it); else WINDOWS windows of 32 bits (5 bytes, int64) are searched below each zero-bit. A
+    code's low bits come from a window of each plane loaded once a lane, where a lane's codes' bits
+    fit an int64 (the 2-bit plane at 2 bytes a lane), else from a load a code. Indices are int32
+    from the block's first value on."""
     R: tl.constexpr = 2 * QMAX >> K
     NB: tl.constexpr = (R + 8) // 8 + 1  # the bytes that hold R + 1 bits below any bit, and its own
     LANES: tl.constexpr = BLOCK // PER_LANE
@@ -240,6 +268,14 @@ def _values_kernel(unary_ptr, nbytes, rank_ptr, low_ptr, n, codes_ptr, bad_ptr, 
     left = tl.minimum(n - first, BLOCK * 8).to(tl.int32)  # values from `first` to the stream's end (those here)
     codes = codes_ptr + first
     bad = tl.zeros([LANES], dtype=tl.int32)
+    # the low bits of the lane's codes, a window of each plane where 8 PER_LANE of them fit an int64
+    W4: tl.constexpr = S4 >= 0 and 32 * PER_LANE + 7 <= 64
+    W2: tl.constexpr = S2 >= 0 and 16 * PER_LANE + 7 <= 64
+    W1: tl.constexpr = S1 >= 0 and 8 * PER_LANE + 7 <= 64
+    window4, off4 = _plane_window(low_ptr, n // 8 * S4, first, rank, n, 4, PER_LANE, W4)
+    window2, off2 = _plane_window(low_ptr, n // 8 * S2, first, rank, n, 2, PER_LANE, W2)
+    window1, off1 = _plane_window(low_ptr, n // 8 * S1, first, rank, n, 1, PER_LANE, W1)
+    lane_rank = rank
     for j in tl.static_range(PER_LANE):
         at = lane_at + j
         in_stream = at < nbytes
@@ -275,12 +311,13 @@ def _values_kernel(unary_ptr, nbytes, rank_ptr, low_ptr, n, codes_ptr, bad_ptr, 
             z = tl.minimum(high, R + 1) << K  # more than 2 QMAX where the run is longer than R
             if S8 >= 0:
                 z |= _low_bits(low_ptr, n // 8 * S8, first, rank, ok, 8) << S8
+            d = rank - lane_rank  # the code's place in the lane
             if S4 >= 0:
-                z |= _low_bits(low_ptr, n // 8 * S4, first, rank, ok, 4) << S4
+                z |= _plane_bits(window4, off4 + 4 * d, low_ptr, n // 8 * S4, first, rank, ok, 4, W4) << S4
             if S2 >= 0:
-                z |= _low_bits(low_ptr, n // 8 * S2, first, rank, ok, 2) << S2
+                z |= _plane_bits(window2, off2 + 2 * d, low_ptr, n // 8 * S2, first, rank, ok, 2, W2) << S2
             if S1 >= 0:
-                z |= _low_bits(low_ptr, n // 8 * S1, first, rank, ok, 1) << S1
+                z |= _plane_bits(window1, off1 + d, low_ptr, n // 8 * S1, first, rank, ok, 1, W1) << S1
             bad |= (ok & (z > 2 * QMAX)).to(tl.int32)
             q = (z >> 1) ^ -(z & 1)
             tl.store(codes + rank, (q + QMAX).to(tl.uint8), mask=ok)
