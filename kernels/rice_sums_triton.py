@@ -21,7 +21,7 @@ def zigzag(c):
 def add_block_sums(z, at, ok, R: tl.constexpr, C: tl.constexpr, KMAX: tl.constexpr):
     """Row at[r] of the sums (int32 pointers (R,)) += the sum of z[r] >> k over z's row r, k = 0..KMAX
     (the row's other entries are left as they are), where ok[r]; z (R, C) int32 below 2^KMAX. One
-    atomic addition a row and k. Where z < 32 and C <= 128 (a multiple of 16) the bits are counted
+    atomic addition a row, every k at once. Where z < 32 and C <= 128 (a multiple of 16) the bits are counted
     instead of shifted 6 times: a multiply puts bit b of z at bit 6b, 16 values are summed there
     (counts below 64), then bits 0, 2, 4 and bits 1, 3 over the row in fields 12 bits apart (counts
     of C at most), and the sum of z >> k is that of count_b << (b - k) over b >= k."""

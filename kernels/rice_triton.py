@@ -4,10 +4,10 @@ and its refusals, with one synchronization each way.
 encode: a kernel sums each block's high parts at every k (rice_sums_triton: layout 3's quantizing
 kernel adds them instead, as it makes the codes) and a cumsum runs them over the blocks; a
 one-program kernel picks k (rice.best_k's) and the payload's size from the totals; a third packs the
-low bits into their planes and writes the unary stream a byte at a time, each byte by the last value
-whose zero-bit falls in it (no atomics; a thread takes 8 or more values in a row, carrying the
-zero-bits of a byte from one to the next), into a buffer with room for the longest payload. It is
-compiled for a guessed k and stores only if the device picked it, so no synchronization comes
+low bits into their planes and writes the unary stream, each byte once, by the last value whose
+zero-bit falls in it (no atomics; a thread takes 8 or more values in a row, their zero-bits in one
+int64 where they fit, else carried a byte at a time), into a buffer with room for the longest
+payload. It is compiled for a guessed k and stores only if the device picked it, so no synchronization comes
 between the kernels: the one synchronization reads the size and k after all three (and launches the
 third again at the k picked, should the guess be wrong). block_sums, launch_write and launch_decode
 let a caller read other kernels' flags in the same synchronization.
@@ -30,7 +30,8 @@ from .rice_sums_triton import add_block_sums, zigzag
 from .symtiles_triton import plane_shifts, store_planes
 from .triton_util import interpreting, leading_ones, on_device, zero_bits
 
-__all__ = ["encode", "block_sums", "sums_buffer", "ends_of", "launch_write", "RiceWrite", "decode", "launch_decode", "raise_for_decode"]
+__all__ = ["encode", "block_sums", "sums_buffer", "ends_of", "launch_write", "RiceWrite", "decode", "launch_decode",
+           "raise_for_decode"]
 
 
 @triton.jit

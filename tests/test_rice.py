@@ -9,7 +9,8 @@ import torch
 
 from tahnode import codecs
 from tahnode.codecs import CodecError
-from tahnode.kernels import dispatch, rice, rice_cpu, rice_triton, tahquant_rice_cpu, tahquant_rice_ref, tahquant_rice_triton
+from tahnode.kernels import (dispatch, rice, rice_cpu, rice_triton, symtiles_ref, symtiles_triton, tahquant_rice_cpu,
+                             tahquant_rice_ref, tahquant_rice_triton)
 from tahnode.kernels.tahquant_ref import TahQuantParams
 from helpers import assert_kernel_gives_the_reference, kernel_test_input
 
@@ -138,11 +139,7 @@ def test_the_quantizing_kernel_sums_the_codes_as_the_rice_coder_needs(kernels, m
     counts where z < 32 and G <= 128, by shifts elsewhere): the sum of z >> k over each block's codes,
     k = 0..the bit length of 2 qmax, and 0 beyond; blocks of 256 codes here, several tiles each, and
     a token whose tiles rotate to qmax everywhere (each bit of 2 qmax set in all G codes)."""
-    from tahnode.kernels import symtiles_triton
-
     monkeypatch.setattr(rice_triton, "_blocks", lambda: ((256, 4), (256, 4)))
-    from tahnode.kernels import symtiles_ref
-
     x = kernel_test_input((5, 33, 3 * g), torch.float32).reshape(-1, 3 * g)
     n, t = x.shape[0], 3
     x[1] = symtiles_ref.unrotate(torch.full((1, t * g), float(qmax)), g, t * g)  # codes all 2 qmax: every count G
