@@ -1,9 +1,9 @@
 """`tahnode compose up` for real: the image builds without Docker Hub (a local Debian base and
 wheels built on this machine), the compose swarm of deploy/docker-compose.yml trains (three active
 stages, the step rising, the loss falling on the coordinator's /api/v1/state), and `down` leaves no
-container, network or volume of it. Needs root and a Docker engine: one is installed with apt and
-started for the test where it can be (and stopped after it, its bridge and nft tables removed);
-otherwise the test is skipped, saying why."""
+container, network or volume of it; the untagged images earlier builds left are removed. Needs
+root and a Docker engine: one is installed with apt and started for the test where it can be (and
+stopped after it, its bridge and nft tables removed); otherwise the test is skipped, saying why."""
 
 from __future__ import annotations
 
@@ -115,3 +115,34 @@ def test_compose_up_trains_and_down_leaves_nothing(engine):
         down = subprocess.run([*tahnode, "down", "--project", project, "--quiet"], capture_output=True, text=True, timeout=300)
     assert down.returncode == 0, down.stderr[-2000:]
     assert leftovers(project) == {"containers": [], "networks": [], "volumes": []}
+
+
+def build_probe(base: str, tag: str, labels: str) -> str:
+    """An image of `base` with `labels` (no layer of its own), tagged `tag`: its id."""
+    built = subprocess.run(["docker", "build", "-q", "-t", tag, "-"], input=f"FROM {base}\nLABEL {labels}\n",
+                           capture_output=True, text=True, timeout=120)
+    assert built.returncode == 0, built.stderr[-2000:]
+    return sh("docker", "image", "inspect", "-f", "{{.Id}}", tag).stdout.strip()
+
+
+def test_up_removes_the_tahnode_images_a_rebuild_left_untagged(engine):
+    """Each `up` of a changed checkout builds tahnode:latest anew and docker keeps the one before,
+    untagged (about 1 GB): after its build, up removes those (compose.prune_replaced_images), as they
+    carry the image's label, and no other image."""
+    from tahnode.tools import compose
+
+    base = next((b for b in (compose.HUB_BASE, compose.LOCAL_BASE) if compose.image_exists(b)), None)
+    if base is None:
+        pytest.skip("no base image to build the probes from (the test above makes the local one)")
+    ours, theirs = "tntest-ours:probe", "tntest-theirs:probe"
+    try:
+        replaced = build_probe(base, ours, f"{compose.IMAGE_LABEL} probe=1")
+        kept = build_probe(base, ours, f"{compose.IMAGE_LABEL} probe=2")
+        foreign = build_probe(base, theirs, "probe=1")
+        build_probe(base, theirs, "probe=2")
+        compose.prune_replaced_images(quiet=True)
+        exists = {i: sh("docker", "image", "inspect", i).returncode == 0 for i in (replaced, kept, foreign)}
+        assert exists == {replaced: False, kept: True, foreign: True}
+    finally:
+        sh("docker", "image", "rm", "-f", ours, theirs)
+        sh("docker", "image", "prune", "-f", "--filter", "label=probe")

@@ -20,6 +20,7 @@ HUB_BASE = "python:3.11-slim"
 LOCAL_BASE = "tahnode-base:bookworm"
 DEBIAN_MIRROR = "http://deb.debian.org/debian"
 PROJECT = "tahnode"
+IMAGE_LABEL = "org.opencontainers.image.title=tahnode"  # deploy/Dockerfile's label on every tahnode image
 
 
 class ComposeError(Exception):
@@ -157,9 +158,16 @@ def up(spec: ComposeSpec) -> None:
         build_wheels(spec.torch, spec.quiet, extras="")
     token_file()
     compose(spec, "build")
+    prune_replaced_images(spec.quiet)
     compose(spec, "up", "-d")
     print(f"tahnode compose: the swarm runs; status page http://localhost:{spec.http_port}/ ; stop it with "
           f"`tahnode compose down{' --project ' + spec.project if spec.project != PROJECT else ''}`", file=sys.stderr)
+
+
+def prune_replaced_images(quiet: bool = False) -> None:
+    """Remove the tahnode images a build left untagged (the previous tahnode:latest of a changed
+    checkout, about 1 GB each, which docker keeps until pruned); none a container still uses."""
+    run(["docker", "image", "prune", "--force", "--filter", f"label={IMAGE_LABEL}"], quiet=quiet)
 
 
 def down(spec: ComposeSpec, keep_volumes: bool = False) -> None:
