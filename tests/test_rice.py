@@ -146,8 +146,8 @@ def test_the_quantizing_kernel_sums_the_codes_as_the_rice_coder_needs(kernels, m
     sums = rice_triton.sums_buffer(n * t * g, DEVICE)
     out, width, status = symtiles_triton.launch_encode(x.to(DEVICE), g, 8, True, qmax, sums)
     assert width == t * g and int(status) == 0
-    c = out[2 * n * t:].cpu().long() - qmax
-    z = torch.nn.functional.pad((2 * c) ^ (c >> 63), (0, -(n * width) % 256)).reshape(-1, 256)
+    z = tahquant_rice_ref.zigzag(out[2 * n * t:].cpu(), qmax)
+    z = torch.nn.functional.pad(z, (0, -(n * width) % 256)).reshape(-1, 256)
     kmax = (2 * qmax).bit_length()
     want = torch.zeros(z.shape[0], 9, dtype=torch.int32)
     for k in range(kmax + 1):
