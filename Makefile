@@ -9,6 +9,9 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
+# pytest-xdist workers: most slow tests wait on daemons, so two share 2 cores well; the tests that
+# change the root network namespace still run one at a time (tests/conftest.py). 0 runs in-process.
+TEST_WORKERS ?= 2
 
 .PHONY: all venv test demo bench proto clean
 
@@ -24,7 +27,7 @@ $(STAMP): pyproject.toml Makefile
 venv: $(STAMP)
 
 test: $(STAMP)
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
 
 demo: $(STAMP)
 	$(VENV)/bin/tahnode demo

@@ -1,6 +1,7 @@
 """Shared pytest setup: Triton runs in its CPU interpreter where there is no GPU, torch computes on
-one thread, hypothesis gets a CI profile sized for 2 cores, and after the whole session no p2p
-daemon (`p2pd`) the tests started may still run: each must end with the process that started it."""
+one thread, hypothesis gets a CI profile sized for 2 cores, the tests that change the root network
+namespace run one at a time under pytest-xdist, and after the whole session no p2p daemon (`p2pd`)
+this session's tests started may still run: each must end with the process that started it."""
 
 import os
 import time
@@ -22,12 +23,41 @@ settings.register_profile("ci", max_examples=60, deadline=None, suppress_health_
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
+# Every process this session's tests start inherits this variable, p2pd included: under pytest-xdist
+# each worker is a session of its own, and must not count the daemons of another worker's tests.
+os.environ["TAHNODE_TEST_SESSION"] = str(os.getpid())
+SESSION_MARK = f"TAHNODE_TEST_SESSION={os.getpid()}".encode()
+
+# What shares the root network namespace (tahnode.tools.netns's host link 10.78.0.1, dockerd's
+# nftables and docker0): under pytest-xdist (`make test` runs 2 workers) these tests share one group,
+# so one worker runs them one after another.
+ROOT_NETWORK_GROUP = "root-network"
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if item.get_closest_marker("netns") or item.get_closest_marker("root_network"):
+            item.add_marker(pytest.mark.xdist_group(ROOT_NETWORK_GROUP))
+
+
+def pytest_runtest_setup(item):
+    """In a worker of `--dist loadgroup`, xdist names a grouped test `nodeid@group`; where it does not
+    (pytest 9.2 with pytest-xdist 3.8: pytest-xdist issue 1386) the group is ignored, and two swarms
+    could share the root namespace's host link at once: such a test fails, saying why."""
+    if (item.config.getoption("loadgroup", default=False) and item.get_closest_marker("xdist_group")
+            and "@" not in item.nodeid):
+        pytest.fail(f"pytest-xdist's --dist loadgroup does not group tests with pytest {pytest.__version__} here; "
+                    "install the versions pyproject.toml asks for", pytrace=False)
+
+
 def p2p_daemons() -> set[int]:
-    """Pids of the running p2pd processes (hivemind's libp2p daemon)."""
+    """Pids of the running p2pd processes (hivemind's libp2p daemon) that this session's tests started."""
     found = set()
     for entry in Path("/proc").iterdir():
         try:
-            if entry.name.isdigit() and (entry / "comm").read_text().strip() == "p2pd":
+            if (entry.name.isdigit() and (entry / "comm").read_text().strip() == "p2pd"
+                    and SESSION_MARK in (entry / "environ").read_bytes().split(b"\0")):
                 found.add(int(entry.name))
         except OSError:
             continue

@@ -55,6 +55,7 @@ def test_convergence_compares_each_seed_with_the_reference_of_the_same_seed():
     assert curves[0].losses == [4.5] * 5 + [1.75] * 10
 
 
+@pytest.mark.root_network  # namespaces and tc where root
 def test_a_short_bench_writes_its_table_plots_and_json(tmp_path):
     """Two codec pairs on gRPC and on p2p links, at one shaped rate."""
     shaper = "tc" if root_reason() is None else "userspace"

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 from tahnode.tools.swarm import fetch, free_port
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.root_network]  # dockerd: docker0, nftables, ip_forward
 PACKAGES = ["docker.io", "docker-compose", "debootstrap"]
 
 

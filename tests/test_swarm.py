@@ -5,6 +5,7 @@ no namespace, link, qdisc or process behind, also after a crash; and the coordin
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
@@ -24,13 +25,15 @@ pytestmark = pytest.mark.slow
 TAHNODE = [sys.executable, "-m", "tahnode.cli"]
 
 
+@functools.cache
 def root_reason() -> str | None:
     if os.geteuid() != 0:
         return "needs root for network namespaces and tc"
     if not shutil.which("ip") or not shutil.which("tc"):
         return "needs iproute2 (ip, tc)"
-    probe = subprocess.run(["ip", "netns", "add", "tahnode-probe"], capture_output=True, text=True)
-    subprocess.run(["ip", "netns", "del", "tahnode-probe"], capture_output=True)
+    name = f"tahnode-probe-{os.getpid()}"  # pytest-xdist's workers probe at once
+    probe = subprocess.run(["ip", "netns", "add", name], capture_output=True, text=True)
+    subprocess.run(["ip", "netns", "del", name], capture_output=True)
     return None if probe.returncode == 0 else f"cannot create network namespaces: {probe.stderr.strip()}"
 
 
