@@ -36,8 +36,10 @@ def test_rebalancing_moves_a_stage_to_a_faster_newcomer_and_off_the_slow_links(t
         assert "n4" in chain
         spare = ({"n1", "n2", "n3", "n4"} - set(chain)).pop()
         probed = probed_links(moved)
-        for a, b in zip(chain, chain[1:]):  # the new chain stands on full probes, all far above n3's 4 Mbit/s
-            assert probed[(a, b)][0] > 40 and probed[(b, a)][0] > 40, (a, b, probed)
+        # the new chain stands on full probes, all far above n3's 4 Mbit/s (a 100 Mbit/s link reads low
+        # while the swarm trains and `make test`'s other worker takes a core: at least 5 times that)
+        for a, b in zip(chain, chain[1:]):
+            assert probed[(a, b)][0] > 5 * 4 and probed[(b, a)][0] > 5 * 4, (a, b, probed)
         done = swarm.wait(lambda s: s["training"]["finished"], 300, f"{STEPS} steps")
         ledger = swarm.state("ledger")["steps"]
     finally:

@@ -162,12 +162,14 @@ def test_placement_avoids_the_slow_link_and_a_standby_takes_over(tmp_path):
         state = wait_state(workdir, chain_probed, 240, "placement and full probes of the chain's links")
         # any link may read low while four nodes train on two cores (a probe competes for the CPU, and
         # a receiver's event loop may stall behind a step: CI once read the slow link at 9 of its 20
-        # Mbit/s), never above tc's rate; a fast link never reads near the slow one's
+        # Mbit/s, and with `make test`'s other worker busy a fast link read 44 of 200), never above
+        # tc's rate; a fast link never reads as slow as the slow one could (20 Mbit/s shaped on it
+        # would read at most 24)
         for (src, dst), (mbps, _) in probed_links(state).items():
             if {src, dst} == {"n2", "n3"}:
                 assert mbps <= 1.2 * 20, f"{src}->{dst}: measured {mbps:.1f}, shaped 20"
             else:
-                assert 2.5 * 20 <= mbps <= 1.2 * 200, f"{src}->{dst}: measured {mbps:.1f}, shaped 200"
+                assert 1.5 * 20 <= mbps <= 1.2 * 200, f"{src}->{dst}: measured {mbps:.1f}, shaped 200"
         chain = chain_of(state)
         assert not any({a, b} == {"n2", "n3"} for a, b in zip(chain, chain[1:])), f"chain {chain} uses the slow link"
         spare = [n["id"] for n in state["nodes"] if n["status"] == "standby"]
