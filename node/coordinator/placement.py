@@ -45,7 +45,7 @@ class Placement:
     # -- the loop ---------------------------------------------------------------------------------
     async def run(self, stop: asyncio.Event) -> None:
         """Probe in the background; each second sweep failures, take in traffic figures, place
-        and rebalance; until `stop` is set."""
+        and rebalance (once the run finished, only sweep); until `stop` is set."""
         probing = asyncio.ensure_future(self.prober.run())
         try:
             while not stop.is_set():
@@ -60,6 +60,8 @@ class Placement:
 
     async def tick(self) -> None:
         self.r.sweep()
+        if self.r.finished:
+            return  # the run is over: its holders leave one by one, and no stage is filled or moved
         self.observe_traffic()
         chain = self.current_chain()
         if chain is not None and any(self.r.holder(k).movable for k in range(self.r.run.stages)):
