@@ -137,21 +137,3 @@ def test_heartbeats_carry_no_run_config_and_slow_down_in_large_swarms(tmp_path):
     assert periods == [1.0, 1.0, 2.0, 3.0]
     assert r.nodes["v0000"].movable
 
-
-def test_a_finished_run_gives_a_standby_no_stage_its_holders_leave(tmp_path):
-    """Once the last stage reported the run's last step its holders leave one by one: the stages
-    they leave stay open (a swarm once assigned its standby the stage of a holder that had left
-    after the last step, and the standby then stopped, holding it)."""
-    swarm = TrueSwarm(0, 4)
-    r = registry_with(tmp_path, swarm, stages=3)
-    placement = Placement(r, PlacementSettings(settle_s=0, probe_wait_s=30, rebalance_s=0.1, tick_s=0.05), swarm.measure)
-    asyncio.run(settle(placement, 1.5))
-    chain = placement.current_chain()
-    spare = [v for v in swarm.ids if r.nodes[v].status is NodeStatus.STANDBY]
-    assert chain is not None and len(spare) == 1
-    r.finished = True
-    r.nodes[chain[1]].status = NodeStatus.LEFT  # what SwarmRegistry.leave records
-    r.epoch += 1
-    asyncio.run(settle(placement, 0.5))
-    assert r.open_stages() == [1] and r.nodes[spare[0]].status is NodeStatus.STANDBY
-    assert [r.holder(k).node_id for k in (0, 2)] == [chain[0], chain[2]]

@@ -17,6 +17,8 @@ log = logging.getLogger("tahnode.daemon")
 
 __all__ = ["Heartbeats", "peak_rss_bytes"]
 
+FINISH_POLL_S = 0.2  # how often a node that trained its last step asks whether the whole run finished
+
 
 def peak_rss_bytes() -> int:
     """This process's peak resident memory (Linux reports kilobytes, macOS bytes)."""
@@ -110,6 +112,20 @@ class Heartbeats:
                         log.warning("the coordinator did not take the last %d steps' report: %s", self._unreported(), exc)
                     return
             await asyncio.sleep(self.period)
+
+    async def until_run_finished(self, wait_s: float) -> bool:
+        """After this node's last step: report until the coordinator says the run finished (the last
+        stage's final report reached it), for at most `wait_s` seconds, so that the stage this node
+        leaves next is not handed to a standby. False if it did not say so in time."""
+        deadline = asyncio.get_running_loop().time() + wait_s
+        while not self.run_finished and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(FINISH_POLL_S)
+            try:
+                await self.report()
+            except CoordinatorError as exc:
+                log.warning("heartbeat: %s", exc)
+                return False
+        return self.run_finished
 
     def _unreported(self) -> int:
         return len(self.worker.stats.outbox) if self.worker is not None else 0

@@ -47,6 +47,8 @@ log = logging.getLogger("tahnode.daemon")
 
 __all__ = ["StageNode", "run_node"]
 
+RUN_FINISHED_WAIT_S = 5.0  # after its last step, how long a node waits for the coordinator to see the run end
+
 
 def state_dir(cfg: NodeConfig, node_id: str) -> Path:
     """Where the node keeps its stage checkpoints and its key."""
@@ -263,6 +265,10 @@ class StageNode:
             await self.sync.wait(timeout=30)
         if self.beats is not None:
             await self.beats.stop()
+            if self.worker is not None and self.worker.committed >= self.run_cfg.train.steps:
+                # the last stage may report the end after this stage finished: until then, the
+                # coordinator would give the stage this node leaves to a standby
+                await self.beats.until_run_finished(RUN_FINISHED_WAIT_S)
         await self.coord.leave(self.node_id)
         await self._close()
 
