@@ -26,7 +26,7 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 # Every process this session's tests start inherits this variable, p2pd included: under pytest-xdist
 # each worker is a session of its own, and must not count the daemons of another worker's tests.
 os.environ["TAHNODE_TEST_SESSION"] = str(os.getpid())
-SESSION_MARK = f"TAHNODE_TEST_SESSION={os.getpid()}".encode()
+SESSION_MARK = f"TAHNODE_TEST_SESSION={os.environ['TAHNODE_TEST_SESSION']}".encode()
 
 # What shares the root network namespace (tahnode.tools.netns's host link 10.78.0.1, dockerd's
 # nftables and docker0): under pytest-xdist (`make test` runs 2 workers) these tests share one group,

@@ -136,4 +136,3 @@ def test_heartbeats_carry_no_run_config_and_slow_down_in_large_swarms(tmp_path):
         periods.append(reply.heartbeat_s)
     assert periods == [1.0, 1.0, 2.0, 3.0]
     assert r.nodes["v0000"].movable
-

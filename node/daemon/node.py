@@ -265,7 +265,7 @@ class StageNode:
             await self.sync.wait(timeout=30)
         if self.beats is not None:
             await self.beats.stop()
-            if self.worker is not None and self.worker.committed >= self.run_cfg.train.steps:
+            if self.worker is not None and self.worker.stats.finished:
                 # the last stage may report the end after this stage finished: until then, the
                 # coordinator would give the stage this node leaves to a standby
                 await self.beats.until_run_finished(RUN_FINISHED_WAIT_S)
