@@ -142,7 +142,7 @@ def test_training_survives_kill_cut_stop_restart_and_a_corrupt_checkpoint(tmp_pa
                                            "train.seq_len": SEQ, "train.seed": SEED, "codec.forward": "none",
                                            "codec.backward": "none", "codec.backward_params": {}})
     dataset = open_dataset(run, str(cache))
-    schedule = SampleSchedule(len(dataset), BATCH, MICRO, seed=SEED)
+    schedule = SampleSchedule.for_run(run, len(dataset))
     for e in ledger:
         assert sorted(e["sample_ids"]) == sorted(i for m in range(MICRO) for i in schedule.ids(e["step"], m))
     trained = [i for e in ledger for i in e["sample_ids"]]

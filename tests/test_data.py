@@ -203,6 +203,25 @@ def test_sample_schedule_is_deterministic_and_covers_each_epoch():
     assert a.epoch(25) == 6.0
 
 
+def test_pipelines_train_samples_of_their_own():
+    """Pipelines of a run never share a sample within a step's span of the stream; their steps put
+    together are one pipeline's step with P times the batch; one slot is the single stream."""
+    n, bs, mbs, slots = 1000, 3, 2, 4
+    schedule = SampleSchedule(n, bs, mbs, seed=5, slots=slots)
+    big = SampleSchedule(n, bs, mbs * slots, seed=5)
+    for step in range(6):
+        per_pipeline = [[i for m in range(mbs) for i in schedule.ids(step, m, p)] for p in range(slots)]
+        together = [i for ids in per_pipeline for i in ids]
+        assert len(set(together)) == len(together) == slots * bs * mbs
+        assert together == [i for m in range(mbs * slots) for i in big.ids(step, m)]
+    seen = [i for step in range(8) for p in range(slots) for m in range(mbs) for i in schedule.ids(step, m, p)]
+    assert len(seen) == len(set(seen))  # 192 of 1000: within one epoch, none twice
+    assert SampleSchedule(n, bs, mbs, seed=5, slots=1).ids(3, 1) == SampleSchedule(n, bs, mbs, seed=5).ids(3, 1)
+    with pytest.raises(ValueError, match="pipeline 4 is out of range"):
+        schedule.ids(0, 0, 4)
+    assert schedule.epoch(125) == 125 * slots * bs * mbs / n
+
+
 def test_sample_schedule_rejects_bad_arguments():
     with pytest.raises(ValueError, match="micro_batch"):
         SampleSchedule(10, 2, 2).ids(0, 2)

@@ -46,7 +46,7 @@ def test_replica_of_a_ring_gives_the_pipelines_losses(dataset):
 
 
 def test_held_out_samples_are_never_trained_on(dataset):
-    run = build_run(4, **{"codec.forward": "none", "codec.backward": "none", "codec.backward_params": {}})
+    run = build_run(4, **{"codec.forward": "none", "codec.backward": "none", "codec.backward_params": {}, "swarm.pipelines": 1})
     replica = PipelineReplica(run, dataset, train_samples=len(dataset) - 8)
     epoch = -(-len(dataset) // replica.schedule.samples_per_step)
     seen = {i for step in range(epoch) for mb in range(run.train.micro_batches) for i in replica.schedule.ids(step, mb)}

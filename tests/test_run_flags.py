@@ -1,5 +1,5 @@
-"""Every [train] setting is a flag of `tahnode coordinator` and `tahnode demo`, made from TrainConfig's
-own fields; a fine-tuning learning rate is accepted (min_lr follows lr unless set) and reaches the
+"""Every [train] and [swarm] setting is a flag of `tahnode coordinator` and `tahnode demo`, made from
+TrainConfig's and SwarmConfig's own fields (`--pipelines auto` too); a fine-tuning learning rate is accepted (min_lr follows lr unless set) and reaches the
 run config the nodes receive; a contradiction names the flags to change; the Makefile picks the
 CPU build of torch on a machine without an NVIDIA GPU."""
 
@@ -14,7 +14,7 @@ import pytest
 
 from tahnode import cli
 from tahnode.config import RunConfig, TrainConfig
-from tahnode.config.flags import run_config_from, train_flag
+from tahnode.config.flags import KNOB_TABLES, run_config_from, train_flag
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -29,14 +29,36 @@ def options(command: str) -> set[str]:
     return {s for a in sub._actions for s in a.option_strings}
 
 
+@pytest.mark.parametrize("table", [kind for _, kind in KNOB_TABLES], ids=[name for name, _ in KNOB_TABLES])
 @pytest.mark.parametrize("command", ["coordinator", "demo"])
-def test_every_train_field_is_a_flag(command):
-    flags = {train_flag(f) for f in dataclasses.fields(TrainConfig)}
-    assert len(flags) == len(dataclasses.fields(TrainConfig))
+def test_every_train_and_swarm_field_is_a_flag(command, table):
+    flags = {train_flag(f) for f in dataclasses.fields(table)}
+    assert len(flags) == len(dataclasses.fields(table))
     assert flags <= options(command), flags - options(command)
     help_text = cli.build_parser()._subparsers._group_actions[0].choices[command].format_help()
-    for f in dataclasses.fields(TrainConfig):
+    for f in dataclasses.fields(table):
         assert train_flag(f) in help_text and f.metadata["help"].split()[0] in help_text
+
+
+def test_swarm_flags_and_tables_reach_the_nodes(tmp_path):
+    run = run_of("--pipelines", "3", "--outer-every", "7", "--outer-bits", "4", "--outer-momentum", "0.9", "--standbys", "2")
+    s = RunConfig.from_json(run.to_json()).swarm  # what a node gets in its JoinReply
+    assert (s.pipelines, s.outer_every, s.outer_bits, s.outer_momentum, s.standbys, s.data_slots) == (3, 7, 4, 0.9, 2, 3)
+    auto = run_of("--pipelines", "auto", "--max-pipelines", "5").swarm
+    assert (auto.auto, auto.data_slots) == (True, 5)
+    toml = tmp_path / "run.toml"
+    toml.write_text('[swarm]\npipelines = "auto"\nouter_every = 3\n')
+    assert (run_of("--config", str(toml)).swarm.auto, run_of("--config", str(toml)).swarm.outer_every) == (True, 3)
+    assert run_of("--config", str(toml), "--pipelines", "2").swarm.pipelines == 2  # a flag beats the file
+    toml.write_text("[swarm]\npipelines = 'many'\n")
+    with pytest.raises(ValueError, match=r"\[swarm\] pipelines is 'auto' or a whole number"):
+        run_of("--config", str(toml))
+    for bad, match in ((["--outer-every", "0"], "outer_every"), (["--outer-momentum", "1"], "outer_momentum"),
+                       (["--min-chain-share", "2"], "min_chain_share")):
+        with pytest.raises(ValueError, match=match):
+            run_of(*bad)
+    with pytest.raises(SystemExit):  # argparse: not auto, not a number
+        run_of("--pipelines", "two")
 
 
 @pytest.mark.parametrize("flags,lr,min_lr", [

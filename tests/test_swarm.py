@@ -188,7 +188,7 @@ def test_placement_avoids_the_slow_link_and_a_standby_takes_over(tmp_path):
     losses = [e["loss"] for e in ledger]
     assert sum(losses[-5:]) / 5 < sum(losses[:5]) / 5 - 0.5
     run = RunConfig.build("llama-tiny", **{"train.batch_size": 8, "train.seq_len": 128, "train.micro_batches": 2})
-    schedule = SampleSchedule(len(open_dataset(run, str(cache))), 8, 2, seed=0)
+    schedule = SampleSchedule.for_run(run, len(open_dataset(run, str(cache))))
     for e in ledger:
         assert sorted(e["sample_ids"]) == sorted(schedule.ids(e["step"], 0) + schedule.ids(e["step"], 1))
     trained = [i for e in ledger for i in e["sample_ids"]]

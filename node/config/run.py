@@ -9,7 +9,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .knob import knob
 from .model import ModelConfig
+from .swarm import SwarmConfig
 from .toml import load_toml, toml_table
 
 __all__ = ["TrainConfig", "CodecConfig", "RunConfig", "HOST_COPIES"]
@@ -19,42 +21,37 @@ __all__ = ["TrainConfig", "CodecConfig", "RunConfig", "HOST_COPIES"]
 HOST_COPIES = ("inline", "overlap")
 
 
-def _knob(default, help: str, flag: str = "", choices: tuple = (), metavar: str = ""):
-    """A [train] field with what its command-line flag says (tahnode.config.flags makes one per field)."""
-    return field(default=default, metadata={"help": help, "flag": flag, "choices": choices, "metavar": metavar})
-
-
 @dataclass
 class TrainConfig:
     """How the swarm trains: batch shape, optimizer, schedule, checkpoints. Every field is a flag of
     `tahnode coordinator` and `tahnode demo` (its metadata is the flag's --help)."""
 
-    steps: int = _knob(100, "optimizer steps to train")
-    micro_batches: int = _knob(4, "micro-batches per optimizer step (M)")
-    batch_size: int = _knob(4, "samples per micro-batch")
-    seq_len: int = _knob(64, "tokens per sample")
-    lr: float = _knob(3e-3, "peak learning rate (AdamW)")
-    min_lr: float | None = _knob(None, "learning rate at the end of the cosine decay (default: lr / 10)")
-    warmup_steps: int = _knob(10, "steps of linear learning-rate warm-up")
-    weight_decay: float = _knob(0.1, "AdamW weight decay")
-    beta1: float = _knob(0.9, "AdamW beta1")
-    beta2: float = _knob(0.95, "AdamW beta2")
-    grad_clip: float = _knob(1.0, "clip gradients to this global norm (summed across stages); 0 = off")
-    schedule: str = _knob("1f1b", "pipeline schedule: 1f1b (a window of micro-batches in flight that grows as needed) or gpipe",
+    steps: int = knob(100, "optimizer steps to train")
+    micro_batches: int = knob(4, "micro-batches per optimizer step (M)")
+    batch_size: int = knob(4, "samples per micro-batch")
+    seq_len: int = knob(64, "tokens per sample")
+    lr: float = knob(3e-3, "peak learning rate (AdamW)")
+    min_lr: float | None = knob(None, "learning rate at the end of the cosine decay (default: lr / 10)")
+    warmup_steps: int = knob(10, "steps of linear learning-rate warm-up")
+    weight_decay: float = knob(0.1, "AdamW weight decay")
+    beta1: float = knob(0.9, "AdamW beta1")
+    beta2: float = knob(0.95, "AdamW beta2")
+    grad_clip: float = knob(1.0, "clip gradients to this global norm (summed across stages); 0 = off")
+    schedule: str = knob("1f1b", "pipeline schedule: 1f1b (a window of micro-batches in flight that grows as needed) or gpipe",
                           choices=("1f1b", "gpipe"))
-    pipeline_micro_batches: int = _knob(0, "micro-batches the pipeline cuts each step into (0: enough to keep slow links "
+    pipeline_micro_batches: int = knob(0, "micro-batches the pipeline cuts each step into (0: enough to keep slow links "
                                         "busy, tahnode.pipeline.schedule)")
-    min_micro_batch_tokens: int = _knob(512, "the automatic cut never makes micro-batches of fewer tokens")
-    memory_budget_mb: float = _knob(4096.0, "activation memory stage 0 may hold for micro-batches in flight",
+    min_micro_batch_tokens: int = knob(512, "the automatic cut never makes micro-batches of fewer tokens")
+    memory_budget_mb: float = knob(4096.0, "activation memory stage 0 may hold for micro-batches in flight",
                                     flag="--memory-budget", metavar="MB")
-    seed: int = _knob(0, "seed of the model's initial weights and of the data order")
-    checkpoint_every: int = _knob(20, "save each stage every N steps (and on SIGTERM)")
-    dtype: str = _knob("float32", "compute dtype", choices=("float32", "bfloat16"))
-    max_abs_value: float = _knob(1e6, "a received activation or gradient larger in magnitude is refused (a hostile peer "
+    seed: int = knob(0, "seed of the model's initial weights and of the data order")
+    checkpoint_every: int = knob(20, "save each stage every N steps (and on SIGTERM)")
+    dtype: str = knob("float32", "compute dtype", choices=("float32", "bfloat16"))
+    max_abs_value: float = knob(1e6, "a received activation or gradient larger in magnitude is refused (a hostile peer "
                                  "or a diverged run); finite values up to 3e38 would overflow the stage's own output")
-    stall_timeout_s: float = _knob(300.0, "stage 0 replays a step when no gradient came back for this long (a lost "
+    stall_timeout_s: float = knob(300.0, "stage 0 replays a step when no gradient came back for this long (a lost "
                                    "message)", flag="--stall-timeout", metavar="SECONDS")
-    host_copy: str = _knob("inline", "where a sent payload is copied to the host and checksummed: inline (the compute "
+    host_copy: str = knob("inline", "where a sent payload is copied to the host and checksummed: inline (the compute "
                            "thread waits for it) or overlap (a side stream and the link's thread, while the next "
                            "micro-batch computes)", choices=HOST_COPIES)
 
@@ -172,6 +169,7 @@ class RunConfig:
     data_limit_mb: float = 4.0      # size of the built-in corpus (Python's stdlib sources)
     train: TrainConfig = field(default_factory=TrainConfig)
     codec: CodecConfig = field(default_factory=CodecConfig)
+    swarm: SwarmConfig = field(default_factory=SwarmConfig)
 
     @property
     def ring(self) -> bool:
@@ -199,13 +197,15 @@ class RunConfig:
             raise ValueError(f"train.seq_len {self.train.seq_len} exceeds the model's max_seq_len {self.model.max_seq_len}")
         self.train.validate()
         self.codec.validate()
+        self.swarm.validate()
         return self
 
     def to_toml(self) -> str:
-        """The [run], [train] and [codec] tables (the model is named separately, by --model)."""
+        """The [run], [train], [codec] and [swarm] tables (the model is named separately, by --model)."""
         d = dataclasses.asdict(self)
         run = {k: d[k] for k in ("stages", "data", "data_limit_mb")}
-        return "\n".join(toml_table(name, table) for name, table in (("run", run), ("train", d["train"]), ("codec", d["codec"])))
+        tables = (("run", run), ("train", d["train"]), ("codec", d["codec"]), ("swarm", d["swarm"]))
+        return "\n".join(toml_table(name, table) for name, table in tables)
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), sort_keys=True)
@@ -220,11 +220,12 @@ class RunConfig:
             data_limit_mb=d["data_limit_mb"],
             train=_build(TrainConfig, d["train"], "train"),
             codec=_build(CodecConfig, d["codec"], "codec"),
+            swarm=_build(SwarmConfig, d.get("swarm", {}), "swarm"),
         ).validate()
 
     @classmethod
     def build(cls, model: str | Path, toml_path: str | Path | None = None, **overrides: Any) -> "RunConfig":
-        """Defaults, then the [run], [train] and [codec] tables of a TOML file, then `overrides`
+        """Defaults, then the [run], [train], [codec] and [swarm] tables of a TOML file, then `overrides`
         (dotted keys like "train.steps" or plain RunConfig fields)."""
         doc = load_toml(toml_path) if toml_path else {}
         run = cls(model=ModelConfig.from_name(str(model)))
@@ -232,6 +233,7 @@ class RunConfig:
             _set(run, key, value, "run")
         run.train = _build(TrainConfig, doc.get("train", {}), "train")
         run.codec = _build(CodecConfig, doc.get("codec", {}), "codec")
+        run.swarm = _build(SwarmConfig, doc.get("swarm", {}), "swarm")
         for key, value in overrides.items():
             if value is None:
                 continue
@@ -251,6 +253,12 @@ def _set(obj, key: str, value: Any, section: str) -> None:
     names = {f.name: f for f in dataclasses.fields(obj)}
     if key not in names or key == "model":
         raise ValueError(f"unknown setting [{section}] {key}; known: {', '.join(n for n in names if n != 'model')}")
+    parse = names[key].metadata.get("parse")
+    if parse is not None:
+        try:
+            value = parse(value)
+        except ValueError as exc:
+            raise ValueError(f"[{section}] {exc}") from None
     current = getattr(obj, key)
     if isinstance(current, bool) or isinstance(current, dict) or isinstance(current, str):
         setattr(obj, key, value)

@@ -36,7 +36,7 @@ class StepDriver:
         self.split = Split.of(t, worker.num_stages)
         self.tuner = SplitTuner(Split.counts(t), self.split.micro_batches)
         self.dataset = dataset
-        self.samples = SampleSchedule(len(dataset), t.batch_size, t.micro_batches, seed=t.seed) if dataset else None
+        self.samples = SampleSchedule.for_run(worker.run_cfg, len(dataset)) if dataset else None
         self.window = Window.initial(worker.num_stages, self.split, t.schedule)
         self.sample_bytes = 0.0  # activations saved here per sample (measured on the first micro-batch)
         self.all_backward = asyncio.Event()
@@ -66,7 +66,7 @@ class StepDriver:
     # -- the loop ----------------------------------------------------------------------------------
     def _forward(self, index: int):
         split = self.split
-        ids = self.samples.ids_at(self.w.state.step, index * split.batch_size, split.batch_size)
+        ids = self.samples.ids_at(self.w.state.step, index * split.batch_size, split.batch_size, self.w.pipeline)
         tokens, labels = self.dataset.batch(ids)
         if self.sample_bytes:
             return self.w.forward_first(index, split.micro_batches, ids, tokens, labels)

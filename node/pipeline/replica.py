@@ -58,10 +58,11 @@ class PipelineReplica:
     The step is cut into `run.train.pipeline_micro_batches` micro-batches (else the pipeline's first
     cut, Split.of); each goes forward through every stage and straight back, in index order, which
     is the order in which a stage of the pipeline handles them. `train_samples` (default: all of the
-    dataset) limits the sample schedule to the first ids, leaving the rest unseen for evaluation."""
+    dataset) limits the sample schedule to the first ids, leaving the rest unseen for evaluation;
+    `pipeline` is the pipeline whose samples it trains (of the run's swarm.data_slots)."""
 
     def __init__(self, run: RunConfig, dataset: TokenDataset, device: str = "cpu", init_from: str = "",
-                 train_samples: int | None = None):
+                 train_samples: int | None = None, pipeline: int = 0):
         t = run.train
         self.run, self.dataset, self.device = run, dataset, torch.device(device)
         self.dtype = COMPUTE_DTYPES[t.dtype]
@@ -75,7 +76,8 @@ class PipelineReplica:
         self.stats = Stats()  # every stage's sends counted together
         self.streams = [CodecStreams(run, k, _OneStream(), self.device, self.stats) for k in range(run.stages)]
         self.split = Split.of(t, run.stages)
-        self.schedule = SampleSchedule(train_samples or len(dataset), t.batch_size, t.micro_batches, seed=t.seed)
+        self.pipeline = pipeline
+        self.schedule = SampleSchedule.for_run(run, train_samples or len(dataset))
         self.errors = CrossingErrors()
 
     # -- one boundary ---------------------------------------------------------------------------
@@ -108,7 +110,7 @@ class PipelineReplica:
     def _micro_batch(self, step: int, index: int) -> tuple[float, int]:
         """Forward through every stage, the loss, backward through every stage: (loss, samples)."""
         s, ring = self.run.stages, self.run.ring
-        ids = self.schedule.ids_at(step, index * self.split.batch_size, self.split.batch_size)
+        ids = self.schedule.ids_at(step, index * self.split.batch_size, self.split.batch_size, self.pipeline)
         tokens, labels = self.dataset.batch(ids)
         pending: list[Pending] = []
         x: torch.Tensor = tokens.to(self.device)

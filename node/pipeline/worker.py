@@ -39,12 +39,13 @@ STALE = object()  # what compute returns for a micro-batch of an attempt that wa
 
 
 class StageWorker:
-    """Holds stage `stage` of `run`; drive with `run()` (stage 0 also drives the steps)."""
+    """Holds stage `stage` of `run` in pipeline `pipeline` (whose samples stage 0 trains); drive with
+    `run()` (stage 0 also drives the steps)."""
 
     def __init__(self, run: RunConfig, stage: int, transport: Transport, device: str = "cpu", store: CheckpointStore | None = None,
                  dataset: TokenDataset | None = None, on_step: Callable[["StageWorker"], None] | None = None,
-                 model: StageModel | None = None, on_saved: Callable[[str, int], None] | None = None):
-        self.run_cfg, self.stage = run, stage
+                 model: StageModel | None = None, on_saved: Callable[[str, int], None] | None = None, pipeline: int = 0):
+        self.run_cfg, self.stage, self.pipeline = run, stage, pipeline
         self.t = transport
         self.model = (model or build_stage(run.model, stage, run.stages, seed=self.train.seed, dtype=self.dtype)).to(device)
         self.opt = StageOptimizer(self.model.parameters(), self.train)

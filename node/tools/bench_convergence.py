@@ -21,6 +21,7 @@ from pathlib import Path
 from ..net.memory import reuse_message_buffers
 from .bench_report import write_section
 from .bench_swarm import CodecPair
+from .convergence_pipelines import add_pipeline_args, pipeline_report, pipeline_specs
 from .convergence_report import plot, summarize, table
 from .convergence_runs import RunResult, RunSpec, train_one
 
@@ -33,9 +34,9 @@ DEFAULT_PAIRS = ("none/none;none/pertoken;tahquant/naive;tahquant/none;tahquant/
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="tahnode bench convergence", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--pairs", default=DEFAULT_PAIRS, help="codec pairs FWD[:k=v,...]/BWD[:k=v,...], comma-separated; the first "
-                    f"is the reference unless none/none is among them (default {DEFAULT_PAIRS}). Separate pairs with ';' "
-                    "when their parameters have commas")
+    ap.add_argument("--pairs", default=None, help="codec pairs FWD[:k=v,...]/BWD[:k=v,...], comma-separated; the first "
+                    f"is the reference unless none/none is among them (default {DEFAULT_PAIRS}; with --pipelines, the last "
+                    "of them, the product's default). Separate pairs with ';' when their parameters have commas")
     ap.add_argument("--seeds", type=int, default=3, metavar="N", help="train every pair with seeds 0..N-1: weights and data "
                     "order (default 3)")
     ap.add_argument("--first-seed", type=int, default=0, help="start the seeds here (default 0)")
@@ -65,6 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--plots", default="docs/plots", help="where the PNG plot goes (default docs/plots)")
     ap.add_argument("--no-doc", action="store_true", help="print the table only; leave the doc and plots alone")
     ap.add_argument("--json", action="store_true", help="print every run's result as one JSON list on the last line")
+    add_pipeline_args(ap)
     return ap
 
 
@@ -92,9 +94,10 @@ def plan(args) -> list[RunSpec]:
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
     on_gpu, jobs = args.device.startswith("cuda"), jobs_for(args)
+    pairs = args.pairs or (DEFAULT_PAIRS.split(";")[-1] if args.pipelines else DEFAULT_PAIRS)
     specs = []
     for seed in range(args.first_seed, args.first_seed + args.seeds):
-        for pair in parse_pairs(args.pairs):
+        for pair in parse_pairs(pairs):
             specs.append(RunSpec(
                 pair=pair.label, forward=pair.forward, forward_params=pair.forward_params, backward=pair.backward,
                 backward_params=pair.backward_params, seed=seed, model=args.model, stages=args.stages, steps=args.steps,
@@ -103,7 +106,10 @@ def plan(args) -> list[RunSpec]:
                 device=args.device, dtype=args.dtype or ("bfloat16" if on_gpu else "float32"), init_from=args.init_from,
                 eval_every=args.eval_every, eval_samples=args.eval_samples, threads=0 if on_gpu or jobs == 1 else 1,
                 schedule=pair.schedule))
-    specs[0].run_config()  # a bad model, config or codec parameter fails here, before any run starts
+    if args.pipelines:
+        specs = pipeline_specs(specs, args)
+    for spec in {s.pipelines: s for s in specs}.values():  # a bad model, config, codec or [swarm] setting fails here
+        spec.run_config()
     return specs
 
 
@@ -171,7 +177,7 @@ def report(results: list[RunResult], specs: list[RunSpec], args, command: str) -
     reference = "none/none" if "none/none" in labels else labels[0]
     summaries = summarize(results, reference)
     rates = [float(r) for r in args.rates.split(",") if r.strip()]
-    text = table(summaries, rates)
+    text = pipeline_report(results, specs, rates[0]) if args.pipelines else table(summaries, rates)
     if args.no_doc:
         return text
     spec = specs[0]
@@ -182,11 +188,22 @@ def report(results: list[RunResult], specs: list[RunSpec], args, command: str) -
                f"({run.train.warmup_steps} warm-up steps, cosine to {run.train.min_lr:g}); "
                + (f"fine-tuning {spec.init_from}; " if spec.init_from else "from scratch; ")
                + f"held-out loss over the last {spec.eval_samples} samples of the data, never trained on, every "
-               f"{spec.eval_every} steps. Gaps compare each seed with the reference ({reference}) of the same seed. Link time = "
-               "tokens × width × bits per element of a link's busier direction / rate: what the link alone needs.")
+               f"{spec.eval_every} steps. " + (_pipelines_note(rates[0]) if args.pipelines else
+               f"Gaps compare each seed with the reference ({reference}) of the same seed. Link time = tokens × width × "
+               "bits per element of a link's busier direction / rate: what the link alone needs."))
     write_section(Path(args.doc), f"bench-convergence-{args.name}", f"Convergence: {args.name}",
                   [text, "", setting, "", f"Command: `{command}`"], plots, spec.device)
     return text
+
+
+def _pipelines_note(rate: float) -> str:
+    return ("P pipelines train steps of the messages above each, on samples of their own; the reference is one pipeline "
+            "with P times the messages per step (the same samples, one synchronous step), of the same seed. Averaging "
+            "bytes: what the replicas sent each other for their outer steps (butterfly all-reduce of blockwise-coded "
+            "pseudo-gradients), over the activations and gradients every pipeline sent. Replica spread: the largest "
+            "difference between two replicas' outer weights after an outer step. Wall-clock: a step takes its link time "
+            f"at {rate:g} Mbit/s (tokens × width × bits of the busier direction / rate), an outer step the time one "
+            "replica needs to send its share; against one pipeline alone (of the same seed) training all its steps.")
 
 
 def main(argv: list[str] | None = None) -> int:

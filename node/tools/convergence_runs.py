@@ -44,21 +44,28 @@ class RunSpec:
     eval_samples: int = 512
     threads: int = 0             # torch threads in the worker (0: torch's default)
     schedule: dict = field(default_factory=dict)  # the forward codec's precision schedule (codec.forward_high_*)
+    swarm: dict = field(default_factory=dict)     # [swarm] settings: pipelines in data parallel, the outer step
 
     @property
     def key(self) -> str:
         """A name for the run's result file: the pair and seed, and a hash of every other setting."""
         settings = asdict(self)
-        if not settings["schedule"]:  # runs without one keep the names they had before schedules existed
-            del settings["schedule"]
+        for name in ("schedule", "swarm"):  # runs without one keep the names they had before it existed
+            if not settings[name]:
+                del settings[name]
         text = json.dumps(settings, sort_keys=True)
         digest = hashlib.sha256(text.encode()).hexdigest()[:10]
         pair = "".join(ch if ch.isalnum() or ch in "=.-" else "_" for ch in self.pair)
         return f"{pair}-seed{self.seed}-{digest}"
 
     @property
+    def pipelines(self) -> int:
+        return int(self.swarm.get("pipelines", 1))
+
+    @property
     def tokens_per_step(self) -> int:
-        return self.samples_per_message * self.messages_per_step * self.seq_len
+        """Tokens one optimizer step trains, over every pipeline."""
+        return self.samples_per_message * self.messages_per_step * self.seq_len * self.pipelines
 
     def run_config(self):
         from ..config import RunConfig
@@ -70,7 +77,8 @@ class RunSpec:
             "train.seed": self.seed, "train.dtype": self.dtype,
             "codec.forward": self.forward, "codec.forward_params": dict(self.forward_params),
             "codec.backward": self.backward, "codec.backward_params": dict(self.backward_params),
-            **{f"codec.{k}": v for k, v in (self.schedule or NO_SCHEDULE).items()}})
+            **{f"codec.{k}": v for k, v in (self.schedule or NO_SCHEDULE).items()},
+            **{f"swarm.{k}": v for k, v in {"pipelines": 1, **self.swarm}.items()}})  # one pipeline's samples: one stream
 
 
 @dataclass
@@ -89,6 +97,11 @@ class RunResult:
     dim: int = 0                 # width of what crosses a boundary
     seconds: float = 0.0
     diverged: str = ""           # why the run stopped early ("" if it did not)
+    pipelines: int = 1
+    activation_bytes: int = 0    # every message between stages, of every pipeline
+    averaging_bytes: int = 0     # what the replicas sent each other for their outer steps
+    outer_steps: int = 0
+    spread: float = 0.0          # the largest |difference| between two replicas' weights after an outer step
 
     @property
     def final_eval(self) -> float:
@@ -122,6 +135,7 @@ def train_one(spec: RunSpec, progress=None) -> RunResult:
     from ..codecs import CodecError
     from ..net.transport import BACKWARD, FORWARD
     from ..pipeline.replica import PipelineReplica
+    from ..pipeline.replica_group import ReplicaGroup
     from ..train.data import open_dataset
 
     if spec.threads:
@@ -129,8 +143,9 @@ def train_one(spec: RunSpec, progress=None) -> RunResult:
     run = spec.run_config()
     dataset = open_dataset(run)
     train_samples, heldout = _heldout(dataset, spec.eval_samples)
-    replica = PipelineReplica(run, dataset, spec.device, spec.init_from, train_samples)
-    result = RunResult(spec.pair, spec.seed, spec.tokens_per_step, dim=run.model.dim)
+    kind = ReplicaGroup if spec.pipelines > 1 else PipelineReplica
+    replica = kind(run, dataset, spec.device, spec.init_from, train_samples)
+    result = RunResult(spec.pair, spec.seed, spec.tokens_per_step, dim=run.model.dim, pipelines=spec.pipelines)
     batch = spec.samples_per_message
     started = time.perf_counter()
     result.evals.append([0, replica.evaluate(heldout, batch)])
@@ -156,4 +171,7 @@ def train_one(spec: RunSpec, progress=None) -> RunResult:
     result.bits_bwd = replica.stats.bits_per_element(BACKWARD)
     result.error_fwd = replica.errors.mean(FORWARD)
     result.error_bwd = replica.errors.mean(BACKWARD)
+    result.activation_bytes = spec.pipelines * sum(replica.stats.encoded_bytes.values())
+    if isinstance(replica, ReplicaGroup):
+        result.averaging_bytes, result.outer_steps, result.spread = replica.averaging_bytes, replica.outer_steps, replica.spread
     return result

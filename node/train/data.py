@@ -82,26 +82,36 @@ class TokenDataset:
 
 
 class SampleSchedule:
-    """Which sample ids each (step, micro-batch) trains on, the same on every machine.
+    """Which sample ids each (step, pipeline, micro-batch) trains on, the same on every machine.
 
     The samples form one stream: epoch after epoch, each epoch a permutation of all ids (drawn
-    from a torch.Generator seeded by (seed, epoch); the identity with shuffle=False). Micro-batch
-    m of step s takes the batch_size ids at stream position (s * micro_batches + m) * batch_size,
-    so a batch may straddle two epochs; every id occurs once per epoch, none is dropped. Replaying
-    a step gives the same ids. Identical across machines with the same torch version."""
+    from a torch.Generator seeded by (seed, epoch); the identity with shuffle=False). Step s of
+    pipeline p (of `slots` pipelines the run keeps apart: swarm.data_slots) takes the step's
+    samples at stream position (s * slots + p) * samples_per_step, micro-batch m the batch_size
+    ids from m * batch_size on, so a batch may straddle two epochs; no two (step, pipeline) share
+    a position, and with every slot in use every id occurs once per epoch. Replaying a step gives
+    the same ids. One pipeline with slots = 1 is the single stream of a single pipeline.
+    Identical across machines with the same torch version."""
 
     def __init__(self, num_samples: int, batch_size: int, micro_batches: int, seed: int = 0,
-                 shuffle: bool = True):
+                 shuffle: bool = True, slots: int = 1):
         for name, value in (("num_samples", num_samples), ("batch_size", batch_size),
-                            ("micro_batches", micro_batches)):
+                            ("micro_batches", micro_batches), ("slots", slots)):
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if batch_size > num_samples:
             raise ValueError(f"batch_size {batch_size} exceeds the {num_samples} samples")
         self.num_samples = num_samples
         self.batch_size, self.micro_batches = batch_size, micro_batches
-        self.seed, self.shuffle = seed, shuffle
+        self.seed, self.shuffle, self.slots = seed, shuffle, slots
         self._cached: tuple[int, torch.Tensor] | None = None  # (epoch, its permutation)
+
+    @classmethod
+    def for_run(cls, run: RunConfig, num_samples: int) -> "SampleSchedule":
+        """The schedule of `run` over a data set of `num_samples`: its batch shape and seed, and as
+        many pipelines kept apart as its [swarm] table says (swarm.data_slots)."""
+        t = run.train
+        return cls(num_samples, t.batch_size, t.micro_batches, seed=t.seed, slots=run.swarm.data_slots)
 
     @property
     def samples_per_step(self) -> int:
@@ -124,24 +134,26 @@ class SampleSchedule:
             epoch, offset = divmod(pos, self.num_samples)
             yield int(self.epoch_order(epoch)[offset])
 
-    def ids(self, step: int, micro_batch: int) -> list[int]:
-        """The batch_size sample ids of micro-batch `micro_batch` of step `step`."""
+    def ids(self, step: int, micro_batch: int, pipeline: int = 0) -> list[int]:
+        """The batch_size sample ids of micro-batch `micro_batch` of step `step` of `pipeline`."""
         if not 0 <= micro_batch < self.micro_batches:
             raise ValueError(f"micro_batch {micro_batch} is out of range "
                              f"(0..{self.micro_batches - 1})")
-        return self.ids_at(step, micro_batch * self.batch_size, self.batch_size)
+        return self.ids_at(step, micro_batch * self.batch_size, self.batch_size, pipeline)
 
-    def ids_at(self, step: int, offset: int, count: int) -> list[int]:
-        """The ids of samples offset..offset+count-1 of step `step` (however the step is cut)."""
+    def ids_at(self, step: int, offset: int, count: int, pipeline: int = 0) -> list[int]:
+        """The ids of samples offset..offset+count-1 of step `step` of `pipeline` (however the step is cut)."""
         if step < 0:
             raise ValueError(f"step must be >= 0, got {step}")
+        if not 0 <= pipeline < self.slots:
+            raise ValueError(f"pipeline {pipeline} is out of range: the schedule keeps {self.slots} apart (0..{self.slots - 1})")
         if offset < 0 or count < 1 or offset + count > self.samples_per_step:
             raise ValueError(f"samples {offset}..{offset + count - 1} are not within a step of {self.samples_per_step}")
-        return list(self._stream(step * self.samples_per_step + offset, count))
+        return list(self._stream((step * self.slots + pipeline) * self.samples_per_step + offset, count))
 
     def epoch(self, step: int) -> float:
-        """How many epochs have been completed at the start of `step` (fractional)."""
-        return step * self.samples_per_step / self.num_samples
+        """How many epochs the stream has passed at the start of `step` (fractional)."""
+        return step * self.slots * self.samples_per_step / self.num_samples
 
 
 def check_vocabulary(run: RunConfig, vocab_size: int, tokenizer: str, where: str | Path) -> None:

@@ -22,7 +22,7 @@ def train_local(run: RunConfig, dataset: TokenDataset, steps: int | None = None,
         load_stage_from_hf(model, init_from)
     model = model.to(device)
     opt = StageOptimizer(model.parameters(), t)
-    schedule = SampleSchedule(len(dataset), t.batch_size, t.micro_batches, seed=t.seed)
+    schedule = SampleSchedule.for_run(run, len(dataset))  # pipeline 0's samples
     losses = []
     for step in range(steps if steps is not None else t.steps):
         total = 0.0

@@ -1,0 +1,80 @@
+"""The [swarm] table of the run configuration: how many pipelines train at once in data parallel,
+how many spare nodes stand by, and how the replicas of a stage are kept in step (the outer step)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .knob import knob
+
+__all__ = ["SwarmConfig", "AUTO_PIPELINES", "OUTER_BITS", "parse_pipelines"]
+
+AUTO_PIPELINES = 0          # --pipelines auto: as many as the nodes allow (up to max_pipelines)
+OUTER_BITS = (4, 8, 16, 32)  # bits of a pseudo-gradient value on the wire: blockwise 4 or 8, float16, float32
+
+
+def parse_pipelines(value) -> int:
+    """`auto` (or 0) -> AUTO_PIPELINES, else a positive whole number of pipelines."""
+    if isinstance(value, str) and value.strip().lower() == "auto":
+        return AUTO_PIPELINES
+    try:
+        number = int(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"pipelines is 'auto' or a whole number, got {value!r}") from None
+    if number != float(value) or number < 0:
+        raise ValueError(f"pipelines is 'auto' or a whole number >= 1, got {value!r}")
+    return number
+
+
+@dataclass
+class SwarmConfig:
+    """Pipelines in data parallel (docs/architecture.md, "Replicas in step"). Every field is a flag of
+    `tahnode coordinator`, `tahnode demo` and `tahnode swarm up`."""
+
+    pipelines: int = knob(AUTO_PIPELINES, "pipelines that train at once, each a chain of every stage: N, or auto for as "
+                          "many as the nodes allow once --standbys are kept back", metavar="auto|N", parse=parse_pipelines)
+    max_pipelines: int = knob(64, "with --pipelines auto, never more than this many (the sample schedule keeps this many "
+                              "pipelines' samples apart)")
+    standbys: int = knob(1, "spare nodes kept back to take over a failed stage before another pipeline is formed")
+    min_chain_share: float = knob(0.5, "a new pipeline must reach this share of the fastest pipeline's tokens/s (a "
+                                  "slower one would set the pace of every outer step); its nodes stand by instead")
+    outer_every: int = knob(4, "the replicas of each stage average their pseudo-gradients every this many steps (H)",
+                            metavar="STEPS")
+    outer_lr: float = knob(1.0, "the outer step's learning rate (1 without momentum: the replicas' mean weights)")
+    outer_momentum: float = knob(0.0, "the outer step's Nesterov momentum (DiLoCo's is 0.9 with outer lr 0.7); 0: none")
+    outer_bits: int = knob(8, "bits of a pseudo-gradient value on the wire: 4 or 8 (a float16 scale per block of 64), "
+                           "16 (float16) or 32", choices=OUTER_BITS)
+    outer_timeout_s: float = knob(30.0, "how long a replica waits for the others of its stage at an outer step; it goes "
+                                  "ahead with those that came", flag="--outer-timeout", metavar="SECONDS")
+    outer_norm_ratio: float = knob(10.0, "a replica's pseudo-gradient whose norm is above this multiple of its group's "
+                                   "median is refused (an offence), as is one that is not finite")
+
+    @property
+    def auto(self) -> bool:
+        return self.pipelines == AUTO_PIPELINES
+
+    @property
+    def data_slots(self) -> int:
+        """How many pipelines the sample schedule keeps apart: --pipelines N, else max_pipelines."""
+        return self.max_pipelines if self.auto else self.pipelines
+
+    def validate(self) -> "SwarmConfig":
+        self.pipelines = parse_pipelines(self.pipelines)
+        for name in ("max_pipelines", "outer_every"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"swarm.{name} must be >= 1, got {getattr(self, name)}")
+        if self.standbys < 0:
+            raise ValueError(f"swarm.standbys must be >= 0, got {self.standbys}")
+        if not 0 <= self.min_chain_share <= 1:
+            raise ValueError(f"swarm.min_chain_share is a share of the fastest pipeline's speed, in [0, 1], got {self.min_chain_share}")
+        if not self.outer_lr > 0:
+            raise ValueError(f"swarm.outer_lr must be > 0, got {self.outer_lr}")
+        if not 0 <= self.outer_momentum < 1:
+            raise ValueError(f"swarm.outer_momentum must be in [0, 1), got {self.outer_momentum}")
+        if self.outer_bits not in OUTER_BITS:
+            raise ValueError(f"swarm.outer_bits must be one of {', '.join(map(str, OUTER_BITS))}, got {self.outer_bits}")
+        if not self.outer_timeout_s > 0:
+            raise ValueError(f"swarm.outer_timeout_s must be > 0 seconds, got {self.outer_timeout_s}")
+        if not self.outer_norm_ratio > 1:
+            raise ValueError(f"swarm.outer_norm_ratio must be > 1, got {self.outer_norm_ratio}")
+        return self

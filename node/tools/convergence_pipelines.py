@@ -1,0 +1,113 @@
+"""`tahnode bench convergence --pipelines P,...`: do P pipelines in data parallel, kept in step by
+outer steps every H steps, train as well as one pipeline with P times the batch (the same samples,
+synchronous), and reach one pipeline's final loss sooner? The runs to train and their report."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import statistics
+
+from .bench_report import markdown_table
+from .convergence_report import steps_to_reach, summarize
+from .convergence_runs import RunResult, RunSpec
+
+__all__ = ["add_pipeline_args", "pipeline_specs", "pipeline_report", "COLUMNS"]
+
+COLUMNS = ("pipelines", "outer step", "seeds", "held-out loss (mean)", "vs 1 pipeline × P batch: mean ± s.e. (per seed)",
+           "averaging / activation bytes", "replica spread", "steps to 1 pipeline's final loss",
+           "wall-clock to it vs 1 pipeline at {rate} Mbit/s")
+
+
+def add_pipeline_args(ap) -> None:
+    g = ap.add_argument_group("pipelines in data parallel (the [swarm] table)")
+    g.add_argument("--pipelines", default="", metavar="P,...", help="train P pipelines kept in step by outer steps, for each "
+                   "P, beside one pipeline with P× the batch (the same samples) and one pipeline alone; default pair only "
+                   "unless --pairs is given")
+    g.add_argument("--outer-every", default="4", metavar="H,...", help="steps between outer steps, for each H (default 4)")
+    g.add_argument("--outer-bits", type=int, default=8, help="bits of a pseudo-gradient value on the wire (default 8)")
+    g.add_argument("--outer-lr", type=float, default=1.0, help="the outer step's learning rate (default 1)")
+    g.add_argument("--outer-momentum", type=float, default=0.0, help="the outer step's Nesterov momentum (default 0)")
+
+
+def _numbers(text: str, flag: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise ValueError(f"{flag} takes whole numbers separated by commas, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise ValueError(f"{flag} takes whole numbers >= 1, got {text!r}")
+    return values
+
+
+def pipeline_specs(base: list[RunSpec], args) -> list[RunSpec]:
+    """For each run of `base` (a pair and seed, one pipeline): itself, and for each P one pipeline
+    with P× the messages per step and P pipelines at each H."""
+    counts = _numbers(args.pipelines, "--pipelines")
+    everies = _numbers(args.outer_every, "--outer-every")
+    out = []
+    for spec in base:
+        out.append(spec)
+        for p in counts:
+            out.append(dataclasses.replace(spec, pair=f"{spec.pair} 1×{p} batch", messages_per_step=spec.messages_per_step * p))
+            for h in everies:
+                swarm = {"pipelines": p, "outer_every": h, "outer_bits": args.outer_bits, "outer_lr": args.outer_lr,
+                         "outer_momentum": args.outer_momentum}
+                out.append(dataclasses.replace(spec, pair=f"{spec.pair} {p} pipelines H={h}", swarm=swarm))
+    return out
+
+
+def _outer_label(r: RunSpec) -> str:
+    s = r.swarm
+    momentum = f", Nesterov {s['outer_momentum']:g}" if s.get("outer_momentum") else ""
+    return f"every {s['outer_every']} steps, {s['outer_bits']}-bit, lr {s['outer_lr']:g}{momentum}"
+
+
+def _wall_share(run: RunResult, spec: RunSpec, single: RunResult, rate_mbps: float) -> float:
+    """The swarm's wall-clock to the single pipeline's final held-out loss over that pipeline's, where
+    a step takes its link time at `rate_mbps` and each outer step the time one replica sends its share."""
+    steps = steps_to_reach(run.evals, single.final_eval)
+    if not math.isfinite(steps):
+        return math.inf
+    per_token = run.dim * max(run.bits_fwd, run.bits_bwd) / (rate_mbps * 1e6)
+    step_s = per_token * single.tokens_per_step
+    outer_s = 0.0
+    if run.outer_steps:
+        replica_bytes = run.averaging_bytes / (run.outer_steps * run.pipelines * spec.stages)
+        outer_s = replica_bytes * 8 / (rate_mbps * 1e6) * math.floor(steps / spec.swarm["outer_every"])
+    return (steps * step_s + outer_s) / (len(single.losses) * step_s)
+
+
+def pipeline_report(results: list[RunResult], specs: list[RunSpec], rate_mbps: float) -> str:
+    """One row per (pipelines, outer step): held-out loss against one pipeline with P× the batch of
+    the same seed, the averaging bytes, and the wall-clock to one pipeline's final loss."""
+    by_key = {(r.pair, r.seed): r for r in results}
+    rows = []
+    for spec in [s for s in specs if s.swarm and s.seed == specs[0].seed]:
+        pair = spec.pair.rsplit(" ", 3)[0]
+        reference = f"{pair} 1×{spec.pipelines} batch"
+        runs = [r for r in results if r.pair in (reference, spec.pair)]
+        summary = next((s for s in summarize(runs, reference) if s.pair == spec.pair), None)
+        if summary is None:
+            continue
+        gaps = list(summary.gaps.values())
+        se = statistics.stdev(gaps) / math.sqrt(len(gaps)) if len(gaps) > 1 else math.nan
+        ratio = statistics.fmean(r.averaging_bytes / r.activation_bytes for r in summary.runs if r.activation_bytes)
+        spread = max(r.spread for r in summary.runs)
+        singles = {r.seed: by_key.get((pair, r.seed)) for r in summary.runs}
+        steps = [steps_to_reach(r.evals, singles[r.seed].final_eval) for r in summary.runs if singles.get(r.seed)]
+        wall = [_wall_share(r, spec, singles[r.seed], rate_mbps) for r in summary.runs if singles.get(r.seed)]
+        total = len(summary.runs[0].losses) if summary.runs else 0
+        rows.append([f"{spec.pipelines}", _outer_label(spec), str(len(summary.runs)),
+                     f"{statistics.fmean(r.final_eval for r in summary.runs):.4f}",
+                     f"{statistics.fmean(gaps):+.2f}% ± {se:.2f} ({', '.join(f'{g:+.2f}' for g in gaps)})" if gaps else "—",
+                     f"{100 * ratio:.1f}%", f"{spread:.2g}",
+                     _mean_or_dash(steps, lambda v: f"{v:.0f} of {total}"), _mean_or_dash(wall, lambda v: f"{v:.2f}×")])
+    return markdown_table(tuple(c.format(rate=f"{rate_mbps:g}") for c in COLUMNS), rows)
+
+
+def _mean_or_dash(values: list[float], fmt) -> str:
+    finite = [v for v in values if math.isfinite(v)]
+    if not values or len(finite) < len(values):
+        return f"not reached in {len(values) - len(finite)} of {len(values)} seeds" if values else "—"
+    return fmt(statistics.fmean(finite))

@@ -1,0 +1,109 @@
+"""What the replicas of a stage average and how, as arithmetic a process can run alone: hivemind's
+butterfly all-reduce over compressed pseudo-gradients, with the check that refuses a replica's part
+that is not finite or far larger than its group's (the rule the averager's reducer applies).
+
+In the butterfly each of the P replicas reduces a P-th of the vector: the others send it their part
+compressed (its own stays raw), it averages the parts it admits and sends each sender the
+difference between the average and that sender's part, compressed; the sender adds it to its own,
+unless the average it would get is not finite or far larger than its own part (a reducer that
+lies): then it keeps its own part."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..codecs import blockwise
+
+__all__ = ["admitted", "accepted", "lower_median", "compress", "GroupMean", "butterfly_mean", "wire_bytes"]
+
+
+def lower_median(values: list[float]) -> float:
+    """The median, the lower of the two middle values for an even count (of two: the smaller)."""
+    ordered = sorted(values)
+    return ordered[(len(ordered) - 1) // 2]
+
+
+def admitted(norms: list[float], own: int, ratio: float) -> list[bool]:
+    """Which senders' parts a reducer averages: its own always; another's if its norm is finite and
+    at most `ratio` times the lower median of every sender's norm (its own counted), so that one
+    large part is refused even in a group of two."""
+    finite = [n for n in norms if n == n and n != float("inf")]
+    reference = lower_median(finite) if finite else 0.0
+    return [k == own or (n == n and n != float("inf") and n <= ratio * max(reference, 1e-30)) for k, n in enumerate(norms)]
+
+
+def accepted(own: torch.Tensor, averaged: torch.Tensor, ratio: float) -> bool:
+    """Whether a sender takes the average a reducer returned for its part: finite, and its norm at
+    most `ratio` times its own part's (the mean of honest parts is no larger than the largest)."""
+    norm = float(averaged.norm())
+    return norm == norm and norm != float("inf") and norm <= ratio * max(float(own.norm()), 1e-30)
+
+
+def compress(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """`x` as the receiver decodes it after it crossed the wire at `bits` bits."""
+    if bits == 32:
+        return x.clone()
+    if bits == 16:
+        return x.to(torch.float16).to(torch.float32)
+    return blockwise.dequantize(blockwise.quantize(x, bits), x.numel())
+
+
+def _crossed(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """A sender's part as its reducer decodes it; one the codec cannot carry (not finite) arrives
+    as NaN, and is refused."""
+    try:
+        return compress(x, bits)
+    except blockwise.BlockwiseError:
+        return torch.full_like(x, float("nan"))
+
+
+def wire_bytes(count: int, bits: int) -> int:
+    """Bytes of `count` values at `bits` bits (blockwise codes with their scales and header)."""
+    return blockwise.encoded_size(count, bits) if bits in blockwise.BLOCKWISE_BITS else count * bits // 8
+
+
+@dataclass
+class GroupMean:
+    """One group's result: each replica's view of the mean, who was refused in which part, and the
+    bytes each replica sent."""
+
+    means: list[torch.Tensor]
+    refused: list[set[int]]  # per part: the senders its reducer left out
+    kept: list[set[int]]     # per part: the senders that refused its reducer's average and kept their own
+    bytes_sent: list[int]
+
+
+def butterfly_mean(vectors: list[torch.Tensor], bits: int, ratio: float) -> GroupMean:
+    """The mean of the replicas' flat float32 `vectors` as each of them ends up with it."""
+    p = len(vectors)
+    n = vectors[0].numel()
+    bounds = [n * j // p for j in range(p + 1)]
+    means = [v.clone() for v in vectors]
+    sent = [0] * p
+    refused, kept = [], []
+    for j in range(p):
+        lo, hi = bounds[j], bounds[j + 1]
+        refused.append(set())
+        kept.append(set())
+        if hi == lo:
+            continue
+        received = [vectors[i][lo:hi] if i == j else _crossed(vectors[i][lo:hi], bits) for i in range(p)]
+        for i in range(p):
+            if i != j:
+                sent[i] += wire_bytes(hi - lo, bits)
+        ok = admitted([float(r.norm()) for r in received], j, ratio)
+        refused[j] = {i for i in range(p) if not ok[i]}
+        mean = torch.stack([r for r, keep in zip(received, ok) if keep]).mean(dim=0)
+        for i in range(p):
+            delta = mean - received[i]
+            if i != j:
+                delta = _crossed(delta, bits)
+                sent[j] += wire_bytes(hi - lo, bits)
+            averaged = vectors[i][lo:hi] + delta
+            if accepted(vectors[i][lo:hi], averaged, ratio):
+                means[i][lo:hi] = averaged
+            else:
+                kept[j].add(i)
+    return GroupMean(means, refused, kept, sent)

@@ -1,0 +1,77 @@
+"""The outer step that keeps the replicas of a stage in step (DiLoCo's, with plain averaging as its
+default): the pseudo-gradient (outer weights - inner weights) and the step from its average.
+
+Each replica keeps the stage's outer weights (`anchor`, float32, as they were after the last outer
+step) and, with momentum, the outer momentum; its inner AdamW trains the parameters in between.
+With outer lr 1 and no momentum the step sets every replica to the mean of their weights."""
+
+from __future__ import annotations
+
+import torch
+
+from ..config.swarm import SwarmConfig
+
+__all__ = ["OuterOptimizer"]
+
+
+class OuterOptimizer:
+    """The outer weights and momentum of one replica of a stage, over its trainable parameters."""
+
+    def __init__(self, params, swarm: SwarmConfig):
+        self.params = [p for p in params if p.requires_grad]
+        self.lr, self.mu = swarm.outer_lr, swarm.outer_momentum
+        self.numel = sum(p.numel() for p in self.params)
+        self.anchor = [p.detach().to(torch.float32, copy=True) for p in self.params]
+        self.momentum = torch.zeros(self.numel, dtype=torch.float32) if self.mu else None
+
+    @torch.no_grad()
+    def pseudo_gradient(self) -> torch.Tensor:
+        """outer - inner weights, flat, float32, on the CPU (what the replicas average)."""
+        return torch.cat([(a - p.detach().float()).reshape(-1).cpu() for a, p in zip(self.anchor, self.params)])
+
+    @torch.no_grad()
+    def step(self, averaged: torch.Tensor) -> None:
+        """Apply the replicas' mean pseudo-gradient: outer -= lr * (Nesterov's update, or the mean
+        itself without momentum); the parameters become the new outer weights."""
+        if averaged.numel() != self.numel:
+            raise ValueError(f"the averaged pseudo-gradient has {averaged.numel()} values, the stage {self.numel}")
+        update = averaged.to(torch.float32)
+        if self.momentum is not None:
+            self.momentum.mul_(self.mu).add_(update)
+            update = update + self.mu * self.momentum
+        offset = 0
+        for a, p in zip(self.anchor, self.params):
+            n = p.numel()
+            a.sub_(update[offset:offset + n].view_as(a).to(a.device), alpha=self.lr)
+            p.copy_(a)
+            offset += n
+
+    @torch.no_grad()
+    def reset(self) -> None:
+        """Take the parameters as they are as the outer weights (after loading a checkpoint or the
+        group's state: that is where the next pseudo-gradient starts from)."""
+        for a, p in zip(self.anchor, self.params):
+            a.copy_(p.detach())
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """What a checkpoint keeps of it: the outer weights (flat) and the momentum, if any."""
+        out = {"outer.anchor": torch.cat([a.reshape(-1).cpu() for a in self.anchor])}
+        if self.momentum is not None:
+            out["outer.momentum"] = self.momentum.clone()
+        return out
+
+    @torch.no_grad()
+    def load(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Restore what `tensors()` gave (a missing momentum starts at zero); ValueError if a shape is wrong."""
+        anchor = tensors["outer.anchor"]
+        if anchor.numel() != self.numel:
+            raise ValueError(f"outer weights of {anchor.numel()} values for a stage of {self.numel}")
+        offset = 0
+        for a in self.anchor:
+            a.copy_(anchor[offset:offset + a.numel()].view_as(a))
+            offset += a.numel()
+        if self.momentum is not None:
+            momentum = tensors.get("outer.momentum")
+            if momentum is not None and momentum.numel() != self.numel:
+                raise ValueError(f"outer momentum of {momentum.numel()} values for a stage of {self.numel}")
+            self.momentum.copy_(momentum if momentum is not None else torch.zeros(self.numel))

@@ -1,0 +1,166 @@
+"""The replicas' outer step in numbers: the blockwise pseudo-gradient codec (sizes, error bound,
+refusal of bad bytes), the outer optimizer (plain averaging is the mean of the replicas, Nesterov's
+update, its checkpoint tensors), the butterfly mean with its refusal rule, and P pipelines in one
+process against one pipeline with P times the batch."""
+
+from __future__ import annotations
+
+import struct
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tahnode.codecs import blockwise
+from tahnode.config.swarm import SwarmConfig
+from tahnode.pipeline.replica import PipelineReplica
+from tahnode.pipeline.replica_group import ReplicaGroup, outer_boundary
+from tahnode.train.group_mean import admitted, butterfly_mean, lower_median
+from tahnode.train.outer import OuterOptimizer
+from test_pipeline_inproc import build_run, dataset  # noqa: F401  (dataset is a fixture)
+
+
+@settings(max_examples=40, deadline=None)
+@given(count=st.integers(0, 300), bits=st.sampled_from([4, 8]), scale=st.sampled_from([1e-8, 1e-3, 1.0, 1e4]),
+       seed=st.integers(0, 2**16))
+def test_blockwise_codes_within_half_a_step_of_each_block(count, bits, scale, seed):
+    x = torch.randn(count, generator=torch.Generator().manual_seed(seed)) * scale
+    data = blockwise.quantize(x, bits)
+    assert len(data) == blockwise.encoded_size(count, bits)
+    y = blockwise.dequantize(data, count)
+    qmax = (1 << (bits - 1)) - 1
+    for start in range(0, count, blockwise.BLOCK):
+        block = x[start:start + blockwise.BLOCK]
+        step = float(block.abs().max()) / qmax * (1 + 2**-7)  # the scale, rounded up to bfloat16
+        assert float((y[start:start + blockwise.BLOCK] - block).abs().max()) <= step / 2 + 1e-12 * scale
+
+
+def test_blockwise_sizes_and_refusals():
+    x = torch.linspace(-1, 1, 1000)
+    assert 8 * len(blockwise.quantize(x, 8)) / 1000 == pytest.approx(8.25, abs=0.11)  # 8 bits + 16 per 64, + a header
+    assert 8 * len(blockwise.quantize(x, 4)) / 1000 == pytest.approx(4.25, abs=0.11)
+    with pytest.raises(blockwise.BlockwiseError, match="not finite"):
+        blockwise.quantize(torch.tensor([1.0, float("nan")]), 8)
+    with pytest.raises(blockwise.BlockwiseError, match="not 3"):
+        blockwise.quantize(x, 3)
+    good = blockwise.quantize(x, 4)
+    with pytest.raises(blockwise.BlockwiseError, match="1000 values, 999 were expected"):
+        blockwise.dequantize(good, 999)
+    with pytest.raises(blockwise.BlockwiseError, match="bytes, but 1000 values"):
+        blockwise.dequantize(good[:-1])
+    with pytest.raises(blockwise.BlockwiseError, match="magic"):
+        blockwise.dequantize(b"XXXX" + good[4:])
+    huge = struct.pack("<4sB3xI", b"TBQ1", 8, 2**31)  # claims 2^31 values: refused before any allocation
+    with pytest.raises(blockwise.BlockwiseError, match="bytes, but"):
+        blockwise.dequantize(huge)
+    nan_scale = bytearray(blockwise.quantize(torch.ones(64), 8))
+    nan_scale[12:14] = (0x7FC0).to_bytes(2, "little")
+    with pytest.raises(blockwise.BlockwiseError, match="scale"):
+        blockwise.dequantize(bytes(nan_scale))
+    bad_code = bytearray(blockwise.quantize(torch.ones(64), 8))
+    bad_code[-1] = 0x80  # -128: outside -127..127
+    with pytest.raises(blockwise.BlockwiseError, match="code"):
+        blockwise.dequantize(bytes(bad_code))
+
+
+def _replicas(n: int, momentum: float = 0.0):
+    torch.manual_seed(0)
+    base = [torch.randn(3, 4), torch.randn(5)]
+    swarm = SwarmConfig(outer_momentum=momentum, outer_lr=1.0 if not momentum else 0.7)
+    params = [[torch.nn.Parameter(t.clone()) for t in base] for _ in range(n)]
+    return params, [OuterOptimizer(p, swarm) for p in params]
+
+
+def test_plain_averaging_sets_every_replica_to_the_mean_of_their_weights():
+    params, outers = _replicas(3)
+    with torch.no_grad():
+        for k, group in enumerate(params):  # each replica's inner steps move it its own way
+            for p in group:
+                p.add_(torch.randn_like(p) * (k + 1))
+    mean = [torch.stack([group[i].detach() for group in params]).mean(0) for i in range(2)]
+    pseudo = [o.pseudo_gradient() for o in outers]
+    averaged = torch.stack(pseudo).mean(0)
+    for o in outers:
+        o.step(averaged)
+    for group in params:
+        for p, m in zip(group, mean):
+            assert torch.allclose(p, m, atol=1e-6)
+    assert torch.equal(outers[0].pseudo_gradient(), torch.zeros(17))  # the new outer weights are the parameters
+
+
+def test_nesterov_outer_step_and_its_checkpoint_tensors():
+    params, (outer,) = _replicas(1, momentum=0.9)
+    start = torch.cat([p.detach().reshape(-1) for p in params[0]])
+    g = torch.full((17,), 0.1)
+    outer.step(g)  # m = g; update = g + 0.9 m = 1.9 g
+    assert torch.allclose(torch.cat([p.detach().reshape(-1) for p in params[0]]), start - 0.7 * 1.9 * g)
+    outer.step(g)  # m = 1.9 g; update = g + 0.9 * 1.9 g
+    assert torch.allclose(outer.tensors()["outer.anchor"], start - 0.7 * (1.9 + 2.71) * g, atol=1e-6)
+    saved = outer.tensors()
+    _, (fresh,) = _replicas(1, momentum=0.9)
+    fresh.load(saved)
+    assert torch.equal(fresh.tensors()["outer.momentum"], saved["outer.momentum"])
+    assert torch.equal(fresh.tensors()["outer.anchor"], saved["outer.anchor"])
+    with pytest.raises(ValueError, match="16 values for a stage of 17"):
+        fresh.load({"outer.anchor": torch.zeros(16)})
+
+
+def test_a_reducer_refuses_what_is_far_above_its_groups_median_even_in_a_group_of_two():
+    assert lower_median([3.0, 1.0]) == 1.0 and lower_median([5.0, 1.0, 3.0]) == 3.0
+    assert admitted([1.0, 1e30], own=0, ratio=10) == [True, False]
+    assert admitted([1e30, 1.0], own=0, ratio=10) == [True, True]  # a reducer never refuses its own part
+    assert admitted([1.0, 2.0, float("nan"), float("inf"), 9.0], own=1, ratio=10) == [True, True, False, False, True]
+
+
+@pytest.mark.parametrize("bits", [32, 16, 8, 4])
+def test_the_butterfly_mean_of_honest_replicas(bits):
+    torch.manual_seed(1)
+    vectors = [torch.randn(1000) * 1e-3 for _ in range(3)]
+    result = butterfly_mean(vectors, bits, ratio=10)
+    exact = torch.stack(vectors).mean(0)
+    tolerance = {32: 1e-9, 16: 2e-6, 8: 5e-5, 4: 1e-3}[bits]
+    for mean in result.means:
+        assert float((mean - exact).abs().max()) < tolerance
+    assert result.refused == [set(), set(), set()]
+    if bits == 8:  # each third crosses twice to its reducer and twice back as a delta
+        assert sum(result.bytes_sent) == 4 * (2 * blockwise.encoded_size(333, 8) + blockwise.encoded_size(334, 8))
+
+
+@pytest.mark.parametrize("poison", [float("nan"), 1e30])
+def test_a_poisoned_pseudo_gradient_is_refused_and_never_averaged_in(poison):
+    torch.manual_seed(2)
+    honest = [torch.randn(600) * 1e-3 for _ in range(2)]
+    bad = torch.full((600,), poison)
+    result = butterfly_mean([honest[0], bad, honest[1]], 32, ratio=10)
+    exact = (honest[0] + honest[1]) / 2
+    for k in (0, 2):  # the liar's part is refused by the honest reducers; its own reduction by its senders
+        assert torch.allclose(result.means[k][:200], exact[:200], atol=1e-9)
+        assert torch.allclose(result.means[k][400:], exact[400:], atol=1e-9)
+        assert torch.equal(result.means[k][200:400], honest[k // 2][200:400])
+    assert result.refused == [{1}, set(), {1}]
+    assert {0, 2} <= result.kept[1] and not {0, 2} & (result.kept[0] | result.kept[2])
+
+
+def test_two_pipelines_train_like_one_with_twice_the_batch(dataset):
+    """With an outer step after every step at 32 bits, two pipelines are one pipeline with twice the
+    batch until the optimizers' states differ (AdamW is not linear): the first step's losses agree
+    exactly, the later ones closely; the replicas stay identical."""
+    steps = 4
+    overrides = {"codec.forward": "none", "codec.backward": "none", "codec.backward_params": {}, "train.micro_batches": 2,
+                 "train.pipeline_micro_batches": 2}
+    group_run = build_run(steps, **overrides, **{"swarm.pipelines": 2, "swarm.outer_every": 1, "swarm.outer_bits": 32})
+    group = ReplicaGroup(group_run, dataset)
+    losses = [group.train_step(s) for s in range(steps)]
+    big = build_run(steps, **{**overrides, "train.micro_batches": 4, "train.pipeline_micro_batches": 4, "swarm.pipelines": 1})
+    reference = PipelineReplica(big, dataset)
+    expected = [reference.train_step(s) for s in range(steps)]
+    assert losses[0] == pytest.approx(expected[0], abs=1e-6)
+    assert losses == pytest.approx(expected, rel=0.02)
+    assert group.outer_steps == steps and group.refused == 0 and group.spread < 1e-6
+    assert group.averaging_bytes > 0
+
+
+def test_the_outer_boundaries_of_a_run():
+    run = build_run(10, **{"swarm.outer_every": 4})
+    assert [s for s in range(10) if outer_boundary(s, run)] == [3, 7, 9]  # the last step always averages
