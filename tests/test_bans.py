@@ -86,7 +86,7 @@ def test_a_neighbour_that_keeps_sending_bad_micro_batches_is_banned_and_cannot_r
     swarm.beat("n2", n1=3)
     assert swarm.reg.nodes["n1"].status is NodeStatus.BANNED and swarm.reg.epoch > epoch
     assert any("banned: n1 (stage 1) for 600 s: n2 refused 3" in e for e in swarm.reg.events)
-    assert 1 in swarm.reg.open_stages()  # a standby takes it at the next placement round
+    assert 1 in swarm.reg.roster.open_stages()  # a standby takes it at the next placement round
     with pytest.raises(UnknownNode):
         swarm.beat("n1")
     with pytest.raises(Banned):

@@ -65,8 +65,11 @@ class TrueSwarm:
                                  gradient_bytes=p.gradient_bytes, layer_ms=self.layer_ms, stage_layers=p.stage_layers)
 
 
-def registry_with(tmp_path, swarm: TrueSwarm, stages: int) -> SwarmRegistry:
-    run = RunConfig.build("llama-tiny", None, **{"train.batch_size": 8, "train.seq_len": 128, "stages": stages})
+def registry_with(tmp_path, swarm: TrueSwarm, stages: int, pipelines: int | str = 1, **swarm_settings) -> SwarmRegistry:
+    """The simulated swarm's nodes joined with --stage auto; one pipeline unless `pipelines` says otherwise."""
+    run = RunConfig.build("llama-tiny", None, **{"train.batch_size": 8, "train.seq_len": 128, "stages": stages,
+                                                 "swarm.pipelines": pipelines,
+                                                 **{f"swarm.{k}": v for k, v in swarm_settings.items()}})
     r = SwarmRegistry(run, SwarmKey("t" * 32), heartbeat_timeout=3600, store_dir=tmp_path / "store")
     for v in swarm.ids:
         r.nodes[v] = NodeRecord(v, f"sim:{v}", -1, "sim", status=NodeStatus.JOINING, layer_ms=swarm.layer_ms[v], movable=True)

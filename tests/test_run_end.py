@@ -25,12 +25,12 @@ def test_a_finished_run_gives_a_standby_no_stage_its_holders_leave(tmp_path):
     chain = placement.current_chain()
     spare = [v for v in swarm.ids if r.nodes[v].status is NodeStatus.STANDBY]
     assert chain is not None and len(spare) == 1
-    r.finished = True
+    r.roster.finished.add(0)
     r.nodes[chain[1]].status = NodeStatus.LEFT  # what SwarmRegistry.leave records
     r.epoch += 1
     asyncio.run(settle(placement, 0.5))
-    assert r.open_stages() == [1] and r.nodes[spare[0]].status is NodeStatus.STANDBY
-    assert [r.holder(k).node_id for k in (0, 2)] == [chain[0], chain[2]]
+    assert r.roster.open_stages() == [1] and r.nodes[spare[0]].status is NodeStatus.STANDBY
+    assert [r.roster.holder(k).node_id for k in (0, 2)] == [chain[0], chain[2]]
 
 
 class Coordinator:

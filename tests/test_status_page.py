@@ -1,5 +1,6 @@
 """The coordinator's status endpoints over real HTTP: the /api/v1/state schema, the Prometheus
-metrics, and the page rendered by headless Chromium (DOM read back, screenshot saved)."""
+metrics (the pipelines' too), and the page rendered by headless Chromium (DOM read back, the
+pipelines' table among it, screenshot saved)."""
 
 from __future__ import annotations
 
@@ -36,6 +37,13 @@ LINKS = [
 ]
 P2P_MADDR = "/ip4/10.79.0.1/tcp/7001/p2p/QmTyedzTAa5UGo2wHDCZDpeNT2phPS6dPv6Jhp1P8H5neS"
 EVENT_WITH_MARKUP = "12:00:03 odd id </script><img src=x onerror=alert(1)> & more"
+PIPELINES = [  # as tahnode.coordinator.view.pipelines writes them: a training pipeline and one with open stages
+    {"index": 0, "nodes": ["node-a", "node-b", "node-d"], "complete": True, "finished": False, "step": 41,
+     "tokens_per_s": 1234.5, "loss": 3.0, "links": [{"src": "node-a", "dst": "node-b", "mbps": 187.24, "back_mbps": 192.0},
+                                                    {"src": "node-b", "dst": "node-d", "mbps": 176.5, "back_mbps": 181.3}]},
+    {"index": 1, "nodes": ["node-late", None, None], "complete": False, "finished": False, "step": None,
+     "tokens_per_s": 0.0, "loss": None, "links": []},
+]
 ALERT = {"kind": "diverging", "step": 41, "trend": 3.1, "best": 1.4,
          "message": "the loss is diverging: its mean over recent steps rose to 3.1000 at step 41 (codecs tahquant/naive)"}
 
@@ -49,7 +57,7 @@ def make_view(step: int = 40, late: bool = False) -> SwarmView:
         training=TrainingInfo(step=step, loss=history[-1][1], tokens_per_s=1234.5, bits_per_element=4.31),
         loss_history=history, events=["12:00:00 coordinator listening", "12:00:01 node-a assigned stage 0",
                                       EVENT_WITH_MARKUP], stages=3,
-        extra={"epoch": 2, **({"p2p_maddrs": [P2P_MADDR], "loss_alert": ALERT} if late else {})})
+        extra={"epoch": 2, **({"p2p_maddrs": [P2P_MADDR], "loss_alert": ALERT, "pipelines": PIPELINES} if late else {})})
 
 
 class Provider:
@@ -191,6 +199,16 @@ def test_metrics_per_app_registry_and_stale_labels_dropped():
         assert m[("tahnode_nodes", (("status", "failed"),))] == 1
         assert m[("tahnode_nodes", (("status", "left"),))] == 1
         assert ("tahnode_link_mbps", (("dst", "node-d"), ("src", "node-b"))) not in m
+        # The pipelines: how many train, each one's step and tokens/s, each node's pipeline.
+        current["view"] = make_view(step=41, late=True)
+        current["view"].nodes = [{**vars(n), "pipeline": 0 if n.stage >= 0 else None} for n in NODES]
+        m = metric_samples(get(base + "/metrics")[1])
+        assert m[("tahnode_pipelines", ())] == 1
+        assert m[("tahnode_pipeline_step", (("pipeline", "0"),))] == 41
+        assert m[("tahnode_pipeline_tokens_per_second", (("pipeline", "0"),))] == 1234.5
+        assert m[("tahnode_pipeline_step", (("pipeline", "1"),))] == 0
+        assert m[("tahnode_node_pipeline", (("node", "node-b"),))] == 0
+        assert m[("tahnode_node_pipeline", (("node", "node-c"),))] == -1
 
 
 def test_page_is_self_contained():
@@ -242,6 +260,7 @@ class DomIndex(HTMLParser):
         self.stack: list[tuple[str, dict]] = []
         self.nodes: dict[str, dict[str, str]] = {}
         self.links: dict[tuple[str, str], dict[str, str]] = {}
+        self.pipelines: dict[str, dict[str, str]] = {}
         self.by_id: dict[str, str] = {}
         self.svg_texts: list[str] = []
         self.events: list[str] = []
@@ -265,6 +284,8 @@ class DomIndex(HTMLParser):
             self._row = self.nodes.setdefault(a["data-node-id"], {})
         elif tag == "tr" and self.within("links") and "data-src" in a:
             self._row = self.links.setdefault((a["data-src"], a["data-dst"]), {})
+        elif tag == "tr" and self.within("pipelines") and "data-pipeline" in a:
+            self._row = self.pipelines.setdefault(a["data-pipeline"], {})
         elif tag == "td" and self._row is not None:
             self._cell = (a.get("class") or "").split()[0] if a.get("class") else ""
             self._row[self._cell] = ""
@@ -319,6 +340,12 @@ def test_page_in_headless_chromium(chromium, tmp_path):
         row = index.links[(link["src"], link["dst"])]
         assert row["mbps"] == f"{link['mbps']:.1f}" and row["transport"] == link.get("transport", "")
     assert index.by_id["p2p-maddrs"] == P2P_MADDR  # where volunteers behind NAT join
+    # Every pipeline, its nodes stage by stage, its step and tokens/s, its slowest link, whether it trains.
+    assert index.pipelines == {
+        "0": {"index": "0", "chain": "node-a → node-b → node-d", "step": "41", "tokens-per-s": "1,235", "slowest": "176.5",
+              "state": "training"},
+        "1": {"index": "1", "chain": "node-late → (open) → (open)", "step": "–", "tokens-per-s": "0.0", "slowest": "–",
+              "state": "incomplete"}}
     # The chain graph names the stage holders and carries the chain links' Mbit/s.
     svg = " ".join(index.svg_texts)
     for node_id in ("node-a", "node-b", "node-d", "node-c", "node-late"):

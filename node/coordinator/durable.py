@@ -1,8 +1,9 @@
 """The coordinator's durable state in SQLite (WAL; every write outlives a crash of the process, kill -9
 included, and all but the last ones a crash of the machine) in the run's store folder:
-the ledger of committed steps (loss, samples, wall time), the membership epoch, the node
-identities (node id -> public key), the bans and who holds each stage, so that a coordinator restarted after
-a crash goes on where it was: the holders keep their stages, the others rejoin by themselves."""
+the ledger of committed steps of every pipeline (loss, samples, wall time), the membership epoch,
+the node identities (node id -> public key), the bans and who holds each stage of each pipeline, so
+that a coordinator restarted after a crash goes on where it was: the holders keep their stages,
+the others rejoin by themselves."""
 
 from __future__ import annotations
 
@@ -15,12 +16,13 @@ from ..proto import tahnode_pb2 as pb
 __all__ = ["SwarmDB"]
 
 SCHEMA = """
-CREATE TABLE IF NOT EXISTS ledger (step INTEGER PRIMARY KEY, loss REAL, seconds REAL NOT NULL,
-                                   sample_ids BLOB NOT NULL);
+CREATE TABLE IF NOT EXISTS ledger (pipeline INTEGER NOT NULL, step INTEGER NOT NULL, loss REAL, seconds REAL NOT NULL,
+                                   sample_ids BLOB NOT NULL, PRIMARY KEY (pipeline, step));
 CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value INTEGER NOT NULL);
 CREATE TABLE IF NOT EXISTS identities (node_id TEXT PRIMARY KEY, public_key BLOB NOT NULL);
-CREATE TABLE IF NOT EXISTS holders (stage INTEGER PRIMARY KEY, node_id TEXT NOT NULL, address TEXT NOT NULL,
-                                    device TEXT NOT NULL, tls_cert BLOB NOT NULL);
+CREATE TABLE IF NOT EXISTS holders (pipeline INTEGER NOT NULL, stage INTEGER NOT NULL, node_id TEXT NOT NULL,
+                                    address TEXT NOT NULL, device TEXT NOT NULL, tls_cert BLOB NOT NULL,
+                                    PRIMARY KEY (pipeline, stage));
 CREATE TABLE IF NOT EXISTS bans (mark TEXT PRIMARY KEY, until REAL NOT NULL);
 """
 
@@ -42,24 +44,33 @@ class SwarmDB:
         self.db.executescript(SCHEMA)
         self.saved_holders: list | None = None
 
-    def ledger(self) -> dict[int, pb.LossPoint]:
-        rows = self.db.execute("SELECT step, loss, seconds, sample_ids FROM ledger ORDER BY step")
-        return {step: pb.LossPoint(step=step, loss=_loss(loss), seconds=seconds, sample_ids=array("Q", ids).tolist())
-                for step, loss, seconds, ids in rows}
+    def ledger(self) -> dict[int, dict[int, pb.LossPoint]]:
+        """pipeline -> step -> its committed step."""
+        out: dict[int, dict[int, pb.LossPoint]] = {}
+        rows = self.db.execute("SELECT pipeline, step, loss, seconds, sample_ids FROM ledger ORDER BY pipeline, step")
+        for pipeline, step, loss, seconds, ids in rows:
+            out.setdefault(pipeline, {})[step] = pb.LossPoint(step=step, loss=_loss(loss), seconds=seconds,
+                                                              sample_ids=array("Q", ids).tolist())
+        return out
 
-    def losses(self, last: int) -> dict[int, float]:
-        """The losses of the `last` most recent steps (what the status page draws)."""
-        rows = self.db.execute("SELECT step, loss FROM ledger ORDER BY step DESC LIMIT ?", (last,))
+    def pipelines(self) -> list[int]:
+        """The pipelines the ledger has steps of."""
+        return [p for (p,) in self.db.execute("SELECT DISTINCT pipeline FROM ledger ORDER BY pipeline")]
+
+    def losses(self, last: int, pipeline: int = 0) -> dict[int, float]:
+        """The losses of the `last` most recent steps of a pipeline (what the status page draws)."""
+        rows = self.db.execute("SELECT step, loss FROM ledger WHERE pipeline = ? ORDER BY step DESC LIMIT ?", (pipeline, last))
         return {step: _loss(loss) for step, loss in sorted(rows)}
 
-    def record(self, points: list[pb.LossPoint]) -> None:
-        """Store committed steps in order, each replacing the step it names and every later one
-        (after a rollback those are trained again), in one transaction."""
+    def record(self, points: list[pb.LossPoint], pipeline: int = 0) -> None:
+        """Store committed steps of a pipeline in order, each replacing the step it names and every
+        later one of that pipeline (after a rollback those are trained again), in one transaction."""
         with self.db:
             self.db.execute("BEGIN")
             for p in points:
-                self.db.execute("DELETE FROM ledger WHERE step >= ?", (p.step,))
-                self.db.execute("INSERT INTO ledger VALUES (?, ?, ?, ?)", (p.step, p.loss, p.seconds, array("Q", p.sample_ids).tobytes()))
+                self.db.execute("DELETE FROM ledger WHERE pipeline = ? AND step >= ?", (pipeline, p.step))
+                self.db.execute("INSERT INTO ledger VALUES (?, ?, ?, ?, ?)",
+                                (pipeline, p.step, p.loss, p.seconds, array("Q", p.sample_ids).tobytes()))
 
     def identities(self) -> dict[str, bytes]:
         return dict(self.db.execute("SELECT node_id, public_key FROM identities"))
@@ -80,11 +91,12 @@ class SwarmDB:
             self.db.execute("BEGIN")
             self.db.executemany("INSERT OR REPLACE INTO bans VALUES (?, ?)", list(marks.items()))
 
-    def holders(self) -> list[tuple[int, str, str, str, bytes]]:
-        """(stage, node id, address, device, TLS certificate) of every stage's holder when last saved."""
-        return list(self.db.execute("SELECT stage, node_id, address, device, tls_cert FROM holders ORDER BY stage"))
+    def holders(self) -> list[tuple[int, int, str, str, str, bytes]]:
+        """(pipeline, stage, node id, address, device, TLS certificate) of every stage's holder when last saved."""
+        return list(self.db.execute("SELECT pipeline, stage, node_id, address, device, tls_cert FROM holders "
+                                    "ORDER BY pipeline, stage"))
 
-    def set_holders(self, rows: list[tuple[int, str, str, str, bytes]]) -> None:
+    def set_holders(self, rows: list[tuple[int, int, str, str, str, bytes]]) -> None:
         """Replace the saved holders by `rows`, in one transaction (none if they are those saved last)."""
         if rows == self.saved_holders:
             return
@@ -92,7 +104,7 @@ class SwarmDB:
         with self.db:
             self.db.execute("BEGIN")
             self.db.execute("DELETE FROM holders")
-            self.db.executemany("INSERT OR REPLACE INTO holders VALUES (?, ?, ?, ?, ?)", rows)
+            self.db.executemany("INSERT OR REPLACE INTO holders VALUES (?, ?, ?, ?, ?, ?)", rows)
 
     def get(self, key: str, default: int) -> int:
         row = self.db.execute("SELECT value FROM meta WHERE key = ?", (key,)).fetchone()

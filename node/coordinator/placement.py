@@ -1,15 +1,21 @@
-"""Placing `--stage auto` nodes, at any swarm size: once joins settle, the waiting nodes fill the
-open stages from what the probes know so far (capacity probes of every node, full probes of the
-chain's links, for at most `probe_wait_s`); spare nodes stand by. While training, every
-`rebalance_s` a new plan over the movable nodes replaces the chain if its links are fully probed
-and it cuts the bottleneck (the chain in use judged by its links' best probes) by the
-`hysteresis` share. Searches run in a thread, on a shortlist."""
+"""Placing `--stage auto` nodes in pipelines, at any swarm size: once joins settle, waiting nodes
+fill the open stages of the pipelines there are, then form new pipelines while enough of them wait
+(keeping `swarm.standbys` back, up to --pipelines N or max_pipelines), each chain searched from
+what the probes know (capacity probes of every node, full probes of a new chain's links, for at
+most `probe_wait_s`) and formed only if it reaches `min_chain_share` of the fastest pipeline's
+speed; spare nodes stand by. A pipeline that loses a stage no standby can fill is dissolved while
+another pipeline trains, its nodes stand by. While one pipeline trains, every `rebalance_s` a new
+plan over the movable nodes replaces its chain if its links are fully probed and it cuts the
+bottleneck (the chain in use judged by its links' best probes) by the `hysteresis` share.
+Searches run in a thread, on a shortlist."""
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import math
 import time
+from enum import Enum
 
 from ..codecs import CodecContext, get_codec
 from ..config import PlacementSettings
@@ -20,9 +26,17 @@ from .probing import Measure, Prober
 from .registry import SwarmRegistry
 from .state import NodeRecord, NodeStatus
 
-__all__ = ["Placement", "chain_links"]
+__all__ = ["Placement", "chain_links", "Formed"]
 
 COMPUTE_REPORT_S = 10.0  # how long a joining node may take to report its compute speed
+
+
+class Formed(Enum):
+    """What a try to form a pipeline came to."""
+
+    YES = "formed"
+    PROBING = "probing"  # its links are being probed in full: try again shortly
+    NO = "no"            # no chain, or too slow a one: not again before the membership changes
 
 
 def chain_links(chain: list[str]) -> list[tuple[str, str]]:
@@ -40,6 +54,7 @@ class Placement:
         self.due_since: float | None = None   # when the waiting nodes were first enough and settled
         self.last_change = time.monotonic()   # of the chain, by placement or rebalancing
         self.proposal: AssignmentResult | None = None  # the last rebalancing plan, applied or not
+        self.formed_epoch = -1                # the membership epoch of the last try to form a pipeline
         self._bytes: tuple[float, float] | None = None
 
     # -- the loop ---------------------------------------------------------------------------------
@@ -63,13 +78,13 @@ class Placement:
         if self.r.finished:
             return  # the run is over: its holders leave one by one, and no stage is filled or moved
         self.observe_traffic()
-        chain = self.current_chain()
-        if chain is not None and any(self.r.holder(k).movable for k in range(self.r.run.stages)):
-            self.prober.want(chain_links(chain))  # the links in use, probed in full (for rebalancing)
+        for chain in self.chains().values():
+            if any(self.r.nodes[n].movable for n in chain):
+                self.prober.want(chain_links(chain))  # the links in use, probed in full (rebalancing, the speed check)
         if self.round_due():
             await self.fill()
-        elif chain is not None and self.rebalance_due():
-            await self.rebalance(chain)
+        elif self.r.roster.pipelines() == [0] and self.current_chain() is not None and self.rebalance_due():
+            await self.rebalance(self.current_chain())
 
     def observe_traffic(self) -> None:
         """What the links in use carried (the nodes' byte counters, from their heartbeats)."""
@@ -80,30 +95,50 @@ class Placement:
                     self.book.observe(n.node_id, dst, nbytes, now, slack)
 
     def current_chain(self) -> list[str] | None:
-        holders = [self.r.holder(k) for k in range(self.r.run.stages)]
-        return None if any(h is None for h in holders) else [h.node_id for h in holders]
+        """Pipeline 0's chain, if complete."""
+        return self.r.roster.chain(0)
+
+    def chains(self) -> dict[int, list[str]]:
+        """pipeline -> its chain, for every complete pipeline."""
+        return {p: self.r.roster.chain(p) for p in self.r.roster.complete_pipelines()}
+
+    def open_pipelines(self) -> list[int]:
+        """The pipelines with an open stage that may still be filled (not those that finished)."""
+        roster = self.r.roster
+        return [p for p in roster.pipelines() if roster.open_stages(p) and p not in self.r.roster.finished]
+
+    def may_form(self, waiting: int) -> bool:
+        """Whether `waiting` nodes may form another pipeline: below --pipelines N (or max_pipelines), a
+        whole chain of them, and with auto the standbys kept back once one pipeline exists."""
+        swarm, count = self.r.run.swarm, len(self.r.roster.pipelines())
+        target = swarm.max_pipelines if swarm.auto else swarm.pipelines
+        keep = swarm.standbys if swarm.auto and count else 0
+        return count < target and waiting >= self.r.run.stages + keep
 
     # -- filling open stages ---------------------------------------------------------------------
     def round_due(self) -> bool:
-        """Time to place: a newcomer, or a vacancy a standby can fill; enough candidates; no join
-        for settle_s seconds and compute speeds reported; and, before the first chain, the
-        candidates' capacity probes done (or `probe_wait_s` spent on them)."""
+        """Time to place: a newcomer, a vacancy a standby can fill, or enough waiting nodes for
+        another pipeline (tried once per membership epoch); no join for settle_s seconds and compute
+        speeds reported; and, before a new pipeline, the candidates' capacity probes done (or
+        `probe_wait_s` spent on them)."""
         waiting = self.r.waiting()
-        open_stages = self.r.open_stages()
-        ready = (any(n.status is NodeStatus.JOINING for n in waiting) or (open_stages and waiting)) \
-            and len(waiting) >= len(open_stages) and self._settled(waiting)
+        roster = self.r.roster
+        fillable = any(len(roster.open_stages(p)) <= len(waiting) for p in self.open_pipelines())
+        forming = self.may_form(len(waiting)) and self.formed_epoch != self.r.epoch
+        ready = (any(n.status is NodeStatus.JOINING for n in waiting) or fillable or forming
+                 or bool(self.open_pipelines() and self.chains())) and self._settled(waiting)
         if not ready:
             self.due_since = None
             return False
         now = time.monotonic()
         self.due_since = self.due_since or now
-        if not self.first_chain():
-            return True  # a vacancy (a standby takes it now) or newcomers (they stand by)
+        if not forming or fillable:
+            return True  # a vacancy (a standby takes it now), newcomers (they stand by), a pipeline to dissolve
         return now - self.due_since >= self.s.probe_wait_s or self.prober.capacity_known(waiting)
 
     def first_chain(self) -> bool:
         """No stage is held: the swarm has not trained yet (or lost every node)."""
-        return len(self.r.open_stages()) == self.r.run.stages
+        return not self.r.roster.pipelines()
 
     def _settled(self, waiting: list[NodeRecord]) -> bool:
         now = time.monotonic()
@@ -112,30 +147,78 @@ class Placement:
         return all(n.layer_ms > 0 or now - n.joined_at > COMPUTE_REPORT_S for n in waiting)
 
     async def fill(self) -> None:
-        """Place waiting nodes in the open stages (holders stay), the rest stand by. For the first
-        chain, while `probe_wait_s` lasts, the plan's links are probed in full and the plan made
+        """Fill the open stages of the pipelines there are (holders stay), dissolve those no standby
+        can complete while another trains, form new pipelines from the waiting nodes; the rest stand
+        by. While `probe_wait_s` lasts, a new chain's links are probed in full and the plan made
         again until it stands on full probes."""
-        if not self.r.open_stages():
-            newcomers = [n for n in self.r.waiting() if n.status is NodeStatus.JOINING]
+        epoch = self.r.epoch
+        for p in self.open_pipelines():
+            if len(self.r.roster.open_stages(p)) > len(self.r.waiting()):
+                continue
+            try:
+                result = await self.solve(self.problem(movable=False, pipeline=p))
+            except ValueError as exc:
+                self.r.event(f"cannot fill pipeline {p} yet: {exc}")
+                continue
+            if self.r.epoch != epoch:
+                return  # someone joined, left or failed meanwhile: plan again
+            self.apply(result, p)
+            epoch = self.r.epoch
+        self.dissolve()
+        outcome = Formed.YES
+        while outcome is Formed.YES and self.may_form(len(self.r.waiting())) and self.formed_epoch != self.r.epoch:
+            outcome = await self.form()
+        newcomers = [n for n in self.r.waiting() if n.status is NodeStatus.JOINING]
+        if newcomers and outcome is not Formed.PROBING:
             for n in newcomers:
                 self.r.stand_by(n)
             self.r.epoch += 1
+            held = "every stage is held" if not self.open_pipelines() else "too few to fill an open stage"
             self.r.event(f"standby: {', '.join(n.node_id for n in newcomers[:5])}"
-                         f"{f' and {len(newcomers) - 5} more' if len(newcomers) > 5 else ''} (every stage is held)")
-            return
+                         f"{f' and {len(newcomers) - 5} more' if len(newcomers) > 5 else ''} ({held})")
+
+    def dissolve(self) -> None:
+        """A pipeline with a stage the waiting nodes cannot fill, while another pipeline trains: its
+        holders stand by (they fill other vacancies, or form a pipeline again, later)."""
+        complete = self.r.roster.complete_pipelines()
+        for p in self.open_pipelines():
+            if complete and len(self.r.roster.open_stages(p)) > len(self.r.waiting()):
+                holders = [self.r.roster.holder(k, p) for k in range(self.r.run.stages)]
+                moved = [n.node_id for n in holders if n is not None and self.r.stand_by(n)]
+                self.r.epoch += 1
+                self.r.event(f"pipeline {p} dissolved: it lost a stage and no standby can take it; "
+                             f"{', '.join(moved)} stand by")
+
+    async def form(self) -> "Formed":
+        """Form one new pipeline from the waiting nodes, if its chain (searched on what the probes
+        know) reaches min_chain_share of the fastest pipeline's speed; its links are probed in full
+        first while probe_wait_s lasts."""
         epoch = self.r.epoch
+        problem = self.problem(movable=False, pipeline=None)
         try:
-            result = await self.solve(self.problem(movable=False))
+            result = await self.solve(problem)
         except ValueError as exc:
-            self.r.event(f"cannot assign yet: {exc}")
-            return
+            self.r.event(f"cannot form a pipeline yet: {exc}")
+            self.formed_epoch = epoch
+            return Formed.NO
         unprobed = [p for p in chain_links(result.chain) if not self.book.fully_probed(*p)]
         waited = time.monotonic() - (self.due_since or 0.0)
-        if self.first_chain() and unprobed and waited < self.s.probe_wait_s and self.prober.may_probe(unprobed):
+        if unprobed and waited < self.s.probe_wait_s and self.prober.may_probe(unprobed):
             self.prober.want(unprobed)
-            return
-        if self.r.epoch == epoch:  # else someone joined, left or failed meanwhile: plan again
-            self.apply(result, standby_rest=True)
+            return Formed.PROBING
+        pipeline = self.r.roster.free_pipeline()
+        if self.r.epoch != epoch or pipeline is None:
+            return Formed.NO
+        measured = dataclasses.replace(problem, mbps=self.book.estimates(best=True))
+        best = min((chain_bottleneck(measured, chain)[0] for chain in self.chains().values()), default=math.inf)
+        if result.bottleneck_s * self.r.run.swarm.min_chain_share > best:
+            self.formed_epoch = epoch
+            self.r.event(f"no new pipeline: the best chain of the waiting nodes, {' -> '.join(result.chain)}, takes "
+                         f"{result.bottleneck_s * 1e3:.3g} ms per micro-batch, slower than {self.r.run.swarm.min_chain_share:g} "
+                         f"of the fastest pipeline's speed ({best * 1e3:.3g} ms)")
+            return Formed.NO
+        self.apply(result, pipeline)
+        return Formed.YES
 
     # -- rebalancing ------------------------------------------------------------------------------
     def rebalance_due(self) -> bool:
@@ -163,7 +246,7 @@ class Placement:
         if result.bottleneck_s < now_s * (1 - self.s.hysteresis) and self.r.epoch == epoch:
             self.r.event(f"rebalancing: chain {' -> '.join(chain)} at {now_s * 1e3:.3g} ms per micro-batch becomes "
                          f"{' -> '.join(result.chain)} at {result.bottleneck_s * 1e3:.3g} ms")
-            self.apply(result, standby_rest=False)
+            self.apply(result, 0)
 
     # -- the search -------------------------------------------------------------------------------
     def activation_bytes(self) -> tuple[float, float]:
@@ -182,12 +265,15 @@ class Placement:
             self._bytes = (n * per_element[0], n * per_element[1])
         return self._bytes
 
-    def problem(self, movable: bool) -> AssignmentProblem:
-        """The search's input, a snapshot: holders pinned (all, or with `movable` only those that
-        chose their stage), the other live nodes' best-ranked candidates free to place."""
+    def problem(self, movable: bool, pipeline: int | None = 0) -> AssignmentProblem:
+        """The search's input, a snapshot: the holders of `pipeline` pinned (all, or with `movable`
+        only those that chose their stage; None: a new pipeline, none), the other candidates free to
+        place: the waiting nodes (with `movable`, pipeline 0's movable holders too), best-ranked first."""
         run = self.r.run
-        holders = {h.node_id: k for k in range(run.stages) if (h := self.r.holder(k)) and not (movable and h.movable)}
-        free = [n for n in self.r.live() if n.node_id not in holders and (movable or n.status.waiting)]
+        holders = {} if pipeline is None else {
+            h.node_id: k for k in range(run.stages) if (h := self.r.roster.holder(k, pipeline)) and not (movable and h.movable)}
+        free = [n for n in self.r.live() if n.node_id not in holders
+                and (n.status.waiting or (movable and n.pipeline == pipeline))]
         fw, bw = self.activation_bytes()
         layers = [len(stage_layers(run.model.n_layers, run.stages, k)) for k in range(run.stages)]
         layer_ms = {n.node_id: n.layer_ms for n in self.r.live()}
@@ -220,18 +306,21 @@ class Placement:
         """The assignment, searched in a thread (the event loop keeps serving heartbeats)."""
         return await asyncio.to_thread(assign, problem)
 
-    def apply(self, result: AssignmentResult, standby_rest: bool) -> None:
-        """Hold the chain; nodes it leaves out stand by (all waiting ones with `standby_rest`)."""
+    def apply(self, result: AssignmentResult, pipeline: int) -> None:
+        """`pipeline` is the chain; its former holders that the chain leaves out stand by (newcomers
+        stay waiting for the next pipeline, or stand by at the end of the round)."""
+        where = f" of pipeline {pipeline}" if pipeline else ""
         for stage, node_id in enumerate(result.chain):
             node = self.r.nodes[node_id]
-            if self.r.place(node, stage):
+            if self.r.place(node, stage, pipeline):
                 resume = f", resuming from the checkpoint of step {node.resume_step}" if node.resume_step else ""
-                self.r.event(f"assigned: {node_id} -> stage {stage}{resume}")
+                self.r.event(f"assigned: {node_id} -> stage {stage}{where}{resume}")
         chain = set(result.chain)
-        spares = [n for n in self.r.live() if n.node_id not in chain and (standby_rest or n.status is NodeStatus.ACTIVE)]
-        moved = [n.node_id for n in spares if self.r.stand_by(n)]
+        left_out = [n for n in self.r.live() if n.node_id not in chain and n.status is NodeStatus.ACTIVE and n.pipeline == pipeline]
+        moved = [n.node_id for n in left_out if self.r.stand_by(n)]
         if moved:
             self.r.event(f"standby: {', '.join(moved[:5])}{f' and {len(moved) - 5} more' if len(moved) > 5 else ''}")
         self.r.epoch += 1
         self.last_change = time.monotonic()
-        self.r.event(f"chain {' -> '.join(result.chain)} ({result.method}); bottleneck {result.bottleneck}")
+        self.r.event(f"{f'pipeline {pipeline}: ' if pipeline else ''}chain {' -> '.join(result.chain)} ({result.method}); "
+                     f"bottleneck {result.bottleneck}")

@@ -1,5 +1,6 @@
-"""The coordinator's membership: join, heartbeat, leave, failure by timeout; which stage each node
-holds and who its neighbours are; the ledger of committed steps and the event log."""
+"""The coordinator's membership: join, heartbeat, leave, failure by timeout; which stage of which
+pipeline each node holds and who its neighbours are; the ledger of every pipeline's committed
+steps and the event log."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from pathlib import Path
 
 from ..config import RunConfig
 from ..net.auth import BadMac, Sealer, SwarmKey
-from ..net.errors import Banned, InvalidRequest, NotAuthenticated, NotFresh, StageTaken, UnknownNode
+from ..net.errors import Banned, InvalidRequest, NotAuthenticated, NotFresh, UnknownNode
 from ..net.freshness import COORDINATOR, SealRefused
 from ..net.identity import NodeKey
 from ..pipeline.checkpoint import CheckpointStore
@@ -20,6 +21,7 @@ from ..proto import tahnode_pb2 as pb
 from .bans import BanPolicy, Bans, ban_marks
 from .durable import SwarmDB
 from .health import LossHistory, LossWatch
+from .roster import Roster
 from .state import STANDBY, Census, NodeRecord, NodeStatus
 
 log = logging.getLogger("tahnode.coordinator")
@@ -61,27 +63,38 @@ class SwarmRegistry:
         self.timeout = heartbeat_timeout
         self.bans = bans or Bans(BanPolicy())
         self.nodes: dict[str, NodeRecord] = {}
+        self.roster = Roster(run, self.nodes)
         self.db = SwarmDB(self.store.dir / "coordinator.sqlite")
         self._epoch = self.db.get("epoch", 1)
         for mark, until in self.db.bans().items():  # bans outlive a restart
             self.bans.until[mark] = until
         self.last_join = 0.0
         # the ledger lives in the database; memory holds only the losses the status page draws
-        self.history = LossHistory(self.db.losses(LOSS_HISTORY), LOSS_HISTORY)
+        self.histories = {p: LossHistory(self.db.losses(LOSS_HISTORY, p), LOSS_HISTORY) for p in self.db.pipelines()}
         self.identities: dict[str, bytes] = self.db.identities()  # node id -> the public key bound at its first join
         self.events: list[str] = []
         self.census = Census()
-        self.finished = False  # the last stage reported the run's last step
-        for stage, node_id, address, device, cert in self.db.holders():  # presumed alive: heartbeat_timeout to be heard
-            self.nodes[node_id] = NodeRecord(node_id, address, stage, device, status=NodeStatus.ACTIVE, tls_cert=cert)
-        if self.losses or self.nodes:
-            held = ", ".join(f"{n.node_id} stage {n.stage}" for n in self.nodes.values()) or "none"
-            self.event(f"restarted: the ledger holds steps 0..{max(self.losses, default=-1)}, membership epoch {self._epoch}; "
-                       f"holders kept: {held}")
+        for pipeline, stage, node_id, address, device, cert in self.db.holders():  # presumed alive until heartbeat_timeout
+            self.nodes[node_id] = NodeRecord(node_id, address, stage, device, status=NodeStatus.ACTIVE, tls_cert=cert,
+                                             pipeline=pipeline)
+        if self.histories or self.nodes:
+            held = ", ".join(f"{n.node_id} stage {n.stage} of pipeline {n.pipeline}" for n in self.nodes.values()) or "none"
+            steps = ", ".join(f"0..{max(h.points, default=-1)}{f' of pipeline {p}' if p else ''}"
+                              for p, h in sorted(self.histories.items()))
+            self.event(f"restarted: the ledger holds steps {steps or 'none'}, membership epoch {self._epoch}; holders kept: {held}")
 
-    def ledger(self) -> dict[int, pb.LossPoint]:
-        """Every committed step: its loss, samples and wall time on the last stage (from disk)."""
+    def ledger(self, pipeline: int = 0) -> dict[int, pb.LossPoint]:
+        """Every committed step of a pipeline: its loss, samples and wall time on its loss stage (from disk)."""
+        return self.db.ledger().get(pipeline, {})
+
+    def ledgers(self) -> dict[int, dict[int, pb.LossPoint]]:
+        """pipeline -> its ledger."""
         return self.db.ledger()
+
+    @property
+    def finished(self) -> bool:
+        """The run is over: every complete pipeline (at least one) reported the run's last step."""
+        return bool(self.roster.finished) and set(self.roster.complete_pipelines()) <= self.roster.finished
 
     @property
     def epoch(self) -> int:
@@ -92,32 +105,31 @@ class SwarmRegistry:
     def epoch(self, value: int) -> None:
         """A new epoch: the assignments changed, and who holds which stage is saved with it."""
         self._epoch = value
-        self.census.holders = None
+        self.roster.invalidate()
         self.db.put("epoch", value)
-        self.db.set_holders([(n.stage, n.node_id, n.address, n.device, n.tls_cert) for n in self.nodes.values()
+        self.db.set_holders([(n.pipeline, n.stage, n.node_id, n.address, n.device, n.tls_cert) for n in self.nodes.values()
                              if n.status is NodeStatus.ACTIVE])
 
     # -- helpers ----------------------------------------------------------------------------
+    def history(self, pipeline: int) -> LossHistory:
+        if pipeline not in self.histories:
+            self.histories[pipeline] = LossHistory({}, LOSS_HISTORY)
+        return self.histories[pipeline]
+
     @property
     def losses(self) -> dict[int, float]:
-        """The recent steps' losses (what the status page draws)."""
-        return self.history.points
+        """The recent steps' losses of the first pipeline that has any (what the status page draws)."""
+        return self.histories[min(self.histories)].points if self.histories else {}
 
     @property
     def watch(self) -> LossWatch:
-        return self.history.watch
+        """The loss watch with an open alert, else the first pipeline's."""
+        watches = [h.watch for _, h in sorted(self.histories.items())]
+        return next((w for w in watches if w.alert), watches[0] if watches else LossWatch())
 
     def event(self, text: str, level: int = logging.INFO) -> None:
         log.log(level, text)
         self.events = (self.events + [f"{time.strftime('%H:%M:%S')} {text}"])[-50:]
-
-    def holder(self, stage: int) -> NodeRecord | None:
-        if self.census.holders is None:
-            self.census.holders = {}
-            for n in self.nodes.values():
-                if n.status is NodeStatus.ACTIVE:
-                    self.census.holders.setdefault(n.stage, n)
-        return self.census.holders.get(stage)
 
     def heartbeat_period(self) -> float:
         """Seconds between a node's heartbeats: 1, longer once the swarm has more live nodes than
@@ -130,9 +142,6 @@ class SwarmRegistry:
 
     def waiting(self) -> list[NodeRecord]:
         return [n for n in self.nodes.values() if n.status.waiting]
-
-    def open_stages(self) -> list[int]:
-        return [k for k in range(self.run.stages) if self.holder(k) is None]
 
     def check(self, req, speaks_for: str, run_optional: bool = False, bind: bool = False) -> None:
         """Refuse a request that is not authentic (NotAuthenticated); not fresh, not for this run or
@@ -155,8 +164,8 @@ class SwarmRegistry:
         return pb.Peer(node_id=n.node_id, address=n.address, stage=n.stage, public_key=self.identities.get(n.node_id, b""),
                        tls_cert=n.tls_cert)
 
-    def _peer(self, stage: int) -> pb.Peer:
-        n = self.holder(stage) if 0 <= stage < self.run.stages else None
+    def _peer(self, stage: int, pipeline: int) -> pb.Peer:
+        n = self.roster.holder(stage, pipeline) if 0 <= stage < self.run.stages else None
         return self.peer(n) if n is not None else pb.Peer(stage=stage)
 
     def resume_step(self, stage: int) -> int:
@@ -169,19 +178,22 @@ class SwarmRegistry:
         (join replies: it never changes while the coordinator runs)."""
         stage = node.stage if node.status is NodeStatus.ACTIVE else STANDBY
         a = pb.Assignment(stage=stage, num_stages=self.run.stages, epoch=self.epoch, resume_step=node.resume_step,
-                          run_config=self.run.to_json() if with_config else "")
+                          run_config=self.run.to_json() if with_config else "", pipeline=node.pipeline if stage >= 0 else 0,
+                          pipelines=len(self.roster.complete_pipelines()))
+        if a.pipelines > 1:
+            a.dht_peers.extend(self.roster.dht_peers)
         if stage >= 0:
             for field, offset in (("prev", -1), ("next", 1)):  # around the ring for a tied model (RunConfig.ring)
                 other = self.run.neighbour(node.stage, offset)
-                getattr(a, field).CopyFrom(self._peer(node.stage + offset if other is None else other))
+                getattr(a, field).CopyFrom(self._peer(node.stage + offset if other is None else other, node.pipeline))
         return a
 
-    def place(self, node: NodeRecord, stage: int) -> bool:
-        """Make `node` the holder of `stage` (resuming from the store); False if it already was."""
-        if node.status is NodeStatus.ACTIVE and node.stage == stage:
+    def place(self, node: NodeRecord, stage: int, pipeline: int = 0) -> bool:
+        """Make `node` the holder of `stage` of `pipeline` (resuming from the store); False if it already was."""
+        if node.status is NodeStatus.ACTIVE and (node.stage, node.pipeline) == (stage, pipeline):
             return False
-        self.census.holders = None
-        node.stage, node.status = stage, NodeStatus.ACTIVE
+        self.roster.invalidate()
+        node.stage, node.pipeline, node.status = stage, pipeline, NodeStatus.ACTIVE
         node.resume_step = self.resume_step(stage)
         return True
 
@@ -189,8 +201,8 @@ class SwarmRegistry:
         """Make `node` a standby; False if it already was."""
         if node.status is NodeStatus.STANDBY:
             return False
-        self.census.holders = None
-        node.status, node.stage = NodeStatus.STANDBY, STANDBY
+        self.roster.invalidate()
+        node.status, node.stage, node.pipeline = NodeStatus.STANDBY, STANDBY, 0
         return True
 
     # -- requests ---------------------------------------------------------------------------
@@ -207,20 +219,18 @@ class SwarmRegistry:
         if time.monotonic() - self.census.swept >= 1.0:  # the coordinator sweeps every second anyway
             self.sweep()
         stage = req.stage
-        if stage >= 0:
-            held = self.holder(stage)
-            if held and held.node_id != req.node_id:
-                raise StageTaken(f"stage {stage} is held by node {held.node_id} ({held.address})")
+        pipeline = self.roster.pinned_pipeline(stage, req.node_id) if stage >= 0 else 0
         rejoin = req.node_id in self.nodes
         node = NodeRecord(req.node_id, req.address, stage, req.device, req.memory_bytes, req.compute_ms,
                           status=NodeStatus.ACTIVE if stage >= 0 else NodeStatus.JOINING, tls_cert=req.tls_cert,
-                          movable=req.movable or stage < 0)
+                          movable=req.movable or stage < 0, pipeline=pipeline)
         if stage >= 0:
             node.resume_step = self.resume_step(stage)
         self.nodes[req.node_id] = node
         self.epoch += 1
         self.last_join = time.monotonic()
-        where = f"stage {stage}" if stage >= 0 else "waiting for an assignment (--stage auto)"
+        where = f"stage {stage}" + (f" of pipeline {pipeline}" if pipeline else "") if stage >= 0 else \
+            "waiting for an assignment (--stage auto)"
         self.event(f"{'rejoined' if rejoin else 'joined'}: {req.node_id} at {req.address} ({req.device or '?'}) -> {where}")
         return pb.JoinReply(assignment=self.assignment(node, with_config=True), swarm="tahnode", run=self.sealer.run,
                             coordinator_key=self.sealer.identity.public)
@@ -242,8 +252,8 @@ class SwarmRegistry:
         self._judge(node, req.stats.offences)
         self._record(node, list(req.stats.losses))
         if req.stats.finished and node.status is NodeStatus.ACTIVE and node.stage == self.run.stages - 1 \
-                and self.ledger_next() >= self.run.train.steps:  # the run is over when its ledger says so, not a node
-            self.finished = True
+                and self.ledger_next(node.pipeline) >= self.run.train.steps:  # over when its ledger says so, not a node
+            self.roster.finished.add(node.pipeline)
         return pb.HeartbeatReply(assignment=self.assignment(node), known=True, run_finished=self.finished,
                                  heartbeat_s=self.heartbeat_period())
 
@@ -253,7 +263,8 @@ class SwarmRegistry:
         if not offences or reporter.status is not NodeStatus.ACTIVE:
             return
         near = {self.run.neighbour(reporter.stage, -1), self.run.neighbour(reporter.stage, 1)} - {None}
-        neighbours = {n.node_id for n in self.nodes.values() if n.status is NodeStatus.ACTIVE and n.stage in near}
+        neighbours = {n.node_id for n in self.nodes.values()
+                      if n.status is NodeStatus.ACTIVE and n.stage in near and n.pipeline == reporter.pipeline}
         for sender in self.bans.report(reporter.node_id, {s: c for s, c in offences.items() if s in neighbours}):
             node = self.nodes[sender]
             node.status = NodeStatus.BANNED
@@ -265,10 +276,10 @@ class SwarmRegistry:
                        f"refused {self.bans.policy.threshold} of its micro-batches within {self.bans.policy.window_s:.0f} s")
 
     def _record(self, reporter: NodeRecord, points: list[pb.LossPoint]) -> None:
-        """Committed steps into the ledger, in memory and on disk, from the node that computes the
-        loss now (a standby, a former holder or another stage has none to report), each step within
-        the run and its loss a number. A step at or before one already recorded means a rollback:
-        the steps from there on are trained again and replace the old."""
+        """Committed steps into its pipeline's ledger, in memory and on disk, from the node that
+        computes the loss now (a standby, a former holder or another stage has none to report), each
+        step within the run and its loss a number. A step at or before one already recorded means a
+        rollback: the steps from there on are trained again and replace the old."""
         if not points:
             return
         if reporter.status is not NodeStatus.ACTIVE or reporter.stage != self.run.loss_stage:
@@ -280,14 +291,15 @@ class SwarmRegistry:
             log.warning("ignored %d losses from %s: a step outside the run's %d or a loss that is not a number",
                         len(points) - len(kept), reporter.node_id, self.run.train.steps)
         points = kept
+        history = self.history(reporter.pipeline)
         for point in points:
-            raised, cleared = self.history.add(point.step, point.loss)
+            raised, cleared = history.add(point.step, point.loss)
             if raised is not None:
                 self.event(f"ALERT: {raised.message(self.run.codec.label)}", logging.WARNING)
             elif cleared:
                 self.event(f"the loss is back on its trend at step {point.step}")
         if points:
-            self.db.record(points)
+            self.db.record(points, reporter.pipeline)
 
     def leave(self, req: pb.LeaveRequest) -> pb.LeaveReply:
         self.check(req, req.node_id)
@@ -313,14 +325,14 @@ class SwarmRegistry:
         if node.status is not NodeStatus.ACTIVE or node.stage != stage:
             raise InvalidRequest(f"node {node_id} does not hold stage {stage} now ({node.status}, stage {node.stage}): "
                                  "it may not upload that stage's checkpoints")
-        newest = self.ledger_next() + LEDGER_SLACK
-        if not 1 <= step <= min(newest, self.run.train.steps):
-            raise InvalidRequest(f"a checkpoint of step {step} is outside the run: the ledger has {self.ledger_next()} "
+        known = max((self.ledger_next(p) for p in self.roster.pipelines()), default=0)
+        if not 1 <= step <= min(known + LEDGER_SLACK, self.run.train.steps):
+            raise InvalidRequest(f"a checkpoint of step {step} is outside the run: the ledger has {known} "
                                  f"steps of {self.run.train.steps}")
 
-    def ledger_next(self) -> int:
-        """The step after the newest one in the ledger (0 before any)."""
-        return max(self.history.points, default=-1) + 1
+    def ledger_next(self, pipeline: int = 0) -> int:
+        """The step after the newest one in a pipeline's ledger (0 before any)."""
+        return max(self.histories[pipeline].points, default=-1) + 1 if pipeline in self.histories else 0
 
     def prune(self) -> None:
         """Forget nodes that left, failed or were banned DEAD_RECORD_S ago: their records, the links

@@ -5,6 +5,7 @@ the layout in the DHT when it speaks p2p, and places nodes, until interrupted.""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import gc
 import logging
 import math
@@ -17,6 +18,7 @@ import grpc
 from aiohttp import web
 
 from ..config import CoordinatorConfig, RunConfig, TlsMode, TransportKind
+from ..config.node import COORDINATOR_P2P_LISTEN, NODE_P2P_LISTEN
 from ..net.auth import SwarmKey
 from ..net.channels import ChannelPool
 from ..net.discovery import COORDINATOR_KIND, LAYOUT_KIND, SwarmDirectory, republish
@@ -109,6 +111,27 @@ async def start_p2p(cfg: CoordinatorConfig, servicer: CoordinatorServicer) -> P2
     return host
 
 
+async def dht_when_needed(registry: SwarmRegistry, cfg: CoordinatorConfig, p2p: P2PHost | None, stop: asyncio.Event) -> None:
+    """Once two pipelines train, the replicas of each stage find each other through a DHT: the
+    coordinator's own (p2p transport), else one it starts then, on a port of its own (not the
+    p2p control plane's); its multiaddrs go out with the assignments (Assignment.dht_peers)."""
+    while not stop.is_set():
+        if len(registry.roster.complete_pipelines()) > 1:
+            host = p2p
+            if host is None:
+                listen = [NODE_P2P_LISTEN] if cfg.p2p.listen == [COORDINATOR_P2P_LISTEN] else cfg.p2p.listen
+                settings = dataclasses.replace(cfg.p2p, listen=listen)
+                host = await P2PHost.start(settings, identity=Path(cfg.store) / IDENTITY_FILE)
+            registry.roster.dht_peers = (await host.address()).split(",")
+            registry.event(f"pipelines train in data parallel: their replicas find each other through the DHT at "
+                           f"{registry.roster.dht_peers[0]}")
+            return
+        try:
+            await asyncio.wait_for(stop.wait(), 1.0)
+        except asyncio.TimeoutError:
+            pass
+
+
 def measurer(registry: SwarmRegistry, pool: ChannelPool) -> Measure:
     async def measure(a: NodeRecord, b: NodeRecord, payload_bytes: int, timeout: float) -> tuple[float, float]:
         """Ask node a to measure its link to b over a's own data plane."""
@@ -183,6 +206,7 @@ async def serve(run: RunConfig, cfg: CoordinatorConfig) -> None:
         publishing = asyncio.ensure_future(republish(SwarmDirectory(p2p.dht, key), directory_entries(registry, record), stop,
                                                      signer=identity))
     refreshing = asyncio.ensure_future(snapshot.refresh(stop))
+    averaging = asyncio.ensure_future(dht_when_needed(registry, cfg, p2p, stop))
     gc.freeze()  # what start-up made (torch, protobuf, the servers) is never collected: shorter pauses at scale
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -192,6 +216,7 @@ async def serve(run: RunConfig, cfg: CoordinatorConfig) -> None:
     finally:
         stop.set()
         await refreshing
+        await asyncio.gather(averaging, return_exceptions=True)
         if publishing is not None:
             await publishing
         if server is not None:

@@ -53,6 +53,7 @@ class NodeRecord:
     last_seen: float = field(default_factory=time.monotonic)
     stats: pb.TrainingStats = field(default_factory=pb.TrainingStats)
     links: dict = field(default_factory=dict)  # dst node id -> (bytes, seconds)
+    pipeline: int = 0                          # the pipeline whose stage it holds (0 while it holds none)
     tls_cert: bytes = b""                      # its data plane's TLS certificate (PEM); b"": plain gRPC
     movable: bool = False                      # joined with --stage auto: rebalancing may move it
 
@@ -60,9 +61,7 @@ class NodeRecord:
 @dataclass
 class Census:
     """Figures the registry derives from its records, kept so a heartbeat needs no pass over every
-    node: who holds each stage (None: to be rebuilt, after any change of assignment) and how many
-    nodes were live at the last failure sweep."""
+    node: how many nodes were live at the last failure sweep (who holds what: tahnode.coordinator.roster)."""
 
-    holders: dict[int, NodeRecord] | None = None
     live: int = 0
     swept: float = 0.0  # when the last sweep ran (time.monotonic): a join sweeps only if a second has passed

@@ -4,7 +4,8 @@ metrics (`/metrics`), all served with aiohttp from a `SwarmView` the coordinator
 The page is one self-contained HTML document, status_page.html beside this module (inline CSS, JS
 and SVG; no external assets): it renders the state embedded in it at load, then fetches
 /api/v1/state every 2 s and re-renders.
-Stable hooks for tests and scrapers: `#nodes tr[data-node-id]` (cells `.stage`, `.status`),
+Stable hooks for tests and scrapers: `#nodes tr[data-node-id]` (cells `.stage`, `.pipeline`, `.status`),
+`#pipelines tr[data-pipeline]` (cells `.chain`, `.step`, `.tokens-per-s`, `.state`),
 `#links tr[data-src][data-dst]` (cells `.mbps`, `.transport`), `#p2p-maddrs li`, `#chain` (SVG), `#loss-curve` (SVG), `#step`,
 `#loss`, `#tokens-per-s`, `#bits-per-element`, `#events`, `#loss-alert` (shown with `data-kind` while the loss diverges).
 """
@@ -158,6 +159,7 @@ class _Metrics:
         self.node_stage = Gauge("tahnode_node_stage", "Stage each node holds (-1 = standby)", ["node"], registry=r)
         self.link_mbps = Gauge("tahnode_link_mbps", "Measured link bandwidth in Mbit/s", ["src", "dst"], registry=r)
         self.link_rtt = Gauge("tahnode_link_rtt_ms", "Measured link round-trip time in ms", ["src", "dst"], registry=r)
+        self.pipelines = _PipelineGauges(r)
         self.refused = Gauge("tahnode_refused_messages", "Messages refused so far (replayed, unauthentic, for another "
                              "run or recipient, off the clock), by receiver and reason", ["receiver", "reason"], registry=r)
 
@@ -175,6 +177,7 @@ class _Metrics:
         for n in state["nodes"]:
             counts[n["status"]] = counts.get(n["status"], 0) + 1
             self.node_stage.labels(node=n["id"]).set(n["stage"])
+        self.pipelines.render(state)
         for status, count in counts.items():
             self.nodes.labels(status=status).set(count)
         for link in state["links"]:
@@ -185,6 +188,28 @@ class _Metrics:
         for r in state.get("refused", []):
             self.refused.labels(receiver=r["receiver"], reason=r["reason"]).set(r["count"])
         return generate_latest(self.registry)
+
+
+class _PipelineGauges:
+    """The pipelines' gauges: how many train, each one's step and tokens/s, each node's pipeline."""
+
+    def __init__(self, r: CollectorRegistry):
+        self.count = Gauge("tahnode_pipelines", "Pipelines that train (every stage held)", registry=r)
+        self.step = Gauge("tahnode_pipeline_step", "Last step each pipeline's loss stage reported", ["pipeline"], registry=r)
+        self.tokens = Gauge("tahnode_pipeline_tokens_per_second", "Each pipeline's throughput in tokens per second",
+                            ["pipeline"], registry=r)
+        self.node = Gauge("tahnode_node_pipeline", "Pipeline each node holds a stage of (-1 = none)", ["node"], registry=r)
+
+    def render(self, state: dict[str, Any]) -> None:
+        for g in (self.step, self.tokens, self.node):
+            g.clear()  # pipelines and nodes that left disappear from the scrape
+        for n in state["nodes"]:
+            self.node.labels(node=n["id"]).set(-1 if n.get("pipeline") is None else n["pipeline"])
+        pipelines = state.get("pipelines", [])
+        self.count.set(sum(1 for p in pipelines if p["complete"]))
+        for p in pipelines:
+            self.step.labels(pipeline=str(p["index"])).set(p["step"] or 0)
+            self.tokens.labels(pipeline=str(p["index"])).set(p["tokens_per_s"] or 0.0)
 
 
 # -- the app --------------------------------------------------------------------------------------

@@ -17,7 +17,7 @@ __all__ = ["swarm_state", "ledger_json", "all_links"]
 
 def latest_on(r: SwarmRegistry, stage: int) -> NodeRecord | None:
     """The active holder of a stage, else the node that held it last (for finished runs)."""
-    held = r.holder(stage)
+    held = r.roster.holder(stage)
     if held:
         return held
     former = [n for n in r.nodes.values() if n.stage == stage]
@@ -25,25 +25,45 @@ def latest_on(r: SwarmRegistry, stage: int) -> NodeRecord | None:
 
 
 def training(r: SwarmRegistry) -> dict:
-    last = latest_on(r, r.run.loss_stage)  # the stage with the losses (stage 0 of a ring)
+    """The swarm's training: the first pipeline's step and loss (the loss stage's: stage 0 of a ring),
+    the tokens/s of every pipeline together."""
+    last = latest_on(r, r.run.loss_stage)
     senders = [n for n in r.nodes.values() if n.stage >= 0 and n.stats.forward_bits_per_element > 0]
     fw = sum(n.stats.forward_bits_per_element for n in senders) / len(senders) if senders else 0.0
     s = last.stats if last else pb.TrainingStats()
+    loss_holders = [h for p in r.roster.pipelines() if (h := r.roster.holder(r.run.loss_stage, p)) is not None]
     return {
         "step": int(s.step),
         "loss": s.loss if last and s.step else None,
-        "tokens_per_s": s.tokens_per_s,
+        "tokens_per_s": sum(h.stats.tokens_per_s for h in loss_holders) if len(loss_holders) > 1 else s.tokens_per_s,
         "bits_per_element": fw,
         "backward_bits_per_element": s.backward_bits_per_element,
         "loss_first": s.loss_first if last and s.step else None,
         "wire_bytes": sum(n.stats.wire_bytes for n in r.nodes.values()),
         "uncompressed_bytes": sum(n.stats.uncompressed_bytes for n in r.nodes.values()),
-        "finished": bool(last and s.finished),
+        "finished": bool(last and s.finished) if not r.roster.finished else r.finished,
         "replays": sum(n.stats.replays for n in r.nodes.values()),
         "aqsgd_cache_bytes": sum(n.stats.aqsgd_cache_bytes for n in r.nodes.values() if n.status is NodeStatus.ACTIVE),
         "peak_rss_bytes": max((n.stats.peak_rss_bytes for n in r.nodes.values() if n.stage >= 0), default=0),
         "steps_total": r.run.train.steps,
     }
+
+
+def pipelines(r: SwarmRegistry, placement: Placement) -> list[dict]:
+    """Every pipeline: its nodes stage by stage (None: open), whether it trains, its step and tokens/s
+    (its loss stage's), and the measured Mbit/s of its links, forward and backward."""
+    out = []
+    book = placement.book
+    for p in r.roster.pipelines():
+        holders = [r.roster.holder(k, p) for k in range(r.run.stages)]
+        loss = holders[r.run.loss_stage]
+        chain = [h.node_id if h else None for h in holders]
+        links = [{"src": a, "dst": b, "mbps": book.estimate(a, b), "back_mbps": book.estimate(b, a)}
+                 for a, b in zip(chain, chain[1:]) if a and b]
+        out.append({"index": p, "nodes": chain, "complete": None not in chain, "finished": p in r.roster.finished,
+                    "step": int(loss.stats.step) if loss else None, "tokens_per_s": loss.stats.tokens_per_s if loss else 0.0,
+                    "loss": loss.stats.loss if loss and loss.stats.step else None, "links": links})
+    return out
 
 
 def link_row(r: SwarmRegistry, placement: Placement, pair: tuple[str, str]) -> dict:
@@ -63,9 +83,9 @@ def links(r: SwarmRegistry, placement: Placement) -> list[dict]:
     """The links worth showing at any swarm size: those of the chain, those probed in full and those
     that carried traffic (the small capacity probes are in `probes` and under ?links=all)."""
     book = placement.book
-    chain = placement.current_chain() or []
+    in_use = {pair for chain in placement.chains().values() for pair in chain_links(chain)}
     carried = {(n.node_id, dst) for n in r.nodes.values() for dst, (nbytes, _) in n.links.items() if nbytes}
-    shown = set(chain_links(chain)) | carried | {p for p, probe in book.probes.items() if probe.kind is ProbeKind.FULL}
+    shown = in_use | carried | {p for p, probe in book.probes.items() if probe.kind is ProbeKind.FULL}
     return [link_row(r, placement, pair) for pair in sorted(shown)]
 
 
@@ -99,10 +119,12 @@ def swarm_state(r: SwarmRegistry, placement: Placement, p2p_maddrs: list[str] = 
     (their --initial-peers)."""
     return {
         "nodes": [
-            {"id": n.node_id, "stage": n.stage, "address": n.address, "status": n.status.value, "device": n.device,
-             "finished": n.stats.finished, "codec_seconds": n.stats.codec_seconds, "step_seconds": n.stats.step_seconds}
-            for n in sorted(r.nodes.values(), key=lambda n: (n.stage if n.stage >= 0 else 1 << 30, n.node_id))
+            {"id": n.node_id, "stage": n.stage, "pipeline": n.pipeline if n.status is NodeStatus.ACTIVE else None,
+             "address": n.address, "status": n.status.value, "device": n.device, "finished": n.stats.finished,
+             "codec_seconds": n.stats.codec_seconds, "step_seconds": n.stats.step_seconds}
+            for n in sorted(r.nodes.values(), key=lambda n: (n.stage if n.stage >= 0 else 1 << 30, n.pipeline, n.node_id))
         ],
+        "pipelines": pipelines(r, placement),
         "links": links(r, placement),
         "probes": probes(placement),
         "rebalance": plan(placement),
@@ -129,6 +151,7 @@ def refused(r: SwarmRegistry) -> list[dict]:
 
 
 def ledger_json(r: SwarmRegistry) -> dict:
-    """Every committed step: its loss, sample ids and wall time on the last stage (GET /api/v1/ledger)."""
-    return {"steps": [{"step": step, "loss": p.loss, "sample_ids": list(p.sample_ids), "seconds": p.seconds}
-                      for step, p in sorted(r.ledger().items())]}
+    """Every committed step of every pipeline: its loss, sample ids and wall time on the loss stage
+    (GET /api/v1/ledger), pipeline by pipeline."""
+    return {"steps": [{"pipeline": pipeline, "step": step, "loss": p.loss, "sample_ids": list(p.sample_ids), "seconds": p.seconds}
+                      for pipeline, ledger in sorted(r.ledgers().items()) for step, p in sorted(ledger.items())]}

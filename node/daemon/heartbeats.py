@@ -58,6 +58,8 @@ class Heartbeats:
         sent = 0
         if self.worker is not None:
             req.stats.MergeFrom(self.worker.stats.report(self.worker.committed, self.worker.codecs.cache_bytes()))
+            if self.worker.outer is not None:
+                req.stats.outer.update(self.worker.outer.report())
             req.stats.peak_rss_bytes = peak_rss_bytes()
             sent = len(req.stats.losses)
             counters = (self.t.counters(FORWARD), self.t.counters(BACKWARD))

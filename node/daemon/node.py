@@ -40,7 +40,7 @@ from .device import device_label, device_memory, measure_layer_ms, resolve_devic
 from .follower import AssignmentFollower
 from .heartbeats import Heartbeats
 from .membership import CoordinatorClient
-from .p2p import find_coordinator, needs_p2p, node_entries, start_host
+from .p2p import averaging_host, find_coordinator, needs_p2p, node_entries, start_host
 from .progress import Progress
 
 log = logging.getLogger("tahnode.daemon")
@@ -48,6 +48,7 @@ log = logging.getLogger("tahnode.daemon")
 __all__ = ["StageNode", "run_node"]
 
 RUN_FINISHED_WAIT_S = 5.0  # after its last step, how long a node waits for the coordinator to see the run end
+AVERAGER_START_S = 60.0    # how long a stage waits for its averager (DHT, p2p daemon) before it trains anyway
 
 
 def state_dir(cfg: NodeConfig, node_id: str) -> Path:
@@ -94,6 +95,8 @@ class StageNode:
         self.worker: StageWorker | None = None
         self.assignment = pb.Assignment()
         self.run_cfg: RunConfig | None = None
+        self.averaging: asyncio.Task | None = None  # starting this stage's averager (pipelines in data parallel)
+        self.averager = None
 
     @classmethod
     async def create(cls, cfg: NodeConfig, stop: asyncio.Event) -> StageNode:
@@ -180,8 +183,8 @@ class StageNode:
     async def _build_worker(self) -> StageWorker:
         a, run, cfg = self.assignment, self.run_cfg, self.cfg
         self.t.set_stage(a.stage)
-        print(f"{self.node_id}: holds stage {a.stage} of {a.num_stages} (coordinator {self.coord.address}), serving on "
-              f"{self.t.address} ({device_label(self.device)})", flush=True)
+        print(f"{self.node_id}: holds stage {a.stage} of {a.num_stages}{f' in pipeline {a.pipeline}' if a.pipeline else ''} "
+              f"(coordinator {self.coord.address}), serving on {self.t.address} ({device_label(self.device)})", flush=True)
         # three, as the coordinator's store: a rollback goes back to the newest step every stage has saved
         store = CheckpointStore(state_dir(cfg, self.node_id), keep=3)
         self.sync = CheckpointSync(self.coord, self.node_id, store)
@@ -196,7 +199,8 @@ class StageNode:
 
             model = load_stage_from_hf(build_stage(run.model, a.stage, run.stages, seed=run.train.seed), cfg.init_from)
         worker = StageWorker(run, a.stage, self.t, self.device, store, dataset, on_step=Progress(run.train.steps, cfg.progress),
-                             model=model, on_saved=lambda path, step: self.sync.saved(path, step, a.stage, a.num_stages))
+                             model=model, on_saved=lambda path, step: self.sync.saved(path, step, a.stage, a.num_stages),
+                             pipeline=a.pipeline)
         worker.saver.fetch = lambda step: self.sync.fetch_step(a.stage, a.num_stages, step)  # for rollbacks: the store's copy
         resumed = worker.resume()
         if resumed:
@@ -225,8 +229,10 @@ class StageNode:
         """Train the assigned stage: 0 when the run ended or `stop` was set, None if the stage was
         lost (the worker is stopped and saved, and the node stands by)."""
         self.worker = worker = await self._build_worker()
-        follower = AssignmentFollower(self.t, worker.stage, self.beats)
+        follower = AssignmentFollower(self.t, worker.stage, self.beats, worker.pipeline, self._pipelines_changed)
         follower.start(self.assignment)
+        if self.averaging is not None:  # other pipelines train: their outer weights are where this stage starts from
+            await self._until_stop(asyncio.wait({asyncio.shield(self.averaging)}, timeout=AVERAGER_START_S))
         self.beats.attach(worker)
         run_task = asyncio.ensure_future(worker.run(self.run_cfg.train.steps))
         try:
@@ -249,6 +255,36 @@ class StageNode:
         print(f"{self.node_id}: run finished at step {worker.committed}", flush=True)
         return 0
 
+    def _pipelines_changed(self, a: pb.Assignment) -> None:
+        """How many pipelines train (whom the stage averages with); with two or more, the stage's
+        averager starts (once)."""
+        outer = self.worker.outer if self.worker is not None else None
+        if outer is None:
+            return
+        outer.expected = a.pipelines
+        if a.pipelines > 1 and a.dht_peers and self.averaging is None:
+            self.averaging = asyncio.ensure_future(self._start_averaging(list(a.dht_peers)))
+
+    async def _start_averaging(self, dht_peers: list[str]) -> None:
+        """Join the DHT and start the averager of this stage's replicas (hivemind's, imported here only)."""
+        from ..net.averaging import StageAverager
+
+        worker, swarm = self.worker, self.run_cfg.swarm
+        try:
+            host = await averaging_host(self.cfg, state_dir(self.cfg, self.node_id), dht_peers)
+            averager = StageAverager(host.dht, f"tahnode{self.coord.sealer.run}s{worker.stage}", worker.outer.outer.numel,
+                                     swarm.outer_bits, swarm.outer_norm_ratio, state=worker.outer.state)
+            averager.start()
+        except Exception as exc:  # the pipeline trains on alone: its outer steps keep its weights
+            log.error("%s: the averager of stage %d did not start (%s); the stage trains without averaging", self.node_id,
+                      worker.stage, exc)
+            return
+        self.averager = averager
+        if self.worker is worker:
+            worker.outer.averager = averager
+            print(f"{self.node_id}: stage {worker.stage} averages with its replicas in the other pipelines (every "
+                  f"{swarm.outer_every} steps, {swarm.outer_bits}-bit pseudo-gradients)", flush=True)
+
     async def _release_stage(self, assignment: pb.Assignment) -> None:
         """After losing the stage: no links, no stage stats, the coordinator's latest word."""
         self.t.reset_links()  # the stop flushed and ended them
@@ -256,6 +292,7 @@ class StageNode:
         self.beats.detach()
         self.worker.close()
         self.worker = None
+        await self._stop_averaging()
         self.assignment = assignment
         print(f"{self.node_id}: standing by", flush=True)
 
@@ -272,8 +309,18 @@ class StageNode:
         await self.coord.leave(self.node_id)
         await self._close()
 
+    async def _stop_averaging(self) -> None:
+        if self.averaging is not None:
+            self.averaging.cancel()
+            await asyncio.gather(self.averaging, return_exceptions=True)
+            self.averaging = None
+        if self.averager is not None:
+            await asyncio.to_thread(self.averager.shutdown)
+            self.averager = None
+
     async def _close(self) -> None:
         self.closing.set()
+        await self._stop_averaging()
         if self.publishing is not None:
             await self.publishing
         await self.coord.close()

@@ -17,7 +17,7 @@ from ..net.transport import FORWARD, Transport
 
 log = logging.getLogger("tahnode.daemon")
 
-__all__ = ["needs_p2p", "start_host", "find_coordinator", "CoordinatorAddress", "node_entries", "RELAY_WAIT_S", "FIND_WAIT_S"]
+__all__ = ["needs_p2p", "start_host", "averaging_host", "find_coordinator", "CoordinatorAddress", "node_entries", "RELAY_WAIT_S", "FIND_WAIT_S"]
 
 RELAY_WAIT_S = 30.0   # how long a node behind NAT waits for a relay reservation before it joins anyway
 FIND_WAIT_S = 60.0    # how long a node looks for the coordinator's entry in the DHT
@@ -39,6 +39,18 @@ async def start_host(cfg: NodeConfig, folder: Path) -> P2PHost:
     if cfg.p2p.use_auto_relay and not await host.wait_for_relay(RELAY_WAIT_S):
         log.warning("none of the initial peers answered as a relay within %.0f s: peers outside this network may not "
                     "reach this node", RELAY_WAIT_S)
+    return host
+
+
+async def averaging_host(cfg: NodeConfig, folder: Path, dht_peers: list[str]) -> P2PHost:
+    """This process's p2p daemon with a DHT joined to `dht_peers` (the coordinator's), for the
+    replicas of a stage to find each other: the one it has (a DHT added to a dial-only one), else
+    a new one on any port, its peer id kept in `folder`."""
+    host = P2PHost._current
+    if host is None:
+        settings = dataclasses.replace(cfg.p2p, initial_peers=list(dht_peers))
+        return await P2PHost.start(settings, identity=folder / IDENTITY_FILE, dht=True)
+    await host.start_dht(list(dht_peers))
     return host
 
 

@@ -186,6 +186,13 @@ class P2PHost:
         cls._current = host
         return host
 
+    async def start_dht(self, initial_peers: list[str]) -> None:
+        """Join the DHT of `initial_peers` on this daemon, if it has none yet (a node that learns
+        only after joining that it needs one: to average with its stage's replicas)."""
+        if self.dht is None:
+            self.settings.initial_peers = list(initial_peers)
+            await self._start_dht(client_mode=False)
+
     async def _start_dht(self, client_mode: bool) -> None:
         from hivemind.dht import DHT
 

@@ -107,20 +107,25 @@ class StepDriver:
             log.debug("stage 0: %d micro-batches in flight (the forward link went idle waiting for the window)", self.window.size)
         return await admitted
 
-    async def _sync(self, attempt: int) -> None:
+    async def _sync(self, attempt: int, regroup: bool = False) -> None:
         """Restart step `committed` as `attempt` once every stage answers; repeat until they do.
-        Stages that answer with different committed steps are all rolled back to the smallest."""
+        Stages that answer with different committed steps are all rolled back to the smallest; with
+        pipelines in data parallel (`regroup`, or other pipelines training) every stage returns to
+        its stage's latest outer step instead, until they agree."""
         w, st = self.w, self.w.state
         rollback = False
         wait = 1.0  # the first Sync may reach a stage before it listens: ask again soon, then less often
         while True:
             self.abort.clear()
+            if regroup:
+                await w.outer.regroup()
+                wait = max(wait, w.outer.swarm.outer_timeout_s)  # every stage may wait that long for a replica's state
             await w.compute(w.restart_step, st.committed, attempt)
             self.window = Window(self.window.size, self.window.limit)  # none in flight; what it learned stays
             if w.num_stages == 1:
                 return
             self.sync_reply = asyncio.get_running_loop().create_future()
-            sync = pb.Sync(step=st.step, attempt=attempt, last_commit=st.last_commit, rollback=rollback)
+            sync = pb.Sync(step=st.step, attempt=attempt, last_commit=st.last_commit, rollback=rollback, regroup=regroup)
             await w.send(FORWARD, sync=sync)
             try:
                 ack = await asyncio.wait_for(asyncio.shield(self.sync_reply), timeout=wait)
@@ -131,6 +136,11 @@ class StepDriver:
             low = min(ack.min_committed, st.committed)
             if ack.max_committed == low and st.committed == low:
                 return
+            if w.outer is not None and w.outer.active:
+                log.warning("stages are at steps %d..%d: every stage returns to its stage's latest outer step", low,
+                            max(ack.max_committed, st.committed))
+                regroup, attempt = True, attempt + 1
+                continue
             # a stage came back from an older checkpoint (e.g. a standby took it over): every stage
             # returns to that step and the steps after it are trained again
             log.warning("stages are at steps %d..%d: rolling every stage back to step %d", low, max(ack.max_committed, st.committed), low)
@@ -184,7 +194,8 @@ class StepDriver:
         w, st = self.w, self.w.state
         # a fresh attempt number per incarnation of stage 0: leftovers of a previous one never match
         attempt = random.randrange(1, 1 << 30)
-        await self._sync(attempt)
+        outer = w.outer
+        await self._sync(attempt, regroup=outer is not None and outer.active)  # other pipelines train: join them
         replayed = False  # a replayed step's time says nothing about its cut
         while st.committed < steps and not w.stopping:
             if w.num_stages == 1:
@@ -202,6 +213,10 @@ class StepDriver:
             if not replayed:
                 self.tuner.record(seconds)
             replayed = False
+            if outer is not None and outer.active and outer.needs_regroup and st.committed < steps:
+                log.warning("stage 0: pipeline %d missed an outer step: it regroups with the others", w.pipeline)
+                outer.needs_regroup = False
+                await self._sync(st.attempt + 1, regroup=True)
         if not w.stopping:
             await w.send(FORWARD, shutdown=pb.Shutdown(step=st.committed))
             w.finish()

@@ -1,6 +1,7 @@
 """Bringing the stages back to one step after a replay: a stage's part of the Sync protocol (pass
 the Sync on, answer with its committed step) and the rollback to an earlier committed step, from a
-checkpoint of its own or, if it has none of that step, one fetched from the coordinator's store."""
+checkpoint of its own or, if it has none of that step, one fetched from the coordinator's store;
+with pipelines in data parallel, the regroup: back to the stage's latest outer step."""
 
 from __future__ import annotations
 
@@ -57,7 +58,9 @@ class Resync:
         """Stage 0 restarts step `sync.step` (rolling every stage back to it, if asked): follow,
         then pass the Sync on (or, the last stage, answer it)."""
         w, st = self.w, self.w.state
-        if sync.rollback and st.committed != sync.step and not await self.roll_back(sync.step):
+        if sync.regroup and w.outer is not None:
+            await w.outer.regroup()
+        elif sync.rollback and st.committed != sync.step and not await self.roll_back(sync.step):
             return
         lc = sync.last_commit
         if lc.step + 1 == sync.step and st.committed == lc.step and st.awaits_step_end():

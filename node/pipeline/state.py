@@ -3,6 +3,7 @@ the step being computed and what of it is done) and the counters it reports."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 from dataclasses import dataclass, field
 
@@ -11,7 +12,7 @@ import torch
 from ..net.transport import BACKWARD, FORWARD
 from ..proto import tahnode_pb2 as pb
 
-__all__ = ["PipelineError", "DivergedStep", "Pending", "StepState", "StopRequest", "StepRecord", "Stats"]
+__all__ = ["PipelineError", "DivergedStep", "Pending", "StepState", "StopRequest", "Stopping", "StepRecord", "Stats"]
 
 
 class PipelineError(RuntimeError):
@@ -81,6 +82,14 @@ class StopRequest:
     gradient of that step went out, so stage 0 commits it), None if it stops at once."""
 
     drain_step: int | None = None
+
+
+@dataclass
+class Stopping:
+    """A stage's end: the stop it was asked for (None: none), and whether its run is over (`done`)."""
+
+    request: StopRequest | None = None
+    done: asyncio.Event = field(default_factory=asyncio.Event)
 
 
 @dataclass

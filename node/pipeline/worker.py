@@ -26,9 +26,10 @@ from .admission import Admission, BadMicroBatch
 from .checkpoint import CheckpointStore, StageSaver
 from .driver import StepDriver
 from .inbox import Inbox
+from .outer_sync import Averager, OuterSync
 from .resync import Resync
 from .schedule import Split
-from .state import DivergedStep, Pending, PipelineError, Stats, StepRecord, StepState, StopRequest
+from .state import DivergedStep, Pending, PipelineError, Stats, StepRecord, StepState, Stopping, StopRequest
 from .streams import CodecStreams
 
 log = logging.getLogger("tahnode.pipeline")
@@ -44,7 +45,8 @@ class StageWorker:
 
     def __init__(self, run: RunConfig, stage: int, transport: Transport, device: str = "cpu", store: CheckpointStore | None = None,
                  dataset: TokenDataset | None = None, on_step: Callable[["StageWorker"], None] | None = None,
-                 model: StageModel | None = None, on_saved: Callable[[str, int], None] | None = None, pipeline: int = 0):
+                 model: StageModel | None = None, on_saved: Callable[[str, int], None] | None = None, pipeline: int = 0,
+                 averager: Averager | None = None):
         self.run_cfg, self.stage, self.pipeline = run, stage, pipeline
         self.t = transport
         self.model = (model or build_stage(run.model, stage, run.stages, seed=self.train.seed, dtype=self.dtype)).to(device)
@@ -60,8 +62,9 @@ class StageWorker:
         self.driver = StepDriver(self, dataset) if self.first else None
         self.resync = Resync(self)
         self.inbox = Inbox(self)
-        self.stop_request: StopRequest | None = None
-        self.shutdown = asyncio.Event()
+        # pipelines in data parallel (a run that may have more than one): the replicas' outer steps
+        self.outer = OuterSync(self, averager) if run.swarm.auto or run.swarm.pipelines > 1 else None
+        self.ending = Stopping()
         self.t.on_link_down(self._link_down)
 
     # -- what the stage is ----------------------------------------------------------------------
@@ -92,7 +95,16 @@ class StageWorker:
 
     @property
     def stopping(self) -> bool:
-        return self.stop_request is not None
+        return self.ending.request is not None
+
+    @property
+    def stop_request(self) -> StopRequest | None:
+        return self.ending.request
+
+    @property
+    def shutdown(self) -> asyncio.Event:
+        """Set once the stage's run is over (finished, or stopped)."""
+        return self.ending.done
 
     @property
     def device(self) -> torch.device:
@@ -301,6 +313,8 @@ class StageWorker:
         self.state.last_commit = end
         if not self.last:
             await self.send(FORWARD, step_end=end)
+        if self.outer is not None:
+            await self.outer.after_commit()  # at an outer boundary: the replicas of the stage average
         if self.committed % self.train.checkpoint_every == 0:
             await self.compute(self.save)
         if self.on_step:
@@ -335,7 +349,7 @@ class StageWorker:
         step is handled once the awaited step is committed."""
         async with self.inbox.handling:
             awaits = not self.first and self.state.awaits_step_end()
-            self.stop_request = StopRequest(self.state.step if awaits else None)
+            self.ending.request = StopRequest(self.state.step if awaits else None)
             if not awaits:
                 self.shutdown.set()
         try:

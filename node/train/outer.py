@@ -1,8 +1,9 @@
 """The outer step that keeps the replicas of a stage in step (DiLoCo's, with plain averaging as its
 default): the pseudo-gradient (outer weights - inner weights) and the step from its average.
 
-Each replica keeps the stage's outer weights (`anchor`, float32, as they were after the last outer
-step) and, with momentum, the outer momentum; its inner AdamW trains the parameters in between.
+Each replica keeps the stage's outer weights (`anchor`, float32 on the CPU, as they were after the
+last outer step) and, with momentum, the outer momentum; its inner AdamW trains the parameters in
+between.
 With outer lr 1 and no momentum the step sets every replica to the mean of their weights."""
 
 from __future__ import annotations
@@ -21,13 +22,13 @@ class OuterOptimizer:
         self.params = [p for p in params if p.requires_grad]
         self.lr, self.mu = swarm.outer_lr, swarm.outer_momentum
         self.numel = sum(p.numel() for p in self.params)
-        self.anchor = [p.detach().to(torch.float32, copy=True) for p in self.params]
+        self.anchor = [p.detach().to("cpu", torch.float32, copy=True) for p in self.params]
         self.momentum = torch.zeros(self.numel, dtype=torch.float32) if self.mu else None
 
     @torch.no_grad()
     def pseudo_gradient(self) -> torch.Tensor:
         """outer - inner weights, flat, float32, on the CPU (what the replicas average)."""
-        return torch.cat([(a - p.detach().float()).reshape(-1).cpu() for a, p in zip(self.anchor, self.params)])
+        return torch.cat([(a - p.detach().float().cpu()).reshape(-1) for a, p in zip(self.anchor, self.params)])
 
     @torch.no_grad()
     def step(self, averaged: torch.Tensor) -> None:
@@ -42,7 +43,7 @@ class OuterOptimizer:
         offset = 0
         for a, p in zip(self.anchor, self.params):
             n = p.numel()
-            a.sub_(update[offset:offset + n].view_as(a).to(a.device), alpha=self.lr)
+            a.sub_(update[offset:offset + n].view_as(a), alpha=self.lr)
             p.copy_(a)
             offset += n
 
@@ -55,7 +56,7 @@ class OuterOptimizer:
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """What a checkpoint keeps of it: the outer weights (flat) and the momentum, if any."""
-        out = {"outer.anchor": torch.cat([a.reshape(-1).cpu() for a in self.anchor])}
+        out = {"outer.anchor": torch.cat([a.reshape(-1) for a in self.anchor])}
         if self.momentum is not None:
             out["outer.momentum"] = self.momentum.clone()
         return out

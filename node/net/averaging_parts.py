@@ -1,0 +1,395 @@
+"""hivemind's DecentralizedAverager as tahnode runs it (tahnode.net.averaging): pseudo-gradients travel
+blockwise-quantized, the reducer averages only the parts group_mean.admitted() lets in (every sender
+counting 1, whatever weight it claims), a sender keeps its own part where the returned average fails
+group_mean.accepted(), only members join, and the refusals and the bytes are tallied per round.
+
+Everything here but the parent-side calls (run_round, fetch_state, get_current_state, ask, tell) runs in the
+averager's own process, forked by hivemind."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import threading
+from typing import AsyncIterator
+
+import torch
+from hivemind.averaging import DecentralizedAverager
+from hivemind.averaging.allreduce import AllreduceException, AllReduceRunner, AveragingMode
+from hivemind.averaging.matchmaking import Matchmaking
+from hivemind.averaging.partition import (DEFAULT_PART_SIZE_BYTES, BannedException, TensorPartContainer,
+                                          TensorPartReducer)
+from hivemind.compression import (CompressionBase, CompressionInfo, Float16Compression, NoCompression,
+                                  deserialize_torch_tensor)
+from hivemind.compression.serialization import _BASE_COMPRESSION_TYPES
+from hivemind.p2p import P2PContext
+from hivemind.proto import averaging_pb2, runtime_pb2
+from hivemind.utils import MPFuture
+from hivemind.utils.asyncio import amap_in_executor, as_aiter, azip, enter_asynchronously
+from hivemind.utils.timed_storage import get_dht_time
+
+from ..codecs import blockwise
+from ..train.group_mean import accepted, admitted
+from .averaging import (ALLREDUCE_TIMEOUT_S, CHUNK_TIMEOUT_S, CONTROL_TIMEOUT_S, GRACE_S, MIN_MATCHMAKING_S,
+                        REQUEST_TIMEOUT_S, STATE_KEY, Ledger, usable)
+
+log = logging.getLogger("tahnode.averaging")
+
+
+class BlockwiseCompression(CompressionBase):
+    """tahnode.codecs.blockwise as a hivemind codec: 4 or 8 bits, a bf16 scale per 64 values. Whatever
+    does not decode to exactly the float32 tensor its message describes is refused (BlockwiseError)."""
+
+    compression_type = runtime_pb2.CompressionType.BLOCKWISE_8BIT
+
+    def __init__(self, bits: int):
+        self.bits = bits
+
+    def compress(self, tensor: torch.Tensor, info: CompressionInfo, allow_inplace: bool = False) -> runtime_pb2.Tensor:
+        return runtime_pb2.Tensor(compression=self.compression_type, buffer=blockwise.quantize(tensor, self.bits),
+                                  size=tensor.shape, dtype="float32", requires_grad=False)
+
+    def extract(self, serialized_tensor: runtime_pb2.Tensor) -> torch.Tensor:
+        shape = tuple(serialized_tensor.size)
+        if serialized_tensor.dtype != "float32" or any(dim < 0 for dim in shape):
+            raise blockwise.BlockwiseError(f"a blockwise part must be float32 of a valid shape, not {shape}")
+        return blockwise.dequantize(serialized_tensor.buffer, math.prod(shape)).reshape(shape)
+
+    def estimate_compression_ratio(self, info: CompressionInfo) -> float:
+        return self.bits / 32
+
+
+# hivemind decodes a part by its message's compression enum, through this table. tahnode registers its
+# blockwise codec under BLOCKWISE_8BIT (hivemind's own needs bitsandbytes, absent here) before the
+# averager forks; the bit width travels in the encoding's header, so one entry decodes 4 and 8 bits.
+_BASE_COMPRESSION_TYPES["BLOCKWISE_8BIT"] = BlockwiseCompression(8)
+
+
+def compression_for(bits: int) -> CompressionBase:
+    """The hivemind codec of `bits` (4, 8: blockwise; 16: float16; 32: none)."""
+    if bits in blockwise.BLOCKWISE_BITS:
+        return BlockwiseCompression(bits)
+    return Float16Compression() if bits == 16 else NoCompression()
+
+
+def decoded(serialized: runtime_pb2.Tensor) -> torch.Tensor | None:
+    """The tensor a peer's message holds, or None where it does not decode."""
+    try:
+        return deserialize_torch_tensor(serialized).detach()
+    except Exception:  # untrusted bytes: each of hivemind's codecs fails its own way (ValueError, TypeError, KeyError)
+        return None
+
+
+class CheckedReducer(TensorPartReducer):
+    """hivemind's reducer, but it keeps every sender's part k (None: wrong shape or not finite) and
+    averages part k once all are in, over those admitted() lets in, each counting 1."""
+
+    def __init__(self, part_shapes, num_senders: int, *, own: int, ratio: float, refuse):
+        self.own, self.ratio, self.refuse, self.parts = own, ratio, refuse, {}
+        super().__init__(part_shapes, num_senders)
+
+    def reset_accumulators(self):
+        super().reset_accumulators()
+        self.parts, self.accumulator = {}, None  # parts are kept, not summed
+
+    async def accumulate_part(self, sender_index: int, part_index: int, tensor_part, weight: float = 1.0):
+        """The average of part `part_index` (None: nothing admitted), once every sender's is in; `weight`
+        is what the sender claims, and is ignored."""
+        assert 0 <= sender_index < self.num_senders and 0 <= part_index < self.num_parts
+        self.num_parts_received[sender_index] += 1
+        while part_index > self.current_part_index:
+            finished = asyncio.create_task(self.finished.wait())
+            await asyncio.wait({self.current_part_future, finished}, return_when=asyncio.FIRST_COMPLETED)
+            finished.cancel()
+            if self.finished.is_set():
+                raise AllreduceException(f"attempted to aggregate part in a finalized {self.__class__.__name__}")
+        if self.sender_failed_after[sender_index] != float("inf"):
+            raise BannedException(f"sender {sender_index} was banned in background")
+        future = self.current_part_future
+        self.parts[sender_index] = usable(tensor_part, self.part_shapes[part_index])
+        self.current_part_accumulated_from += 1
+        self.check_current_part_finished()
+        return await future
+
+    def check_current_part_finished(self):
+        assert self.current_part_accumulated_from <= self.num_current_senders
+        if self.current_part_accumulated_from == self.num_current_senders:
+            self.current_part_future.set_result(self._mean())
+            self.reset_accumulators()
+
+    def _mean(self) -> torch.Tensor | None:
+        senders = sorted(self.parts)
+        parts = [self.parts[s] for s in senders]
+        norms = [float(p.double().norm()) if p is not None else float("nan") for p in parts]
+        ok = admitted(norms, senders.index(self.own) if self.own in self.parts else -1, self.ratio)
+        for sender, keep in zip(senders, ok):
+            if not keep:
+                self.refuse(sender)
+        kept = [p for p, keep in zip(parts, ok) if keep and p is not None]
+        return torch.stack(kept).mean(dim=0) if kept else None
+
+
+class CheckedContainer(TensorPartContainer):
+    """hivemind's part container, but a returned average that would make a part non-finite, of another
+    shape, or too large (accepted()) is refused: the part stays as it was."""
+
+    def __init__(self, *args, ratio: float, refuse, **kwargs):
+        self.ratio, self.refuse = ratio, refuse
+        super().__init__(*args, **kwargs)
+
+    def register_processed_part(self, peer_index: int, part_index: int, part: torch.Tensor):
+        own = self._input_parts_by_peer[peer_index][part_index][0]
+        delta = usable(part, own.shape)
+        if delta is None or not accepted(own, own + delta, self.ratio):
+            self.refuse(peer_index)
+            delta = torch.zeros_like(own)
+        super().register_processed_part(peer_index, part_index, delta)
+
+
+class _CountingStub:
+    """A peer's averager stub whose answers (the averages of this replica's parts) are counted."""
+
+    def __init__(self, stub, ledger: Ledger):
+        self.stub, self.ledger = stub, ledger
+
+    async def rpc_aggregate_part(self, requests: AsyncIterator) -> AsyncIterator:
+        return self.ledger.counting_received(await self.stub.rpc_aggregate_part(requests))
+
+
+class CheckedRunner(AllReduceRunner):
+    """hivemind's butterfly all-reduce with the checked container and reducer, members only, bytes counted."""
+
+    def __init__(self, *, ledger: Ledger, ratio: float, tensors, peer_fractions, compression, part_size_bytes: int,
+                 tensor_infos=None, **kwargs):
+        container = dict(compression=compression, part_size_bytes=part_size_bytes, tensor_infos=tensor_infos)
+        super().__init__(tensors=tensors, peer_fractions=peer_fractions, **container, **kwargs)
+        self.ledger = ledger
+        # hivemind built its own container and reducer above: the checked kinds take their place (the
+        # discarded reducer is marked finished, so that it does not warn of the parts it never got)
+        self.tensor_part_reducer.finished.set()
+        self.tensor_part_container = CheckedContainer(tensors, peer_fractions, return_deltas=True, ratio=ratio,
+                                                      refuse=lambda k: self._refuse(self.ordered_peer_ids[k]),
+                                                      **container)
+        index = self.ordered_peer_ids.index(self.peer_id)
+        self.parts_for_local_averaging = self.tensor_part_container.get_raw_input_parts(index)
+        own = self.sender_peer_ids.index(self.peer_id) if self.peer_id in self.sender_peer_ids else -1
+        self.tensor_part_reducer = CheckedReducer(tuple(p.shape for p in self.parts_for_local_averaging),
+                                                  len(self.sender_peer_ids), own=own, ratio=ratio,
+                                                  refuse=lambda k: self._refuse(self.sender_peer_ids[k]))
+        reduces = self.tensor_part_container.num_parts_by_peer[index] > 0
+        self.streams_left = len(self.sender_peer_ids) - (own >= 0) if reduces else 0
+        self.served = asyncio.Event()  # every other sender's stream to this reducer ended
+        if self.streams_left <= 0:
+            self.served.set()
+
+    def _refuse(self, peer) -> None:
+        if peer != self.peer_id:
+            self.ledger.refuse(peer)
+
+    def _get_peer_stub(self, peer):
+        return _CountingStub(super()._get_peer_stub(peer), self.ledger)
+
+    async def _generate_input_for_peer(self, peer_index: int) -> AsyncIterator[averaging_pb2.AveragingData]:
+        async for message in super()._generate_input_for_peer(peer_index):
+            self.ledger.sent += message.ByteSize()
+            yield message
+
+    async def rpc_aggregate_part(self, stream: AsyncIterator[averaging_pb2.AveragingData], context: P2PContext
+                                 ) -> AsyncIterator[averaging_pb2.AveragingData]:
+        if not self.ledger.admits(context.remote_id):
+            self._refuse(context.remote_id)
+            yield averaging_pb2.AveragingData(code=averaging_pb2.PROTOCOL_VIOLATION)
+            return
+        try:
+            async for message in super().rpc_aggregate_part(self.ledger.counting_received(stream), context):
+                yield message
+        finally:
+            if context.remote_id in self.sender_peer_ids:
+                self.streams_left -= 1
+                if self.streams_left <= 0:
+                    self.served.set()
+
+    async def _accumulate_parts_streaming(self, stream: AsyncIterator[averaging_pb2.AveragingData], sender_index: int):
+        """A sender's parts, each answered with (average - part) in this replica's codec; a part that was
+        refused as malformed is answered with zeros (the sender keeps its own)."""
+        loop, part_index = asyncio.get_running_loop(), 0
+        prefetch = self.tensor_part_container.prefetch
+        try:
+            async for part in amap_in_executor(lambda msg: decoded(msg.tensor_part), stream, max_prefetch=prefetch):
+                try:
+                    mean = await self.tensor_part_reducer.accumulate_part(sender_index, part_index, part)
+                except BannedException:
+                    break
+                shape = self.tensor_part_reducer.part_shapes[part_index]
+                part_index += 1
+                kept = usable(part, shape)
+                delta = mean - kept if mean is not None and kept is not None else torch.zeros(shape)
+                serialized = await loop.run_in_executor(None, self._encode, delta)
+                message = averaging_pb2.AveragingData(code=averaging_pb2.AVERAGED_PART, tensor_part=serialized)
+                self.ledger.sent += message.ByteSize()
+                yield message
+        finally:
+            if part_index != self.tensor_part_reducer.num_parts:
+                await self._ban_sender(self.sender_peer_ids[sender_index])
+
+    def _encode(self, delta: torch.Tensor) -> runtime_pb2.Tensor:
+        compression = self.tensor_part_container.compression
+        try:
+            return compression.compress(delta, CompressionInfo.from_tensor(delta))
+        except blockwise.BlockwiseError:  # a delta the codec cannot carry: the sender keeps its part
+            return compression.compress(torch.zeros_like(delta), CompressionInfo.from_tensor(delta))
+
+
+class MemberMatchmaking(Matchmaking):
+    """hivemind's matchmaking, but a replica never follows a leader that is not a member."""
+
+    def __init__(self, *args, ledger: Ledger, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.ledger = ledger
+
+    async def _request_join_group(self, leader):
+        if not self.ledger.admits(leader):
+            self.ledger.refuse(leader)
+            return None
+        return await super()._request_join_group(leader)
+
+
+class CheckedAverager(DecentralizedAverager):
+    """The averager of one flat float32 tensor, with the checks above; `runner_class` runs its all-reduce."""
+
+    runner_class = CheckedRunner
+
+    def __init__(self, tensor: torch.Tensor, dht, *, prefix: str, compression: CompressionBase, ratio: float, state):
+        sharing = state is not None and not dht.client_mode
+        super().__init__([tensor], dht, start=False, prefix=prefix, target_group_size=2, min_group_size=2,
+                         min_matchmaking_time=MIN_MATCHMAKING_S, request_timeout=REQUEST_TIMEOUT_S,
+                         compression=compression, next_chunk_timeout=CHUNK_TIMEOUT_S, sender_timeout=CHUNK_TIMEOUT_S,
+                         reducer_timeout=2 * CHUNK_TIMEOUT_S, allreduce_timeout=ALLREDUCE_TIMEOUT_S,
+                         allow_state_sharing=sharing)
+        self.ledger, self.ratio, self.state = Ledger(), ratio, state
+        self.control_lock = threading.Lock()  # the parent's threads share the control pipe
+
+    @classmethod
+    def _get_handle_name(cls, namespace: str | None, method_name: str) -> str:
+        # hivemind names the protocol after the class: every kind of this averager speaks the same one
+        name = f"{CheckedAverager.__name__}.{method_name}"
+        return name if namespace is None else f"{namespace}::{name}"
+
+    # --- in the parent process -------------------------------------------------------------------
+
+    def ask(self, method: str, **kwargs):
+        """Run `method` in the averager's process and return what it sets its future to."""
+        future = MPFuture()
+        self.tell(method, **kwargs, future=future)
+        return future.result(timeout=CONTROL_TIMEOUT_S)
+
+    def tell(self, method: str, *args, **kwargs) -> None:
+        with self.control_lock:
+            self._outer_pipe.send((method, list(args), kwargs))
+
+    def run_round(self, vector: torch.Tensor, group_bits: str, target: int, timeout: float) -> list[str] | None:
+        """(Blocking.) Average `vector` with the group of key `group_bits`; the group's peer ids, or None."""
+        with self.get_tensors() as (tensor,):
+            tensor.copy_(vector)
+        self.ask("_begin_round", group_bits=group_bits, target=target)
+        with self.control_lock:
+            control = self.step(scheduled_time=get_dht_time() + timeout, timeout=timeout + GRACE_S,
+                                allow_retries=False, wait=False)
+        try:
+            return control.result(timeout=timeout + GRACE_S + ALLREDUCE_TIMEOUT_S)
+        except Exception as exc:  # no group, or one that failed: hivemind raises several kinds; none is fatal here
+            log.info("averaging %s (key %s) formed no group: %r", self.prefix, group_bits, exc)
+            return None
+
+    def fetch_state(self, timeout: float) -> tuple[object, list[torch.Tensor]] | None:
+        """(Blocking.) hivemind's load_state_from_peers, metadata unwrapped; None if none answered in time."""
+        with self.control_lock:
+            future = self.load_state_from_peers(wait=False, timeout=timeout)
+        try:
+            loaded = future.result(timeout=timeout)
+        except TimeoutError:
+            return None
+        if loaded is None:
+            return None
+        metadata, tensors = loaded
+        return (metadata.get(STATE_KEY) if isinstance(metadata, dict) else None), list(tensors)
+
+    def get_current_state(self):
+        """(Parent, a background thread.) What this replica serves to a newcomer."""
+        metadata, tensors = self.state()
+        return {STATE_KEY: metadata}, tensors, None
+
+    # --- in the averager's process ---------------------------------------------------------------
+
+    @property
+    def _matchmaking(self) -> Matchmaking:
+        return self._member_matchmaking
+
+    @_matchmaking.setter
+    def _matchmaking(self, made: Matchmaking) -> None:
+        # hivemind's _run builds a plain Matchmaking; one that follows members only, built from the same
+        # arguments, takes its place (neither has started a task or a connection yet)
+        self._member_matchmaking = MemberMatchmaking(self._p2p, self.schema_hash, self.dht, ledger=self.ledger,
+                                                     client_mode=self.client_mode, **self.matchmaking_kwargs)
+
+    async def _begin_round(self, group_bits: str, target: int, future: MPFuture) -> None:
+        self._matchmaking.group_key_manager.group_bits = group_bits
+        self._matchmaking.target_group_size = self._matchmaking.group_key_manager.target_group_size = target
+        future.set_result(None)
+
+    async def _take_ledger(self, future: MPFuture) -> None:
+        future.set_result(self.ledger.take())
+
+    async def _set_members(self, peer_ids: list[str]) -> None:
+        self.ledger.members = frozenset(peer_ids)
+
+    async def rpc_join_group(self, request: averaging_pb2.JoinRequest, context: P2PContext
+                             ) -> AsyncIterator[averaging_pb2.MessageFromLeader]:
+        if not self.ledger.admits(context.remote_id):
+            self.ledger.refuse(context.remote_id)
+            yield averaging_pb2.MessageFromLeader(code=averaging_pb2.PROTOCOL_VIOLATION)
+            return
+        async for response in super().rpc_join_group(request, context):
+            yield response
+
+    async def _aggregate_with_group(self, group_info, min_vector_size: int, **kwargs) -> list[str]:
+        """Run the all-reduce in `group_info`: every replica reduces an equal share (one claiming client
+        mode none), whatever bandwidth it claims; returns the group's peer ids."""
+        outsiders = [peer for peer in group_info.peer_ids if not self.ledger.admits(peer)]
+        for peer in outsiders:
+            self.ledger.refuse(peer)
+        modes = tuple(self._claimed_mode(data) for data in group_info.gathered)
+        fractions = tuple(0.0 if mode == AveragingMode.CLIENT else 1.0 for mode in modes)
+        if outsiders or not any(fractions):
+            raise AllreduceException(f"{self.prefix}: a group of {len(outsiders)} non-members or no reducer")
+        tensor = self._averaged_tensors[0]
+        per_value = tensor.element_size() * kwargs["compression"].estimate_compression_ratio(
+            CompressionInfo.from_tensor(tensor))
+        values = max(1, min(math.ceil(self.total_size / sum(fractions)), int(DEFAULT_PART_SIZE_BYTES / per_value)))
+        kwargs["part_size_bytes"] = values * per_value  # hivemind's default puts a small vector on one reducer
+        async with enter_asynchronously(self.get_tensors()) as local_tensors:
+            await self._run_allreduce_inplace_(local_tensors, group_info, peer_fractions=fractions, modes=modes,
+                                               **kwargs)
+        return [str(peer) for peer in group_info.peer_ids]
+
+    def _claimed_mode(self, gathered: bytes) -> AveragingMode:
+        try:
+            _, mode, _ = self.serializer.loads(gathered)
+        except Exception:  # a peer's own bytes: msgpack fails in many ways
+            return AveragingMode.NODE
+        return AveragingMode.CLIENT if mode == AveragingMode.CLIENT.value else AveragingMode.NODE
+
+    async def _run_allreduce_inplace_(self, tensors, group_info, group_id: bytes | None = None, **kwargs):
+        group_id = group_info.group_id if group_id is None else group_id
+        runner = self.runner_class(p2p=self._p2p, servicer_type=type(self), prefix=self.prefix, tensors=tensors,
+                                   group_id=group_id, ordered_peer_ids=group_info.peer_ids, ledger=self.ledger,
+                                   ratio=self.ratio, **kwargs)
+        self._running_groups[group_id].set_result(runner)
+        async for tensor, update in azip(as_aiter(*tensors), runner):
+            tensor.add_(update)
+        self._state_updated.set()
+        try:  # the averages this replica sends back are counted in this round's bytes
+            await asyncio.wait_for(runner.served.wait(), CHUNK_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            pass

@@ -1,0 +1,164 @@
+"""A stage replica's outer steps, when pipelines train in data parallel: at every outer boundary its
+pseudo-gradient averaged with the replicas of its stage in the other pipelines (an averager:
+tahnode.net.averaging), then the outer step; and, when its pipeline regroups (it was late, or a
+stage is new), the return to its stage's latest outer step: a newer one of another replica, or its own."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
+
+import torch
+
+from ..train.outer import OuterOptimizer
+
+if TYPE_CHECKING:
+    from .worker import StageWorker
+
+log = logging.getLogger("tahnode.pipeline")
+
+__all__ = ["OuterSync", "OuterStats", "Averager", "outer_round"]
+
+
+class Averager(Protocol):
+    """What the outer step needs of the replicas' averaging (tahnode.net.averaging.StageAverager)."""
+
+    async def average(self, vector: torch.Tensor, round: int, expected: int, timeout: float): ...
+
+    async def load_state(self, timeout: float) -> tuple[dict, list[torch.Tensor]] | None: ...
+
+
+def outer_round(committed: int, every: int) -> int:
+    """The outer step that follows `committed` steps: the k-th after k * every steps; the run's last
+    step, between two, takes the next number."""
+    return -(-committed // every)
+
+
+@dataclass
+class OuterStats:
+    """What the outer steps of a replica came to (its heartbeats report them)."""
+
+    steps: int = 0             # outer steps taken with a group
+    alone: int = 0             # boundaries where no other replica came in time
+    last_group: int = 0        # replicas in the last group, this one included
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    seconds: float = 0.0       # wall time of the averaging, all outer steps together
+    adopted: int = 0           # times it took a newer replica's outer weights (a regroup)
+    refused: dict[str, int] = field(default_factory=dict)  # replica (p2p peer id) -> parts refused
+
+
+class OuterSync:
+    """The outer weights of worker `w`'s stage and its averager (None: a single pipeline's stage).
+    `expected` is how many pipelines train now (the coordinator's word): with one, there is
+    nothing to average and the stage's weights are its outer weights at every boundary."""
+
+    def __init__(self, worker: "StageWorker", averager: Averager | None = None):
+        self.w, self.swarm = worker, worker.run_cfg.swarm
+        self.outer = OuterOptimizer(worker.model.parameters(), self.swarm)
+        self.averager = averager
+        self.expected = 1
+        self.anchor_step = worker.committed  # the step the outer weights are of
+        self.needs_regroup = False           # the last boundary found no group while pipelines train
+        self.stats = OuterStats()
+        self._lock = threading.Lock()        # the outer weights, against the thread that serves them to newcomers
+
+    @property
+    def active(self) -> bool:
+        return self.averager is not None and self.expected > 1
+
+    def due(self, committed: int) -> bool:
+        """Whether the replicas average after `committed` steps (every outer_every, and the run's last)."""
+        return committed > 0 and (committed % self.swarm.outer_every == 0 or committed == self.w.train.steps)
+
+    async def after_commit(self) -> None:
+        """At an outer boundary: average the pseudo-gradient with the other replicas of the stage
+        that come within outer_timeout_s, and take the outer step (alone: keep the weights)."""
+        committed = self.w.committed
+        if not self.due(committed):
+            return
+        if not self.active:
+            await self.w.compute(self._take, committed, None)
+            return
+        pseudo = await self.w.compute(self.outer.pseudo_gradient)
+        result = await self.averager.average(pseudo, outer_round(committed, self.swarm.outer_every), self.expected,
+                                             self.swarm.outer_timeout_s)
+        self._count(result)
+        await self.w.compute(self._take, committed, result.mean)
+        self.needs_regroup = result.mean is None
+        if result.mean is None:
+            log.warning("stage %d: no replica of it came to outer step %d within %.0f s; it keeps its weights",
+                        self.w.stage, outer_round(committed, self.swarm.outer_every), self.swarm.outer_timeout_s)
+        else:
+            log.info("stage %d: outer step after step %d with %d replicas (%.2f s, %d bytes sent)", self.w.stage, committed,
+                     result.group, result.seconds, result.bytes_sent)
+
+    def _count(self, result) -> None:
+        s = self.stats
+        s.steps += result.mean is not None
+        s.alone += result.mean is None
+        s.last_group = result.group
+        s.bytes_sent += result.bytes_sent
+        s.bytes_received += result.bytes_received
+        s.seconds += result.seconds
+        for peer, count in result.refused.items():
+            s.refused[peer] = s.refused.get(peer, 0) + count
+
+    def _take(self, committed: int, mean: torch.Tensor | None) -> None:
+        """(compute thread) The outer step with the group's mean, or without one the weights as they are."""
+        with self._lock:
+            if mean is None:
+                self.outer.reset()
+            else:
+                self.outer.step(mean)
+            self.anchor_step = committed
+
+    # -- newcomers and late pipelines ------------------------------------------------------------
+    def state(self) -> tuple[dict, list[torch.Tensor]]:
+        """What a newcomer of the stage loads (any thread): the outer weights, the outer momentum, and
+        the step they are of."""
+        with self._lock:
+            tensors = [t.clone() for t in self.outer.tensors().values()]
+            return {"step": self.anchor_step}, tensors
+
+    async def regroup(self) -> int:
+        """Return to the stage's latest outer step: a replica's in another pipeline if it is newer
+        than this one's, else this one's own (the steps since are trained again); the committed
+        step the stage is at then."""
+        peer = await self.averager.load_state(self.swarm.outer_timeout_s) if self.active else None
+        return await self.w.compute(self._regroup, peer)
+
+    def _regroup(self, peer: tuple[dict, list[torch.Tensor]] | None) -> int:
+        w = self.w
+        with self._lock:
+            step = peer[0].get("step") if peer else None
+            if isinstance(step, int) and step > self.anchor_step and self._fits(peer[1]):
+                names = list(self.outer.tensors())
+                self.outer.load(dict(zip(names, peer[1])))
+                self.anchor_step = step
+                self.stats.adopted += 1
+                log.warning("stage %d takes the outer weights of step %d from a replica in another pipeline", w.stage, step)
+            with torch.no_grad():
+                for a, p in zip(self.outer.anchor, self.outer.params):
+                    p.copy_(a)
+            step = self.anchor_step
+        if w.committed != step:
+            w.resumed_at(step)
+            w.stats.losses = [r for r in w.stats.losses if r.step < step]
+            w.codecs.drop_streams()
+        return step
+
+    def _fits(self, tensors: list[torch.Tensor]) -> bool:
+        """A replica's state of this stage's shapes, every value finite."""
+        own = list(self.outer.tensors().values())
+        return len(tensors) == len(own) and all(
+            t.shape == o.shape and bool(torch.isfinite(t).all()) for t, o in zip(tensors, own))
+
+    def report(self) -> dict[str, float]:
+        """The figures a heartbeat carries (TrainingStats.outer)."""
+        s = self.stats
+        return {"steps": s.steps, "alone": s.alone, "group": s.last_group, "bytes_sent": s.bytes_sent,
+                "bytes_received": s.bytes_received, "seconds": s.seconds, "adopted": s.adopted,
+                "refused": float(sum(s.refused.values())), "pipelines": self.expected, "anchor_step": self.anchor_step}

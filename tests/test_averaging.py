@@ -1,0 +1,248 @@
+"""StageAverager (tahnode.net.averaging) on real hivemind DHTs on 127.0.0.1: the means it reaches at
+every bit width (judged against the exact mean, within what group_mean's emulation of the same codec
+reaches), rounds that never mix, a missing replica, hostile replicas, members only, and state loading."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import uuid
+from contextlib import contextmanager
+
+import pytest
+import torch
+
+hivemind = pytest.importorskip("hivemind")
+
+from hivemind.compression import deserialize_torch_tensor, serialize_torch_tensor  # noqa: E402
+from hivemind.proto import runtime_pb2  # noqa: E402
+
+from tahnode.codecs.blockwise import BlockwiseError, quantize  # noqa: E402
+from tahnode.net import averaging_parts as parts  # noqa: E402
+from tahnode.net.averaging import GRACE_S, BadVector, StageAverager, UnsupportedBits, usable  # noqa: E402
+from tahnode.train.group_mean import butterfly_mean, wire_bytes  # noqa: E402
+
+SIZE = 6000
+RATIO = 10.0
+QMAX = {4: 7, 8: 127}
+
+
+@pytest.fixture(scope="module")
+def dhts():
+    made = []
+    try:
+        made.append(hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"]))
+        for _ in range(2):
+            made.append(hivemind.DHT(start=True, initial_peers=made[0].get_visible_maddrs(),
+                                     host_maddrs=["/ip4/127.0.0.1/tcp/0"]))
+        yield made
+    finally:
+        for dht in made:
+            dht.shutdown()
+
+
+@contextmanager
+def replicas(dhts, kinds, bits=8, states=None):
+    """Started StageAveragers of one fresh prefix, one per DHT (kind k on dhts[k]), shut down after."""
+    prefix = f"run{uuid.uuid4().hex[:8]}_s0"
+    made = []
+    try:
+        for k, kind in enumerate(kinds):
+            made.append(kind(dhts[k], prefix, SIZE, bits, RATIO, state=states[k] if states else None))
+        for averager in made:
+            averager.start()
+        yield made
+    finally:
+        for averager in made:
+            averager.shutdown()
+
+
+def run_round(averagers, vectors, rounds, expected, timeout):
+    async def main():
+        calls = [a.average(v, r, expected, timeout) for a, v, r in zip(averagers, vectors, rounds)]
+        return await asyncio.gather(*calls)
+    return asyncio.run(main())
+
+
+def vectors(count, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randn(SIZE, generator=generator) * 1e-3 for _ in range(count)]
+
+
+def codec_tolerance(values, bits):
+    """The most a value of the mean may be off: a part's half-step, its average's, and a margin."""
+    if bits in QMAX:
+        return 2 * max(float(v.abs().max()) for v in values) / QMAX[bits]
+    return 2e-3 * max(float(v.abs().max()) for v in values) if bits == 16 else 1e-7
+
+
+@pytest.mark.parametrize("bits", [8, 4, 16, 32])
+def test_three_replicas_reach_the_mean_within_the_codecs_error(dhts, bits):
+    xs = vectors(3, seed=bits)
+    exact = torch.stack(xs).mean(dim=0)
+    emulated = butterfly_mean(xs, bits, RATIO).means
+    emulated_error = max(float((m - exact).norm()) for m in emulated)
+    with replicas(dhts, [StageAverager] * 3, bits=bits) as avs:
+        results = run_round(avs, xs, [7] * 3, expected=3, timeout=10.0)
+        again = run_round(avs, [x + 1e-3 for x in xs], [8] * 3, expected=3, timeout=10.0)  # the next round too
+    for result in again:
+        assert result.group == 3 and float((result.mean - exact - 1e-3).abs().max()) <= codec_tolerance(xs, bits) * 2
+    expected_bytes = 2 * (3 - 1) / 3 * wire_bytes(SIZE, bits)
+    for x, result in zip(xs, results):
+        assert result.group == 3 and result.refused == {}
+        assert float((result.mean - exact).abs().max()) <= codec_tolerance(xs, bits)
+        assert float((result.mean - exact).norm()) <= 2 * emulated_error + 1e-6 * float(exact.norm())
+        assert float((x - exact).norm()) > 4 * float((result.mean - exact).norm())  # moved: not its own vector
+        for counted in (result.bytes_sent, result.bytes_received):
+            assert 0.95 * expected_bytes <= counted <= 1.1 * expected_bytes
+
+
+def test_replicas_at_different_rounds_never_average_together(dhts):
+    xs = vectors(3, seed=1)
+    with replicas(dhts, [StageAverager] * 3) as avs:
+        results = run_round(avs, xs, [5, 5, 6], expected=3, timeout=2.0)
+    pair = (xs[0] + xs[1]) / 2
+    for result in results[:2]:
+        assert result.group == 2
+        assert float((result.mean - pair).abs().max()) <= codec_tolerance(xs[:2], 8)
+    assert results[2].mean is None and results[2].group == 0 and results[2].bytes_sent == 0
+
+
+def test_a_missing_replica_leaves_the_others_to_average_at_the_deadline(dhts):
+    xs = vectors(2, seed=2)
+    with replicas(dhts, [StageAverager] * 2) as avs:
+        results = run_round(avs, xs, [1, 1], expected=3, timeout=2.0)
+    pair = (xs[0] + xs[1]) / 2
+    for result in results:
+        assert result.group == 2
+        assert float((result.mean - pair).abs().max()) <= codec_tolerance(xs, 8)
+        assert 1.5 <= result.seconds < 2.0 + 3 * GRACE_S
+
+
+class NaNRunner(parts.CheckedRunner):
+    """Sends every part as NaN, uncompressed."""
+
+    async def _generate_input_for_peer(self, peer_index):
+        async for message in super()._generate_input_for_peer(peer_index):
+            part = deserialize_torch_tensor(message.tensor_part)
+            message.tensor_part.CopyFrom(serialize_torch_tensor(torch.full_like(part, float("nan"))))
+            yield message
+
+
+class OneValueRunner(parts.CheckedRunner):
+    """Sends every part as one value (a (1,) tensor broadcasts into hivemind's accumulator), weighted 1e9."""
+
+    async def _generate_input_for_peer(self, peer_index):
+        async for message in super()._generate_input_for_peer(peer_index):
+            message.tensor_part.CopyFrom(serialize_torch_tensor(torch.tensor([1e3])))
+            message.weight = 1e9
+            yield message
+
+
+class NaNAverager(parts.CheckedAverager):
+    runner_class = NaNRunner
+
+
+class OneValueAverager(parts.CheckedAverager):
+    runner_class = OneValueRunner
+
+
+class NaNReplica(StageAverager):
+    averager_class = NaNAverager
+
+
+class OneValueReplica(StageAverager):
+    averager_class = OneValueAverager
+
+
+@pytest.mark.parametrize("liar", ["huge", "nan", "one value"])
+def test_a_hostile_replica_never_poisons_the_honest_ones(dhts, liar):
+    xs = vectors(3, seed=3)
+    kind = {"huge": StageAverager, "nan": NaNReplica, "one value": OneValueReplica}[liar]
+    sent = xs[2] * (1e30 / float(xs[2].norm())) if liar == "huge" else xs[2]
+    with replicas(dhts, [StageAverager, StageAverager, kind]) as avs:
+        results = run_round(avs, [xs[0], xs[1], sent], [3] * 3, expected=3, timeout=5.0)
+        liar_id = avs[2].peer_id
+    honest, everyone = (xs[0] + xs[1]) / 2, (xs[0] + xs[1] + xs[2]) / 3
+    tolerance = codec_tolerance(xs, 8)
+    width = math.ceil(SIZE / 3)  # each replica reduces a third: its part's average is honest, or refused
+    for x, result in zip(xs, results[:2]):
+        assert result.group == 3 and liar_id in result.refused
+        assert bool(torch.isfinite(result.mean).all()) and float(result.mean.abs().max()) < 1e-1
+        honest_parts = 0
+        for lo in range(0, SIZE, width):
+            got = result.mean[lo:lo + width]
+            close = [float((got - c[lo:lo + width]).abs().max()) <= tolerance for c in (honest, x, everyone)]
+            assert any(close), f"part at {lo} is neither the honest mean, its own, nor the liar's honest mean"
+            honest_parts += close[0]
+        assert honest_parts >= 2
+
+
+def test_a_non_member_cannot_join_the_members_group(dhts):
+    xs = vectors(3, seed=4)
+    with replicas(dhts, [StageAverager] * 3) as avs:
+        members = [avs[0].peer_id, avs[1].peer_id]
+        for averager in avs[:2]:
+            averager.set_members(members)
+        results = run_round(avs, xs, [2] * 3, expected=3, timeout=3.0)
+        outsider = avs[2].peer_id
+    pair = (xs[0] + xs[1]) / 2
+    for result in results[:2]:
+        assert result.group == 2
+        assert float((result.mean - pair).abs().max()) <= codec_tolerance(xs[:2], 8)
+    assert results[2].mean is None
+    assert any(outsider in result.refused for result in results[:2])
+
+
+def test_a_newcomer_loads_a_peers_state_and_refuses_a_wrong_one(dhts):
+    served = {"meta": {"step": 40, "run": "r1"}, "tensors": [torch.arange(12.0).reshape(3, 4), torch.ones(5)]}
+    template = {"tensors": [torch.zeros(3, 4), torch.zeros(5)]}
+    states = [lambda: (served["meta"], served["tensors"]), lambda: ({}, template["tensors"])]
+    with replicas(dhts, [StageAverager] * 2, states=states) as (donor, newcomer):
+        async def load_until_found(deadline=15.0):
+            loop = asyncio.get_running_loop()
+            end = loop.time() + deadline
+            while loop.time() < end:
+                loaded = await newcomer.load_state(timeout=3.0)
+                if loaded is not None:
+                    return loaded
+                await asyncio.sleep(0.5)
+            return None
+
+        loaded = asyncio.run(load_until_found())
+        assert loaded is not None
+        metadata, tensors = loaded
+        assert metadata == served["meta"]
+        assert len(tensors) == 2 and all(torch.equal(a, b) for a, b in zip(tensors, served["tensors"]))
+
+        template["tensors"] = [torch.zeros(4, 3), torch.zeros(5)]  # the donor's shapes no longer match
+        assert asyncio.run(newcomer.load_state(timeout=3.0)) is None
+        template["tensors"] = [torch.zeros(3, 4), torch.zeros(5)]
+        served["tensors"] = [torch.full((3, 4), float("nan")), torch.ones(5)]  # right shapes, not finite
+        assert asyncio.run(newcomer.load_state(timeout=3.0)) is None
+
+
+def test_the_blockwise_codec_refuses_malformed_parts():
+    codec = parts.BlockwiseCompression(8)
+    x = torch.randn(100)
+    message = codec.compress(x, None)
+    assert torch.allclose(codec.extract(message), x, atol=float(x.abs().max()) / 127)
+    for bad in (runtime_pb2.Tensor(compression=message.compression, buffer=message.buffer, size=[99], dtype="float32"),
+                runtime_pb2.Tensor(compression=message.compression, buffer=message.buffer, size=[100], dtype="int64"),
+                runtime_pb2.Tensor(compression=message.compression, buffer=b"nonsense", size=[100], dtype="float32"),
+                runtime_pb2.Tensor(compression=message.compression, buffer=quantize(x, 4)[:-1], size=[100],
+                                   dtype="float32")):
+        with pytest.raises(BlockwiseError):
+            codec.extract(bad)
+        assert parts.decoded(bad) is None
+    assert usable(torch.ones(3), (3,)) is not None
+    assert usable(torch.ones(1), (3,)) is None and usable(torch.tensor([1.0, float("inf"), 0]), (3,)) is None
+
+
+def test_wrong_bits_and_vectors_are_refused(dhts):
+    with pytest.raises(UnsupportedBits):
+        StageAverager(dhts[0], "bad_bits", SIZE, 12, RATIO)
+    averager = StageAverager(dhts[0], f"v{uuid.uuid4().hex[:8]}", SIZE, 8, RATIO)
+    for vector in (torch.zeros(SIZE - 1), torch.full((SIZE,), float("nan")), torch.zeros(SIZE, dtype=torch.float64)):
+        with pytest.raises(BadVector):
+            asyncio.run(averager.average(vector, 0, 2, 1.0))

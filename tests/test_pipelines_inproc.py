@@ -1,0 +1,168 @@
+"""Pipelines in data parallel on the in-process transport: two pipelines of three stages whose
+replicas average through an in-process stand-in for hivemind's averager (the same butterfly
+arithmetic, tahnode.train.group_mean) train exactly as the single-process replica group does; a
+pipeline that comes late takes the others' latest outer step (its ledger starts there) and trains
+in step with them from then on. The averager itself, over hivemind, is tested in test_averaging.py."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+from tahnode.net.inproc import InProcessNetwork
+from tahnode.net.transport import BACKWARD, FORWARD
+from tahnode.pipeline.replica_group import ReplicaGroup, outer_boundary
+from tahnode.pipeline.worker import StageWorker
+from tahnode.train.group_mean import butterfly_mean
+from test_pipeline_inproc import NONE, build_run, dataset  # noqa: F401  (dataset is a fixture)
+
+
+class LocalGroup:
+    """The replicas of every stage in this process: a round's mean once `expected` replicas of the
+    stage came (in pipeline order, as ReplicaGroup averages), None for those alone at the deadline;
+    a newcomer gets the newest outer weights of its stage."""
+
+    def __init__(self, bits: int, ratio: float):
+        self.bits, self.ratio = bits, ratio
+        self.rounds: dict[tuple[int, int], dict[int, tuple[torch.Tensor, asyncio.Future]]] = {}
+        self.syncs: dict[tuple[int, int], object] = {}  # (stage, pipeline) -> its OuterSync
+
+    def averager(self, stage: int, pipeline: int) -> "LocalAverager":
+        return LocalAverager(self, stage, pipeline)
+
+    async def average(self, stage: int, pipeline: int, vector: torch.Tensor, round: int, expected: int, timeout: float):
+        started = time.perf_counter()
+        arrived = self.rounds.setdefault((stage, round), {})
+        arrived[pipeline] = (vector, asyncio.get_running_loop().create_future())
+        if len(arrived) == expected:
+            order = sorted(arrived)
+            result = butterfly_mean([arrived[p][0] for p in order], self.bits, self.ratio)
+            for p, mean, sent in zip(order, result.means, result.bytes_sent):
+                arrived[p][1].set_result((mean, len(order), sent))
+        try:
+            mean, group, sent = await asyncio.wait_for(asyncio.shield(arrived[pipeline][1]), timeout)
+        except asyncio.TimeoutError:
+            del arrived[pipeline]
+            mean, group, sent = None, 0, 0
+        return SimpleNamespace(mean=mean, group=group, refused={}, bytes_sent=sent, bytes_received=sent,
+                               seconds=time.perf_counter() - started)
+
+    async def load_state(self, stage: int, pipeline: int):
+        others = [s for (k, p), s in self.syncs.items() if k == stage and p != pipeline]
+        newest = max(others, key=lambda s: s.anchor_step, default=None)
+        return newest.state() if newest is not None else None
+
+
+class LocalAverager:
+    def __init__(self, group: LocalGroup, stage: int, pipeline: int):
+        self.group, self.stage, self.pipeline = group, stage, pipeline
+
+    async def average(self, vector, round, expected, timeout):
+        return await self.group.average(self.stage, self.pipeline, vector, round, expected, timeout)
+
+    async def load_state(self, timeout):
+        return await self.group.load_state(self.stage, self.pipeline)
+
+
+class Pipelines:
+    """`pipelines` chains of the run's stages as StageWorkers on one in-process network."""
+
+    def __init__(self, run, dataset, pipelines: int):
+        self.run, self.net = run, InProcessNetwork()
+        self.group = LocalGroup(run.swarm.outer_bits, run.swarm.outer_norm_ratio)
+        self.workers: dict[int, list[StageWorker]] = {}
+        self.dataset, self.count = dataset, pipelines
+
+    async def start(self, p: int) -> list[StageWorker]:
+        transports = [self.net.transport(f"p{p}n{k}") for k in range(self.run.stages)]
+        workers = []
+        for k, t in enumerate(transports):
+            await t.start()
+            w = StageWorker(self.run, k, t, "cpu", None, self.dataset if k == 0 else None, pipeline=p,
+                            averager=self.group.averager(k, p))
+            w.outer.expected = self.count
+            self.group.syncs[(k, p)] = w.outer
+            workers.append(w)
+            for direction, offset in ((FORWARD, 1), (BACKWARD, -1)):
+                other = self.run.neighbour(k, offset)
+                if other is not None:
+                    t.set_peer(direction, f"p{p}n{other}", f"p{p}n{other}")
+        self.workers[p] = workers
+        return workers
+
+    def losses(self, p: int) -> dict[int, float]:
+        return {r.step: r.loss for r in self.workers[p][self.run.loss_stage].stats.losses}
+
+    async def close(self) -> None:
+        for workers in self.workers.values():
+            for w in workers:
+                await w.t.close()
+                w.close()
+
+
+def reference_losses(run, dataset, steps: int) -> list[list[float]]:
+    """Each pipeline's losses, step by step, from the single-process replica group."""
+    group = ReplicaGroup(run, dataset)
+    out = [[] for _ in group.replicas]
+    for step in range(steps):
+        for p, replica in enumerate(group.replicas):
+            out[p].append(replica.train_step(step))
+        if outer_boundary(step, run):
+            group.outer_step()
+    return out
+
+
+@pytest.mark.parametrize("codecs", [NONE, {}], ids=["none", "default pair"])
+def test_two_pipelines_train_exactly_as_the_replica_group(dataset, codecs):
+    steps = 6
+    run = build_run(steps, **codecs, **{"swarm.pipelines": 2, "swarm.outer_every": 4, "swarm.outer_bits": 8,
+                                        "train.pipeline_micro_batches": 2})
+    swarm = Pipelines(run, dataset, 2)
+
+    async def go():
+        try:
+            workers = [w for p in range(2) for w in await swarm.start(p)]
+            await asyncio.wait_for(asyncio.gather(*(w.run(steps) for w in workers)), 120)
+        finally:
+            await swarm.close()
+
+    asyncio.run(go())
+    expected = reference_losses(run, dataset, steps)
+    for p in range(2):
+        assert list(swarm.losses(p).values()) == expected[p]
+        assert all(w.outer.stats.steps == 2 and w.outer.stats.last_group == 2 for w in swarm.workers[p])  # after 4 and 6
+    for k in range(run.stages):  # the last step averaged too: one model, to the codec's error
+        a, b = (torch.cat([x.detach().reshape(-1) for x in swarm.workers[p][k].model.parameters()]) for p in range(2))
+        assert float((a - b).abs().max()) < 1e-4
+
+
+def test_a_late_pipeline_takes_the_latest_outer_step_and_trains_in_step_from_then_on(dataset):
+    steps = 12
+    run = build_run(steps, **NONE, **{"swarm.pipelines": 2, "swarm.outer_every": 4, "swarm.outer_bits": 32,
+                                      "swarm.outer_timeout_s": 2.0})
+    swarm = Pipelines(run, dataset, 2)
+
+    async def go():
+        try:
+            first = await swarm.start(0)
+            runs = [asyncio.ensure_future(w.run(steps)) for w in first]
+            while len(swarm.losses(0)) < 5:  # pipeline 0 went through its first outer step alone
+                await asyncio.sleep(0.05)
+            late = await swarm.start(1)
+            runs += [asyncio.ensure_future(w.run(steps)) for w in late]
+            await asyncio.wait_for(asyncio.gather(*runs), 120)
+        finally:
+            await swarm.close()
+
+    asyncio.run(go())
+    zero, one = swarm.losses(0), swarm.losses(1)
+    assert list(zero) == list(range(steps))
+    assert min(one) in (4, 8) and list(one) == list(range(min(one), steps))  # it started at an outer step of pipeline 0
+    assert swarm.workers[1][0].outer.stats.adopted == 1 and swarm.workers[0][0].outer.stats.alone >= 1
+    assert all(w.outer.stats.last_group == 2 for ws in swarm.workers.values() for w in ws)  # the last outer step: together
+    for k in range(run.stages):
+        a, b = (torch.cat([x.detach().reshape(-1) for x in swarm.workers[p][k].model.parameters()]) for p in range(2))
+        assert float((a - b).abs().max()) < 1e-5
