@@ -1,9 +1,10 @@
 """A malicious volunteer in a real swarm (issue 26): a coordinator, honest daemons on stages 0 and 2
 and a standby, all started as users start them, and a token holder on stage 1 (tests/adversary.py:
-the real daemon, its envelopes tampered with on a script) that also lies to the coordinator. Every
-honest daemon lives through it; the neighbours' reports ban the liar, the standby takes stage 1, and
-training ends near where one process's training ends (exactly until the first attack, within 5%
-over the last 10 steps after it), every step in the ledger once."""
+the real daemon, its envelopes tampered with on a script) that also lies to the coordinator, uploads
+checkpoints whose metadata lies and pads its frames to 4 MiB (issue 39). Every honest daemon lives
+through it; the neighbours' reports ban the liar, the standby takes stage 1, and training ends near
+where one process's training ends (exactly until the first attack, within 5% over the last 10 steps
+after it), every step in the ledger once."""
 
 from __future__ import annotations
 
@@ -25,6 +26,9 @@ STEPS = 40
 RUN = ["--steps", str(STEPS), "--stages", "3", "--checkpoint-every", "4", "--micro-batches", "2", "--batch-size", "2",
        "--seq-len", "32", "--codec", "none", "--backward-codec", "none", "--seed", "3"]
 ATTACKS = ["gradient norm -1", "activation 3e38", "step end norm inf", "shutdown backward"]
+# issue 39's: refused as they come, by the coordinator (the checkpoints) and the next stage (the frames)
+REFUSED = ["checkpoint metadata not JSON", "checkpoint metadata of wrong types", "checkpoint unreported [[0, 9.9]]",
+           "padded frames"]
 
 
 def test_a_malicious_stage_holder_kills_nothing_poisons_nothing_and_is_banned(tmp_path):
@@ -49,11 +53,16 @@ def test_a_malicious_stage_holder_kills_nothing_poisons_nothing_and_is_banned(tm
         for attempt in ("ledger wipe", "60000 links", "checkpoint of step 10^15", "checkpoint of another stage", "join as n0"):
             line = next(line for line in attacks.splitlines() if attempt in line)
             assert "accepted" not in line or attempt in ("ledger wipe", "60000 links"), line  # a heartbeat goes through; its lie does not
+        for attempt in REFUSED:
+            line = next((line for line in attacks.splitlines() if attempt in line), attacks)
+            assert line.endswith(f"{attempt}: INVALID_ARGUMENT"), line
         for name in ("coordinator", "n0", "n2", "n3"):  # every honest process lives (they end once the run is over)
             assert swarm.procs[name].poll() in (None, 0), swarm.log(name)[-3000:]
         record = next(n for n in state["nodes"] if n["id"] == "evil")
         assert record["status"] == "banned", state["nodes"]
         assert any("banned: evil" in e for e in state["events"])
+        standby = next(n for n in state["nodes"] if n["id"] == "n3")  # took stage 1 and trained it to the end
+        assert standby["stage"] == 1 and standby["finished"] and any("assigned: n3 -> stage 1" in e for e in state["events"])
         ledger = swarm.ledger()["steps"]
         assert [p["step"] for p in ledger] == list(range(STEPS))  # every committed step, once
         run = RunConfig.build("llama-tiny", None, **{"train.steps": STEPS, "train.micro_batches": 2, "train.batch_size": 2,

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from tahnode.net.body import Body, body_of, open_body, payload_field_bytes
 from tahnode.net.framing import FrameError, open_envelope
-from tahnode.net.wire_frame import OutgoingFrame, ReceivedFrame
+from tahnode.net.wire_frame import OutgoingFrame, PaddedFrame, ReceivedFrame
 from tahnode.proto import tahnode_pb2 as pb
 
 
@@ -94,14 +94,16 @@ def test_a_frame_written_from_views_is_a_frame_and_reads_back_as_a_view():
 
 
 def test_a_received_frame_keeps_protobufs_meaning_for_odd_encodings():
+    """Within its bounds (no unknown fields, a small head: tests/test_frame_bounds.py)."""
     twice = pb.Frame(sender="a", data=b"first").SerializeToString() + pb.Frame(data=b"last").SerializeToString()
     got = ReceivedFrame.FromString(twice)
     assert bytes(got.data) == b"last" == pb.Frame.FromString(twice).data and got.sender == "a"
     assert bytes(ReceivedFrame.FromString(pb.Frame(sender="a").SerializeToString()).data) == b""
     with pytest.raises(DecodeError):
         ReceivedFrame.FromString(b"\x2a\x10abc")  # a data field longer than the bytes
-    grouped = pb.Frame(data=b"d").SerializeToString() + b"\x6b\x6c"  # an empty group (field 13) protobuf skips
-    assert bytes(ReceivedFrame.FromString(grouped).data) == b"d"
+    grouped = pb.Frame(data=b"d").SerializeToString() + b"\x6b\x6c"  # an empty group (field 13): unknown to a Frame
+    with pytest.raises(PaddedFrame):
+        ReceivedFrame.FromString(grouped)
 
 
 def test_the_size_of_a_payload_kept_apart_is_the_size_it_adds_to_its_message():

@@ -44,7 +44,8 @@ def test_a_checkpoint_records_its_sha256_and_loads_back_exactly(saved):
     tensors, meta = read_verified(path)
     assert len(meta[DIGEST_KEY]) == 64 and meta["step"] == "4"
     target, opt, _ = fresh_stage(run)
-    extra = load(store.latest(1, run.stages), target, opt, run.to_json())
+    extra, meta = load(store.latest(1, run.stages), target, opt, run)
+    assert meta.step == 4 and meta.optim_steps and set(meta.optim_steps.values()) == {1}
     assert torch.equal(extra["gate"], torch.arange(5.0))
     for (name, a), b in zip(model.state_dict().items(), target.state_dict().values()):
         assert torch.equal(a, b), name
@@ -71,7 +72,7 @@ def test_a_damaged_checkpoint_is_refused_and_nothing_is_loaded(saved, damage):
     path.write_bytes(bytes(data))
     target, opt, before = fresh_stage(run)
     with pytest.raises(CorruptCheckpoint, match="corrupt|unreadable"):
-        load(store.latest(1, run.stages), target, opt, run.to_json())
+        load(store.latest(1, run.stages), target, opt, run)
     for name, value in target.state_dict().items():
         assert torch.equal(value, before[name]), name
 
@@ -81,7 +82,7 @@ def test_a_checkpoint_of_another_run_is_refused(saved, tmp_path):
     other = RunConfig.build("llama-tiny", **{"train.steps": 4, "stages": 2})
     target, opt, _ = fresh_stage(run)
     with pytest.raises(ForeignCheckpoint, match="another run"):
-        load(store.latest(1, run.stages), target, opt, other.to_json())
+        load(store.latest(1, run.stages), target, opt, other)
 
 
 def test_a_checkpoint_written_before_a_model_field_existed_is_of_the_same_run(saved):
@@ -98,11 +99,11 @@ def test_a_checkpoint_written_before_a_model_field_existed_is_of_the_same_run(sa
         save_file(tensors, str(path), metadata=meta)
         target, opt, _ = fresh_stage(run)
         if fits:
-            load(store.latest(1, run.stages), target, opt, run.to_json())
+            load(store.latest(1, run.stages), target, opt, run)
             assert all(torch.equal(v, stage.state_dict()[k]) for k, v in target.state_dict().items())
         else:
             with pytest.raises(ForeignCheckpoint, match="model differs"):
-                load(store.latest(1, run.stages), target, opt, run.to_json())
+                load(store.latest(1, run.stages), target, opt, run)
 
 
 def test_a_checkpoint_without_a_checksum_is_refused(saved):
@@ -138,10 +139,13 @@ def test_a_checkpoint_that_does_not_fit_the_stage_is_moved_aside_not_loaded(save
     save_file(tensors, str(path), metadata=meta)
     target, opt, before = fresh_stage(run)
     with pytest.raises(CorruptCheckpoint, match="does not fit|codec state"):
-        load(store.latest(1, run.stages), target, opt, run.to_json())
+        load(store.latest(1, run.stages), target, opt, run)
     assert all(torch.equal(v, before[k]) for k, v in target.state_dict().items())  # nothing changed
 
     class NoCodecState:
+        def tensors(self):
+            return {}
+
         def load(self, tensors, step):
             pass
 

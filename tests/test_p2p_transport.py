@@ -112,10 +112,13 @@ def test_status_codes_cross_as_codes_and_bad_requests_leave_the_server_serving()
                 out[name] = None
             except grpc.aio.AioRpcError as exc:
                 out[name] = exc.code()
-        # by hand: a request that does not parse, and one record above the limit
+        # by hand: a request that does not parse, one record above the limit, a frame padded with an
+        # unknown field (issue 39: its data's view would hold all of it)
         host_a, _ = hosts
-        for name, payload in (("garbage", b"\xff\xff\xff"), ("huge", None)):
-            reader, writer = await host_a.open_stream(receiver.address, protocol_name("/tahnode.StageService/Ping"))
+        frame = sender.sealer.frame("b", sender.sealer.counter.next(), 0, 2, b"x").SerializeToString()
+        for name, payload in (("garbage", b"\xff\xff\xff"), ("huge", None), ("padded", frame + b"\x7a\x80\x80\x01" + bytes(1 << 14))):
+            method = "Forward" if name == "padded" else "Ping"
+            reader, writer = await host_a.open_stream(receiver.address, protocol_name(f"/tahnode.StageService/{method}"))
             if payload is None:
                 writer.write(bytes([RecordKind.MESSAGE]) + (MAX_RECORD_BYTES + 1).to_bytes(4, "big"))
             else:
@@ -136,6 +139,7 @@ def test_status_codes_cross_as_codes_and_bad_requests_leave_the_server_serving()
     assert out["measure"] is grpc.StatusCode.UNAVAILABLE  # "b" has joined no coordinator
     assert out["garbage"] == (RecordKind.STATUS, grpc.StatusCode.INVALID_ARGUMENT.value[0])
     assert out["huge"] == (RecordKind.STATUS, grpc.StatusCode.RESOURCE_EXHAUSTED.value[0])
+    assert out["padded"] == (RecordKind.STATUS, grpc.StatusCode.INVALID_ARGUMENT.value[0])
     assert out["after"] == b"again"
 
 

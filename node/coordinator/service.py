@@ -12,8 +12,10 @@ import grpc
 from ..net.errors import Refused
 from ..net.p2p_host import is_p2p_address
 from ..net.tls import is_loopback
-from ..pipeline.checkpoint import EXTRA_LIMIT_PER_DIM, CheckpointTooLarge, ChunkWriter, CorruptCheckpoint, check_fits, read_chunks
+from ..pipeline.checkpoint import EXTRA_LIMIT_PER_DIM, CheckpointTooLarge, ChunkWriter, check_fits, optimized, read_chunks
 from ..pipeline.checkpoint import stage_shapes
+from ..pipeline.checkpoint_errors import BadMetadata, CheckpointError, ForeignCheckpoint
+from ..pipeline.checkpoint_meta import CheckpointMeta, MetaForm
 from ..proto import tahnode_pb2 as pb
 from ..proto import tahnode_pb2_grpc as pb_grpc
 from .registry import SwarmRegistry
@@ -24,6 +26,9 @@ __all__ = ["CoordinatorServicer"]
 
 
 METADATA_BYTES = 8 << 20  # a checkpoint's header beyond its tensors: the run config, unreported steps
+# an upload refused for what its metadata says answers INVALID_ARGUMENT; any other refusal of a
+# whole file (its SHA-256, its tensors) DATA_LOSS
+UPLOAD_CODES = {BadMetadata: grpc.StatusCode.INVALID_ARGUMENT, ForeignCheckpoint: grpc.StatusCode.INVALID_ARGUMENT}
 
 
 class StageForm:
@@ -35,7 +40,7 @@ class StageForm:
 
         from ..train.model import StageModel
 
-        run = registry.run
+        self.run = run = registry.run
         self.dim, self.shapes = run.model.dim, []
         with torch.device("meta"):  # shapes only, nothing allocated
             for stage in range(run.stages):
@@ -45,9 +50,14 @@ class StageForm:
         elements = sum(math.prod(s) for s in self.shapes[stage].values()) + EXTRA_LIMIT_PER_DIM * self.dim
         return 4 * elements + METADATA_BYTES
 
-    def validator(self, stage: int):
-        return lambda tensors: check_fits(tensors, self.shapes[stage], f"checkpoint of stage {stage}",
-                                          EXTRA_LIMIT_PER_DIM * self.dim)
+    def validator(self, stage: int, step: int):
+        """What a file uploaded as `stage` at `step` must be: metadata that parses into its record
+        (BadMetadata, ForeignCheckpoint), tensors that fit the stage (CorruptCheckpoint)."""
+        def validate(tensors, meta) -> None:
+            CheckpointMeta.parse(meta, MetaForm(stage, self.run.stages, step, self.run), optimized(tensors))
+            check_fits(tensors, self.shapes[stage], f"checkpoint of stage {stage}", EXTRA_LIMIT_PER_DIM * self.dim)
+
+        return validate
 
 
 class CoordinatorServicer(pb_grpc.CoordinatorServicer):
@@ -81,8 +91,8 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
     async def UploadCheckpoint(self, request_iterator, context):
         """Receive a stage checkpoint into the store from the stage's current holder, for a step the
         ledger knows: streamed to an owner-only temp file, at most the size such a checkpoint has,
-        renamed only when whole, its SHA-256 right and its tensors the stage's; anything else is
-        refused (and never stored)."""
+        renamed only when whole, its SHA-256 right, its metadata's record sound and its tensors the
+        stage's; anything else is refused (and never stored: the store keeps what it had)."""
         writer: ChunkWriter | None = None
         total = 0
         try:
@@ -97,7 +107,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"checkpoint of stage {chunk.stage}/{chunk.num_stages} does not fit this swarm")
                 if writer is None:
                     writer = ChunkWriter(self.r.store.path(chunk.stage, chunk.num_stages, chunk.step), f".{chunk.node_id}.part",
-                                         limit=self.form.limit(chunk.stage), validate=self.form.validator(chunk.stage))
+                                         limit=self.form.limit(chunk.stage), validate=self.form.validator(chunk.stage, chunk.step))
                 try:
                     writer.write(chunk.data)
                 except CheckpointTooLarge as exc:
@@ -108,10 +118,10 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                 if chunk.last:
                     try:
                         final = await asyncio.to_thread(writer.commit)
-                    except CorruptCheckpoint as exc:
+                    except CheckpointError as exc:
                         log.warning("refused a checkpoint upload from %s: %s", chunk.node_id, exc)
-                        await context.abort(grpc.StatusCode.DATA_LOSS, f"checkpoint of stage {chunk.stage} at step {chunk.step} "
-                                            f"refused, not stored: {exc}")
+                        await context.abort(UPLOAD_CODES.get(type(exc), grpc.StatusCode.DATA_LOSS),
+                                            f"checkpoint of stage {chunk.stage} at step {chunk.step} refused, not stored: {exc}")
                     writer = None
                     self.r.store.prune(chunk.stage, chunk.num_stages)
                     log.info("stored %s (%d bytes) from %s", final.name, total, chunk.node_id)

@@ -4,7 +4,8 @@ their order and the size before parsing the envelope.
 
 A frame's data is a view of the envelope's body until the frame is written (one join: the only
 copy of the payload on the way out); a received frame's data is a view of the bytes that came off
-the wire, copied once into the reassembled body (tahnode.tools.bench_copies counts both)."""
+the wire, copied once into the reassembled body (tahnode.tools.bench_copies counts both). What a
+stream holds is counted in those bytes, every frame's whole message, against the envelope cap."""
 
 from __future__ import annotations
 
@@ -65,11 +66,13 @@ class Reassembler:
         self.parts: list[bytes] = []
         self.seq: int | None = None
         self.sender = ""
-        self.size = 0
+        self.count = 0  # frames in the envelope being received, as its first frame said
+        self.size = 0   # bytes of the messages its frames came in (what their data's views hold)
 
     def add(self, frame: pb.Frame | ReceivedFrame):
         """The envelope's bytes, in one new buffer from `allocate`, once its last frame arrived, else
-        None; raises FrameError."""
+        None; raises FrameError. Every frame must give its envelope's count, and the messages its
+        frames came in count against the cap (a ReceivedFrame's data holds all of its message)."""
         data = frame.data  # read once: each read of a protobuf Frame's data copies it
         try:
             self.sealer.check_frame(frame, first=frame.index == 0, signed_by=self.peer_keys.get(frame.sender), data=data)
@@ -81,11 +84,15 @@ class Reassembler:
             raise FrameError(f"malformed frame: index {frame.index} of {frame.count}")
         if frame.index and (frame.seq != self.seq or frame.sender != self.sender or frame.index != len(self.parts)):
             raise FrameError(f"frames out of order: seq {frame.seq} index {frame.index}")
+        if frame.index and frame.count != self.count:
+            raise FrameError(f"frame {frame.index} gives a count of {frame.count} frames, its envelope's first {self.count}")
         if frame.index == 0:
-            self.parts, self.seq, self.sender, self.size = [], frame.seq, frame.sender, 0
+            self.parts, self.seq, self.sender, self.count, self.size = [], frame.seq, frame.sender, frame.count, 0
         if frame.index == 0 and (frame.count - 1) * CHUNK_BYTES >= self.cap:
             raise FrameTooLarge(f"an envelope of {frame.count} frames is larger than the largest this run sends ({self.cap} bytes)")
-        self.size += len(data)
+        if len(data) > CHUNK_BYTES:
+            raise FrameError(f"a frame of {len(data)} bytes of data, more than {CHUNK_BYTES}")
+        self.size += frame.wire_bytes if isinstance(frame, ReceivedFrame) else frame.ByteSize()
         if self.size > self.cap:
             raise FrameTooLarge(f"envelope larger than the largest this run sends ({self.cap} bytes)")
         self.parts.append(data)
@@ -97,7 +104,7 @@ class Reassembler:
 
     def reset(self) -> None:
         """Drop a partly received envelope (the stream ended or was refused)."""
-        self.parts, self.size = [], 0
+        self.parts, self.count, self.size = [], 0, 0
 
 
 def open_envelope(data: bytearray) -> tuple[pb.Envelope, memoryview | None]:

@@ -74,9 +74,9 @@ def _parse(kind: RecordKind, payload: bytes, message_type):
         raise RpcAborted(grpc.StatusCode.INVALID_ARGUMENT, f"unexpected {kind.name} record from the caller")
     try:
         return message_type.FromString(payload)
-    except DecodeError:
+    except DecodeError as exc:
         raise RpcAborted(grpc.StatusCode.INVALID_ARGUMENT,
-                         f"the request does not parse as a {message_type.DESCRIPTOR.full_name} message") from None
+                         f"the request does not parse as a {message_type.DESCRIPTOR.full_name} message: {exc}") from None
 
 
 async def _requests(reader: asyncio.StreamReader, message_type, first) -> AsyncIterator[Any]:

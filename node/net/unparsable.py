@@ -12,8 +12,8 @@ __all__ = ["RefuseUnparsable"]
 class _Unparsable:
     """What the guarded deserializer returns for bytes that are not a message of the type."""
 
-    def __init__(self, type_name: str):
-        self.type_name = type_name
+    def __init__(self, type_name: str, reason: str):
+        self.type_name, self.reason = type_name, reason
 
 
 def _guarded(deserializer):
@@ -23,16 +23,16 @@ def _guarded(deserializer):
     def parse(data: bytes):
         try:
             return deserializer(data)
-        except (DecodeError, ValueError):
+        except (DecodeError, ValueError) as exc:
             owner = getattr(deserializer, "__self__", None)
             descriptor = getattr(owner, "DESCRIPTOR", None)
-            return _Unparsable(descriptor.name if descriptor is not None else getattr(owner, "__name__", "request"))
+            return _Unparsable(descriptor.name if descriptor is not None else getattr(owner, "__name__", "request"), str(exc))
 
     return parse
 
 
 async def _refuse(context, bad: _Unparsable) -> None:
-    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"the request does not parse as a {bad.type_name} message")
+    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"the request does not parse as a {bad.type_name} message: {bad.reason}")
 
 
 def _unary_request(behavior):

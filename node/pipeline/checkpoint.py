@@ -2,7 +2,8 @@
 state and its codec state, with the step, the run identity and a SHA-256 of it all in the metadata.
 
 This module owns the file names, their integrity (durable writes, the checksum checked on every
-load and on arrival in a store) and the chunking that carries a file to and from the coordinator."""
+load and on arrival in a store, the metadata parsed into its record: tahnode.pipeline.checkpoint_meta)
+and the chunking that carries a file to and from the coordinator."""
 
 from __future__ import annotations
 
@@ -19,7 +20,10 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from ..config.model import ModelConfig
+from ..config import RunConfig
+from .checkpoint_errors import BadMetadata, CheckpointError, CheckpointTooLarge, CorruptCheckpoint, ForeignCheckpoint
+from .checkpoint_meta import CheckpointMeta, MetaForm
+from .state import StepRecord
 
 log = logging.getLogger("tahnode.checkpoint")
 
@@ -29,21 +33,9 @@ DIGEST_KEY = "sha256"  # metadata key of the checksum
 CORRUPT_SUFFIX = ".corrupt"  # a corrupt file is renamed to this, so that nothing lists it again
 EXTRA_LIMIT_PER_DIM = 64  # codec state in a checkpoint: at most this many elements per model channel (AMAQ keeps one)
 
-
-class CheckpointError(ValueError):
-    """A checkpoint cannot be used."""
-
-
-class CorruptCheckpoint(CheckpointError):
-    """A checkpoint that cannot be parsed or whose contents do not match its recorded SHA-256."""
-
-
-class ForeignCheckpoint(CheckpointError):
-    """A checkpoint of another run configuration (model or stages differ)."""
-
-
-class CheckpointTooLarge(CheckpointError):
-    """An upload beyond the size a checkpoint of its stage can have."""
+__all__ = ["BadMetadata", "CheckpointError", "CheckpointTooLarge", "CorruptCheckpoint", "ForeignCheckpoint", "Checkpoint",
+           "CheckpointStore", "ChunkWriter", "StageSaver", "check_fits", "digest", "load", "optimized", "read_chunks", "read_verified",
+           "stage_shapes"]
 
 
 def digest(tensors: dict[str, torch.Tensor], meta: dict[str, str]) -> str:
@@ -116,15 +108,16 @@ def stage_shapes(model: torch.nn.Module) -> dict[str, tuple[int, ...]]:
 
 def check_fits(tensors: dict[str, torch.Tensor], shapes: dict[str, tuple[int, ...]], what: str, extra_limit: int) -> None:
     """A checkpoint's tensors fit a stage: every weight present, nothing unknown, every shape right,
-    floating point, and at most `extra_limit` elements of codec state. Raises CorruptCheckpoint:
-    loading it would fail (or worse, succeed) on every node that takes the stage."""
+    floating point, and at most `extra_limit` elements of codec state (its shapes those of `shapes`'
+    `extra/...` entries, where given). Raises CorruptCheckpoint: loading it would fail (or worse,
+    succeed) on every node that takes the stage."""
     extra = 0
     for name, t in tensors.items():
         if name.startswith("extra/"):
             extra += t.numel()
         elif name not in shapes:
             raise CorruptCheckpoint(f"{what} does not fit the stage: it holds an unknown tensor {name!r}")
-        elif tuple(t.shape) != shapes[name]:
+        if name in shapes and tuple(t.shape) != shapes[name]:
             raise CorruptCheckpoint(f"{what} does not fit the stage: {name} has shape {list(t.shape)}, not {list(shapes[name])}")
         if not t.is_floating_point():
             raise CorruptCheckpoint(f"{what} does not fit the stage: {name} is {t.dtype}, not floating point")
@@ -143,8 +136,8 @@ def owner_only(path: Path) -> None:
 class ChunkWriter:
     """Receives a checkpoint in pieces into a temporary name beside `final` (owner-only, at most
     `limit` bytes), and renames it only when whole and verified, by its SHA-256 and by `validate`
-    (tensors -> None, raising CorruptCheckpoint); `commit` raises CorruptCheckpoint otherwise, and
-    `write` CheckpointTooLarge. Closing it uncommitted removes the piece."""
+    ((tensors, metadata) -> None, raising a CheckpointError); `commit` raises CorruptCheckpoint (or
+    validate's error) otherwise, and `write` CheckpointTooLarge. Closing it uncommitted removes the piece."""
 
     def __init__(self, final: Path, suffix: str = ".part", limit: int | None = None, validate=None):
         self.final, self.limit, self.validate = final, limit, validate
@@ -163,10 +156,10 @@ class ChunkWriter:
     def commit(self) -> Path:
         self.fh.close()
         try:
-            tensors, _ = read_verified(self.tmp)
+            tensors, meta = read_verified(self.tmp)
             if self.validate is not None:
-                self.validate(tensors)
-        except CorruptCheckpoint:
+                self.validate(tensors, meta)
+        except CheckpointError:
             self.close()
             raise
         durable_replace(self.tmp, self.final)
@@ -279,28 +272,22 @@ def tied_aliases(model: torch.nn.Module) -> dict[str, str]:
     return aliases
 
 
-def _same_setting(key: str, saved, ours) -> bool:
-    """Model configs compare with their defaults filled in: a checkpoint written before a model
-    field with a default existed (rope_scaling) is still of the same run."""
-    if key == "model" and isinstance(saved, dict) and isinstance(ours, dict):
-        try:
-            return ModelConfig.from_dict(saved) == ModelConfig.from_dict(ours)
-        except (TypeError, ValueError):
-            return False
-    return saved == ours
+def optimized(tensors: dict[str, torch.Tensor]) -> set[str]:
+    """The parameters a checkpoint's tensors hold AdamW moments of."""
+    return {name[len("optim/"):-len("/exp_avg")] for name in tensors if name.startswith("optim/") and name.endswith("/exp_avg")}
 
 
-def load(ckpt: Checkpoint, model: torch.nn.Module, optimizer: torch.optim.Optimizer, run_json: str) -> dict[str, torch.Tensor]:
-    """Restore weights and optimizer state in place; returns the extra tensors. Nothing changes
-    when it raises: CorruptCheckpoint for a damaged file, ForeignCheckpoint for a checkpoint of
-    another run configuration (model, stages)."""
-    tensors, meta = read_verified(ckpt.path)
-    saved = json.loads(meta.get("run", "{}"))
-    ours = json.loads(run_json)
-    for key in ("model", "stages"):
-        if not _same_setting(key, saved.get(key), ours.get(key)):
-            raise ForeignCheckpoint(f"checkpoint {ckpt.path} belongs to another run ({key} differs); move it away or use another --checkpoint-dir")
-    check_fits(tensors, stage_shapes(model), f"checkpoint {ckpt.path}", extra_limit=EXTRA_LIMIT_PER_DIM * model.cfg.dim)
+def load(ckpt: Checkpoint, model: torch.nn.Module, optimizer: torch.optim.Optimizer, run: RunConfig,
+         codec_state: dict[str, torch.Tensor] | None = None) -> tuple[dict[str, torch.Tensor], CheckpointMeta]:
+    """Restore weights and optimizer state in place; returns the extra tensors (codec state, those of
+    `codec_state` of its shapes) and the metadata's record. Nothing changes when it raises:
+    CorruptCheckpoint for a damaged file or one that does not fit (BadMetadata: its metadata),
+    ForeignCheckpoint for a checkpoint of another run configuration (model, stages)."""
+    tensors, raw = read_verified(ckpt.path)
+    meta = CheckpointMeta.parse(raw, MetaForm(ckpt.stage, ckpt.num_stages, ckpt.step, run, f"checkpoint {ckpt.path}"),
+                                optimized(tensors))
+    shapes = {**stage_shapes(model), **{f"extra/{k}": tuple(v.shape) for k, v in (codec_state or {}).items()}}
+    check_fits(tensors, shapes, f"checkpoint {ckpt.path}", extra_limit=EXTRA_LIMIT_PER_DIM * model.cfg.dim)
     state = {k[len("model/"):]: v for k, v in tensors.items() if k.startswith("model/")}
     for alias, name in tied_aliases(model).items():  # a tied head is stored once, as the embedding
         if name in state:
@@ -309,29 +296,28 @@ def load(ckpt: Checkpoint, model: torch.nn.Module, optimizer: torch.optim.Optimi
     if missing or unexpected:
         raise ForeignCheckpoint(f"checkpoint {ckpt.path} does not fit stage {ckpt.stage}: missing {missing[:3]}, unexpected {unexpected[:3]}")
     params = dict(model.named_parameters())
-    steps = json.loads(meta.get("optim_steps", "{}"))
     device = next(model.parameters()).device
     for name, p in params.items():
         if f"optim/{name}/exp_avg" in tensors:
             optimizer.state[p] = {
-                "step": torch.tensor(steps.get(name, 0.0)),
+                "step": torch.tensor(float(meta.optim_steps.get(name, 0))),
                 "exp_avg": tensors[f"optim/{name}/exp_avg"].to(device),
                 "exp_avg_sq": tensors[f"optim/{name}/exp_avg_sq"].to(device),
             }
-    return {k[len("extra/"):]: v for k, v in tensors.items() if k.startswith("extra/")}
+    return {k[len("extra/"):]: v for k, v in tensors.items() if k.startswith("extra/")}, meta
 
 
 class StageSaver:
     """Saves and restores one stage's whole state (weights, optimizer, codec state) in a store, and
     tells `on_saved(path, step)` of each file it wrote (the daemon uploads it)."""
 
-    def __init__(self, store: CheckpointStore | None, stage: int, run, on_saved=None):
-        self.store, self.stage, self.num_stages = store, stage, run.stages
+    def __init__(self, store: CheckpointStore | None, stage: int, run: RunConfig, on_saved=None):
+        self.store, self.stage, self.num_stages, self.run = store, stage, run.stages, run
         self.run_json = run.to_json()
         self.on_saved = on_saved
         self.fetch = None  # async fetch(step) -> bool: the daemon downloads a checkpoint of the stage from the coordinator
         self.saved_step = -1
-        self.unreported: list = []  # what the checkpoint restored last held of steps not reported yet
+        self.unreported: list[StepRecord] = []  # what the checkpoint restored last held of steps not reported yet
 
     async def ensure(self, step: int) -> bool:
         """A checkpoint of `step` is here (step 0 needs none: the initial weights), fetched with
@@ -365,6 +351,8 @@ class StageSaver:
         return bool(ckpt) and self._try_restore(ckpt, model, optimizer, codecs)
 
     def _try_restore(self, ckpt: Checkpoint, model, optimizer, codecs) -> bool:
+        """Restore `ckpt`; False (the file moved aside) if it is corrupt, which a file that does not
+        load for any reason of its own is (damaged, its metadata or tensors not the stage's)."""
         try:
             self._restore(ckpt, model, optimizer, codecs)
         except CorruptCheckpoint as exc:
@@ -373,8 +361,8 @@ class StageSaver:
         return True
 
     def _restore(self, ckpt: Checkpoint, model, optimizer, codecs) -> int:
-        codecs.load(load(ckpt, model, optimizer, self.run_json), ckpt.step)
-        with safe_open(str(ckpt.path), framework="pt") as f:
-            self.unreported = json.loads((f.metadata() or {}).get("unreported", "[]"))
+        extra, meta = load(ckpt, model, optimizer, self.run, codecs.tensors())
+        codecs.load(extra, ckpt.step)
+        self.unreported = list(meta.unreported)
         log.info("stage %d loaded %s (step %d)", self.stage, ckpt.path, ckpt.step)
         return ckpt.step

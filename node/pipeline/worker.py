@@ -24,6 +24,7 @@ from ..train.model import COMPUTE_DTYPES, StageModel, build_stage
 from ..train.optim import StageOptimizer, grad_sumsq
 from .admission import Admission, BadMicroBatch
 from .checkpoint import CheckpointStore, StageSaver
+from .checkpoint_meta import kept_unreported
 from .driver import StepDriver
 from .inbox import Inbox
 from .outer_sync import Averager, OuterSync
@@ -188,7 +189,7 @@ class StageWorker:
         loaded = self.saver.load_latest(self.model, self.opt.opt, self.codecs)
         if loaded:
             self.resumed_at(loaded)
-            self.stats.outbox = [StepRecord(*r) for r in self.saver.unreported]  # killed before it reported them
+            self.stats.outbox = list(self.saver.unreported)  # killed before it reported them
         return loaded
 
     def resumed_at(self, step: int) -> None:
@@ -196,7 +197,7 @@ class StageWorker:
         self.restart_step(step, self.state.attempt)
 
     def save(self) -> None:
-        unreported = [[r.step, r.loss, list(r.sample_ids), r.seconds] for r in self.stats.outbox]
+        unreported = [[r.step, r.loss, list(r.sample_ids), r.seconds] for r in kept_unreported(self.stats.outbox, self.committed)]
         self.saver.save(self.committed, self.model, self.opt.opt, self.codecs, unreported)
 
     # -- compute (runs on the compute thread) -------------------------------------------------
