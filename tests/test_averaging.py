@@ -18,7 +18,7 @@ from hivemind.compression import deserialize_torch_tensor, serialize_torch_tenso
 from hivemind.proto import runtime_pb2  # noqa: E402
 
 from tahnode.codecs.blockwise import BlockwiseError, quantize  # noqa: E402
-from tahnode.net import averaging_parts as parts  # noqa: E402
+from tahnode.net import averaging_codec, averaging_parts as parts  # noqa: E402
 from tahnode.net.averaging import GRACE_S, BadVector, StageAverager, UnsupportedBits, usable  # noqa: E402
 from tahnode.train.group_mean import butterfly_mean, wire_bytes  # noqa: E402
 
@@ -223,7 +223,7 @@ def test_a_newcomer_loads_a_peers_state_and_refuses_a_wrong_one(dhts):
 
 
 def test_the_blockwise_codec_refuses_malformed_parts():
-    codec = parts.BlockwiseCompression(8)
+    codec = averaging_codec.BlockwiseCompression(8)
     x = torch.randn(100)
     message = codec.compress(x, None)
     assert torch.allclose(codec.extract(message), x, atol=float(x.abs().max()) / 127)
@@ -234,7 +234,7 @@ def test_the_blockwise_codec_refuses_malformed_parts():
                                    dtype="float32")):
         with pytest.raises(BlockwiseError):
             codec.extract(bad)
-        assert parts.decoded(bad) is None
+        assert averaging_codec.decoded(bad) is None
     assert usable(torch.ones(3), (3,)) is not None
     assert usable(torch.ones(1), (3,)) is None and usable(torch.tensor([1.0, float("inf"), 0]), (3,)) is None
 

@@ -13,7 +13,8 @@ import sys
 import pytest
 
 from tahnode.tools.bench_report import write_section
-from tahnode.tools.bench_swarm import COLUMNS, CodecPair, Row, convergence_cells, mean_curves, with_limits
+from tahnode.tools.bench_swarm import COLUMNS, CodecPair, Row, with_limits
+from tahnode.tools.swarm_convergence import convergence_cells, mean_curves
 from test_swarm import root_reason
 
 pytestmark = pytest.mark.slow

@@ -182,6 +182,10 @@ class SwarmRegistry:
                           pipelines=len(self.roster.complete_pipelines()))
         if a.pipelines > 1:
             a.dht_peers.extend(self.roster.dht_peers)
+            if stage >= 0:
+                for n in self.roster.replicas(stage, node.pipeline):
+                    if n.averager:
+                        a.replicas.add(node_id=n.node_id, address=n.averager, stage=n.stage)
         if stage >= 0:
             for field, offset in (("prev", -1), ("next", 1)):  # around the ring for a tied model (RunConfig.ring)
                 other = self.run.neighbour(node.stage, offset)
@@ -249,7 +253,10 @@ class SwarmRegistry:
                 node.links[link.dst] = (link.bytes, link.seconds)
         while len(node.links) > MAX_LINKS_PER_NODE:
             del node.links[next(iter(node.links))]
+        if req.averager:
+            self.roster.bind_averager(node, req.averager)
         self._judge(node, req.stats.offences)
+        self._judge(node, self.roster.replica_offences(node, req.stats.outer_offences), "pseudo-gradients")
         self._record(node, list(req.stats.losses))
         if req.stats.finished and node.status is NodeStatus.ACTIVE and node.stage == self.run.stages - 1 \
                 and self.ledger_next(node.pipeline) >= self.run.train.steps:  # over when its ledger says so, not a node
@@ -257,15 +264,19 @@ class SwarmRegistry:
         return pb.HeartbeatReply(assignment=self.assignment(node), known=True, run_finished=self.finished,
                                  heartbeat_s=self.heartbeat_period())
 
-    def _judge(self, reporter: NodeRecord, offences) -> None:
+    def _judge(self, reporter: NodeRecord, offences, what: str = "micro-batches") -> None:
         """Ban the neighbours of `reporter` whose micro-batches it keeps refusing (only a stage's
-        neighbours receive its micro-batches, so only their reports count)."""
+        neighbours receive its micro-batches, so only their reports count); with `what`
+        "pseudo-gradients", the replicas of its stage whose pseudo-gradients it keeps refusing."""
         if not offences or reporter.status is not NodeStatus.ACTIVE:
             return
-        near = {self.run.neighbour(reporter.stage, -1), self.run.neighbour(reporter.stage, 1)} - {None}
-        neighbours = {n.node_id for n in self.nodes.values()
-                      if n.status is NodeStatus.ACTIVE and n.stage in near and n.pipeline == reporter.pipeline}
-        for sender in self.bans.report(reporter.node_id, {s: c for s, c in offences.items() if s in neighbours}):
+        if what == "micro-batches":
+            near = {self.run.neighbour(reporter.stage, -1), self.run.neighbour(reporter.stage, 1)} - {None}
+            senders = {n.node_id for n in self.nodes.values()
+                       if n.status is NodeStatus.ACTIVE and n.stage in near and n.pipeline == reporter.pipeline}
+        else:
+            senders = {n.node_id for n in self.roster.replicas(reporter.stage, reporter.pipeline)}
+        for sender in self.bans.report(reporter.node_id, {s: c for s, c in offences.items() if s in senders}):
             node = self.nodes[sender]
             node.status = NodeStatus.BANNED
             marks = ban_marks(sender, self.identities.get(sender, b""), node.address)
@@ -273,7 +284,7 @@ class SwarmRegistry:
             self.db.ban({m: self.bans.until[m] for m in marks})
             self.epoch += 1
             self.event(f"banned: {sender} (stage {node.stage}) for {self.bans.policy.ban_s:.0f} s: {reporter.node_id} "
-                       f"refused {self.bans.policy.threshold} of its micro-batches within {self.bans.policy.window_s:.0f} s")
+                       f"refused {self.bans.policy.threshold} of its {what} within {self.bans.policy.window_s:.0f} s")
 
     def _record(self, reporter: NodeRecord, points: list[pb.LossPoint]) -> None:
         """Committed steps into its pipeline's ledger, in memory and on disk, from the node that

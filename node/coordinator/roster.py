@@ -7,9 +7,12 @@ from __future__ import annotations
 
 from ..config import RunConfig
 from ..net.errors import StageTaken
+from ..net.p2p_host import P2PAddress
 from .state import NodeRecord, NodeStatus
 
-__all__ = ["Roster"]
+__all__ = ["Roster", "MAX_AVERAGER_CHARS"]
+
+MAX_AVERAGER_CHARS = 2048  # a node's averager address (its multiaddrs)
 
 
 class Roster:
@@ -62,6 +65,28 @@ class Roster:
         """The node ids of a complete pipeline, stage by stage (None if a stage is open)."""
         holders = [self.holder(k, pipeline) for k in range(self.run.stages)]
         return None if any(h is None for h in holders) else [h.node_id for h in holders]
+
+    def replicas(self, stage: int, pipeline: int) -> list[NodeRecord]:
+        """The holders of `stage` in the other complete pipelines: whom its holder averages with."""
+        return [h for p in self.complete_pipelines() if p != pipeline and (h := self.holder(stage, p)) is not None]
+
+    def bind_averager(self, node: NodeRecord, address: str) -> None:
+        """The p2p address a node's averager is reached at (its heartbeats say), if it is one peer's,
+        of bounded length, and no other live node's peer id: the replicas of its stage admit that
+        peer, and the coordinator knows whom their refusals name."""
+        try:
+            peer = P2PAddress.parse(address).peer_id if len(address) <= MAX_AVERAGER_CHARS else None
+        except ValueError:
+            peer = None
+        if peer is None or any(n.averager_peer == peer and n is not node and n.status.live for n in self.nodes.values()):
+            return
+        node.averager, node.averager_peer = address, peer
+
+    def replica_offences(self, reporter: NodeRecord, by_peer) -> dict[str, int]:
+        """A node's refusals of pseudo-gradient parts, by the node id of the replica that sent them
+        (peers not among its stage's replicas are left out)."""
+        ids = {n.averager_peer: n.node_id for n in self.replicas(reporter.stage, reporter.pipeline) if n.averager_peer}
+        return {ids[peer]: count for peer, count in by_peer.items() if peer in ids}
 
     def pinned_pipeline(self, stage: int, node_id: str) -> int:
         """The pipeline a node that joins for `stage` takes it in: the first whose `stage` is open (or

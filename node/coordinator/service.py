@@ -13,7 +13,7 @@ from ..net.errors import Refused
 from ..net.p2p_host import is_p2p_address
 from ..net.tls import is_loopback
 from ..pipeline.checkpoint import EXTRA_LIMIT_PER_DIM, CheckpointTooLarge, ChunkWriter, check_fits, optimized, read_chunks
-from ..pipeline.checkpoint import stage_shapes
+from ..pipeline.checkpoint import has_outer, stage_shapes
 from ..pipeline.checkpoint_errors import BadMetadata, CheckpointError, ForeignCheckpoint
 from ..pipeline.checkpoint_meta import CheckpointMeta, MetaForm
 from ..proto import tahnode_pb2 as pb
@@ -44,7 +44,7 @@ class StageForm:
         self.dim, self.shapes = run.model.dim, []
         with torch.device("meta"):  # shapes only, nothing allocated
             for stage in range(run.stages):
-                self.shapes.append(stage_shapes(StageModel(run.model, stage, run.stages)))
+                self.shapes.append(stage_shapes(StageModel(run.model, stage, run.stages), outer=has_outer(run)))
 
     def limit(self, stage: int) -> int:
         elements = sum(math.prod(s) for s in self.shapes[stage].values()) + EXTRA_LIMIT_PER_DIM * self.dim

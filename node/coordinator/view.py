@@ -14,6 +14,8 @@ from .state import NodeRecord, NodeStatus
 
 __all__ = ["swarm_state", "ledger_json", "all_links"]
 
+OUTER_KEYS = 16  # figures of a node's outer steps shown (a heartbeat's map is the node's to fill)
+
 
 def latest_on(r: SwarmRegistry, stage: int) -> NodeRecord | None:
     """The active holder of a stage, else the node that held it last (for finished runs)."""
@@ -121,7 +123,8 @@ def swarm_state(r: SwarmRegistry, placement: Placement, p2p_maddrs: list[str] = 
         "nodes": [
             {"id": n.node_id, "stage": n.stage, "pipeline": n.pipeline if n.status is NodeStatus.ACTIVE else None,
              "address": n.address, "status": n.status.value, "device": n.device, "finished": n.stats.finished,
-             "codec_seconds": n.stats.codec_seconds, "step_seconds": n.stats.step_seconds}
+             "codec_seconds": n.stats.codec_seconds, "step_seconds": n.stats.step_seconds,
+             "outer": {k: n.stats.outer[k] for k in sorted(n.stats.outer)[:OUTER_KEYS]}}
             for n in sorted(r.nodes.values(), key=lambda n: (n.stage if n.stage >= 0 else 1 << 30, n.pipeline, n.node_id))
         ],
         "pipelines": pipelines(r, placement),

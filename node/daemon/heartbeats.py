@@ -35,6 +35,7 @@ class Heartbeats:
     def __init__(self, coord: CoordinatorClient, join: pb.JoinRequest, transport: Transport, period: float = 1.0):
         self.coord, self.join, self.t, self.period = coord, join, transport, period
         self.layer_ms = 0.0
+        self.averager = ""  # where its stage's averager is reached (pipelines in data parallel)
         self.worker: StageWorker | None = None
         self.assignment: pb.Assignment | None = None
         self.run_finished = False
@@ -52,7 +53,7 @@ class Heartbeats:
         self.layer_ms = layer_ms
 
     async def report(self) -> pb.HeartbeatReply:
-        req = pb.HeartbeatRequest(node_id=self.join.node_id, layer_ms=self.layer_ms)
+        req = pb.HeartbeatRequest(node_id=self.join.node_id, layer_ms=self.layer_ms, averager=self.averager)
         for reason, count in self.coord.sealer.guard.refused.items():
             req.stats.refused[reason.value] = count
         sent = 0
@@ -60,6 +61,7 @@ class Heartbeats:
             req.stats.MergeFrom(self.worker.stats.report(self.worker.committed, self.worker.codecs.cache_bytes()))
             if self.worker.outer is not None:
                 req.stats.outer.update(self.worker.outer.report())
+                req.stats.outer_offences.update(self.worker.outer.stats.refused)
             req.stats.peak_rss_bytes = peak_rss_bytes()
             sent = len(req.stats.losses)
             counters = (self.t.counters(FORWARD), self.t.counters(BACKWARD))

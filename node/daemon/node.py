@@ -40,7 +40,8 @@ from .device import device_label, device_memory, measure_layer_ms, resolve_devic
 from .follower import AssignmentFollower
 from .heartbeats import Heartbeats
 from .membership import CoordinatorClient
-from .p2p import averaging_host, find_coordinator, needs_p2p, node_entries, start_host
+from .averaging import StageAveraging
+from .p2p import find_coordinator, needs_p2p, node_entries, start_host
 from .progress import Progress
 
 log = logging.getLogger("tahnode.daemon")
@@ -48,7 +49,6 @@ log = logging.getLogger("tahnode.daemon")
 __all__ = ["StageNode", "run_node"]
 
 RUN_FINISHED_WAIT_S = 5.0  # after its last step, how long a node waits for the coordinator to see the run end
-AVERAGER_START_S = 60.0    # how long a stage waits for its averager (DHT, p2p daemon) before it trains anyway
 
 
 def state_dir(cfg: NodeConfig, node_id: str) -> Path:
@@ -95,8 +95,7 @@ class StageNode:
         self.worker: StageWorker | None = None
         self.assignment = pb.Assignment()
         self.run_cfg: RunConfig | None = None
-        self.averaging: asyncio.Task | None = None  # starting this stage's averager (pipelines in data parallel)
-        self.averager = None
+        self.averaging: StageAveraging | None = None  # the stage's averager (pipelines in data parallel)
 
     @classmethod
     async def create(cls, cfg: NodeConfig, stop: asyncio.Event) -> StageNode:
@@ -229,10 +228,11 @@ class StageNode:
         """Train the assigned stage: 0 when the run ended or `stop` was set, None if the stage was
         lost (the worker is stopped and saved, and the node stands by)."""
         self.worker = worker = await self._build_worker()
-        follower = AssignmentFollower(self.t, worker.stage, self.beats, worker.pipeline, self._pipelines_changed)
+        self.averaging = StageAveraging(self.cfg, state_dir(self.cfg, self.node_id), self.coord.sealer.run, worker, self.beats,
+                                        self.node_id)
+        follower = AssignmentFollower(self.t, worker.stage, self.beats, worker.pipeline, self.averaging.follow)
         follower.start(self.assignment)
-        if self.averaging is not None:  # other pipelines train: their outer weights are where this stage starts from
-            await self._until_stop(asyncio.wait({asyncio.shield(self.averaging)}, timeout=AVERAGER_START_S))
+        await self._until_stop(self.averaging.started())  # other pipelines train: their outer weights are where it starts
         self.beats.attach(worker)
         run_task = asyncio.ensure_future(worker.run(self.run_cfg.train.steps))
         try:
@@ -254,36 +254,6 @@ class StageNode:
         await worker.compute(worker.save)
         print(f"{self.node_id}: run finished at step {worker.committed}", flush=True)
         return 0
-
-    def _pipelines_changed(self, a: pb.Assignment) -> None:
-        """How many pipelines train (whom the stage averages with); with two or more, the stage's
-        averager starts (once)."""
-        outer = self.worker.outer if self.worker is not None else None
-        if outer is None:
-            return
-        outer.expected = a.pipelines
-        if a.pipelines > 1 and a.dht_peers and self.averaging is None:
-            self.averaging = asyncio.ensure_future(self._start_averaging(list(a.dht_peers)))
-
-    async def _start_averaging(self, dht_peers: list[str]) -> None:
-        """Join the DHT and start the averager of this stage's replicas (hivemind's, imported here only)."""
-        from ..net.averaging import StageAverager
-
-        worker, swarm = self.worker, self.run_cfg.swarm
-        try:
-            host = await averaging_host(self.cfg, state_dir(self.cfg, self.node_id), dht_peers)
-            averager = StageAverager(host.dht, f"tahnode{self.coord.sealer.run}s{worker.stage}", worker.outer.outer.numel,
-                                     swarm.outer_bits, swarm.outer_norm_ratio, state=worker.outer.state)
-            averager.start()
-        except Exception as exc:  # the pipeline trains on alone: its outer steps keep its weights
-            log.error("%s: the averager of stage %d did not start (%s); the stage trains without averaging", self.node_id,
-                      worker.stage, exc)
-            return
-        self.averager = averager
-        if self.worker is worker:
-            worker.outer.averager = averager
-            print(f"{self.node_id}: stage {worker.stage} averages with its replicas in the other pipelines (every "
-                  f"{swarm.outer_every} steps, {swarm.outer_bits}-bit pseudo-gradients)", flush=True)
 
     async def _release_stage(self, assignment: pb.Assignment) -> None:
         """After losing the stage: no links, no stage stats, the coordinator's latest word."""
@@ -311,12 +281,8 @@ class StageNode:
 
     async def _stop_averaging(self) -> None:
         if self.averaging is not None:
-            self.averaging.cancel()
-            await asyncio.gather(self.averaging, return_exceptions=True)
+            await self.averaging.stop()
             self.averaging = None
-        if self.averager is not None:
-            await asyncio.to_thread(self.averager.shutdown)
-            self.averager = None
 
     async def _close(self) -> None:
         self.closing.set()

@@ -12,7 +12,7 @@ from pathlib import Path
 from ..config import DEFAULT_COORDINATOR, NodeConfig, TransportKind
 from ..net.auth import SwarmKey
 from ..net.discovery import NODE_KIND, SwarmDirectory
-from ..net.p2p_host import IDENTITY_FILE, P2PAddress, P2PHost, is_p2p_address
+from ..net.p2p_host import DHT_JOIN_TIMEOUT_S, IDENTITY_FILE, P2PAddress, P2PHost, is_p2p_address
 from ..net.transport import FORWARD, Transport
 
 log = logging.getLogger("tahnode.daemon")
@@ -49,7 +49,7 @@ async def averaging_host(cfg: NodeConfig, folder: Path, dht_peers: list[str]) ->
     host = P2PHost._current
     if host is None:
         settings = dataclasses.replace(cfg.p2p, initial_peers=list(dht_peers))
-        return await P2PHost.start(settings, identity=folder / IDENTITY_FILE, dht=True)
+        return await P2PHost.start(settings, identity=folder / IDENTITY_FILE, dht=True, dht_timeout=DHT_JOIN_TIMEOUT_S)
     await host.start_dht(list(dht_peers))
     return host
 

@@ -81,6 +81,11 @@ class StageAverager:
         require_hivemind()
         from . import averaging_parts as parts
 
+        # hivemind shares tensors through files and torch's shm manager ("file_system"), whose manager
+        # process did not answer in time on a loaded machine (a node's averager failed to start so); the
+        # averaged vector is shared with hivemind's process by fork, and what comes back by descriptor
+        torch.multiprocessing.set_sharing_strategy("file_descriptor")
+
         self.prefix, self.size, self._state, self._started = prefix, size, state, False
         kind = self.averager_class or parts.CheckedAverager
         self._averager = kind(torch.zeros(size, dtype=torch.float32), dht, prefix=prefix,

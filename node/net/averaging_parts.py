@@ -20,65 +20,19 @@ from hivemind.averaging.allreduce import AllreduceException, AllReduceRunner, Av
 from hivemind.averaging.matchmaking import Matchmaking
 from hivemind.averaging.partition import (DEFAULT_PART_SIZE_BYTES, BannedException, TensorPartContainer,
                                           TensorPartReducer)
-from hivemind.compression import (CompressionBase, CompressionInfo, Float16Compression, NoCompression,
-                                  deserialize_torch_tensor)
-from hivemind.compression.serialization import _BASE_COMPRESSION_TYPES
+from hivemind.compression import CompressionBase, CompressionInfo
 from hivemind.p2p import P2PContext
 from hivemind.proto import averaging_pb2, runtime_pb2
 from hivemind.utils import MPFuture
 from hivemind.utils.asyncio import amap_in_executor, as_aiter, azip, enter_asynchronously
 from hivemind.utils.timed_storage import get_dht_time
 
-from ..codecs import blockwise
 from ..train.group_mean import accepted, admitted
 from .averaging import (ALLREDUCE_TIMEOUT_S, CHUNK_TIMEOUT_S, CONTROL_TIMEOUT_S, GRACE_S, MIN_MATCHMAKING_S,
                         REQUEST_TIMEOUT_S, STATE_KEY, Ledger, usable)
+from .averaging_codec import compression_for, decoded  # noqa: F401  (compression_for: StageAverager's)
 
 log = logging.getLogger("tahnode.averaging")
-
-
-class BlockwiseCompression(CompressionBase):
-    """tahnode.codecs.blockwise as a hivemind codec: 4 or 8 bits, a bf16 scale per 64 values. Whatever
-    does not decode to exactly the float32 tensor its message describes is refused (BlockwiseError)."""
-
-    compression_type = runtime_pb2.CompressionType.BLOCKWISE_8BIT
-
-    def __init__(self, bits: int):
-        self.bits = bits
-
-    def compress(self, tensor: torch.Tensor, info: CompressionInfo, allow_inplace: bool = False) -> runtime_pb2.Tensor:
-        return runtime_pb2.Tensor(compression=self.compression_type, buffer=blockwise.quantize(tensor, self.bits),
-                                  size=tensor.shape, dtype="float32", requires_grad=False)
-
-    def extract(self, serialized_tensor: runtime_pb2.Tensor) -> torch.Tensor:
-        shape = tuple(serialized_tensor.size)
-        if serialized_tensor.dtype != "float32" or any(dim < 0 for dim in shape):
-            raise blockwise.BlockwiseError(f"a blockwise part must be float32 of a valid shape, not {shape}")
-        return blockwise.dequantize(serialized_tensor.buffer, math.prod(shape)).reshape(shape)
-
-    def estimate_compression_ratio(self, info: CompressionInfo) -> float:
-        return self.bits / 32
-
-
-# hivemind decodes a part by its message's compression enum, through this table. tahnode registers its
-# blockwise codec under BLOCKWISE_8BIT (hivemind's own needs bitsandbytes, absent here) before the
-# averager forks; the bit width travels in the encoding's header, so one entry decodes 4 and 8 bits.
-_BASE_COMPRESSION_TYPES["BLOCKWISE_8BIT"] = BlockwiseCompression(8)
-
-
-def compression_for(bits: int) -> CompressionBase:
-    """The hivemind codec of `bits` (4, 8: blockwise; 16: float16; 32: none)."""
-    if bits in blockwise.BLOCKWISE_BITS:
-        return BlockwiseCompression(bits)
-    return Float16Compression() if bits == 16 else NoCompression()
-
-
-def decoded(serialized: runtime_pb2.Tensor) -> torch.Tensor | None:
-    """The tensor a peer's message holds, or None where it does not decode."""
-    try:
-        return deserialize_torch_tensor(serialized).detach()
-    except Exception:  # untrusted bytes: each of hivemind's codecs fails its own way (ValueError, TypeError, KeyError)
-        return None
 
 
 class CheckedReducer(TensorPartReducer):
@@ -131,8 +85,9 @@ class CheckedReducer(TensorPartReducer):
 
 
 class CheckedContainer(TensorPartContainer):
-    """hivemind's part container, but a returned average that would make a part non-finite, of another
-    shape, or too large (accepted()) is refused: the part stays as it was."""
+    """hivemind's part container, but what comes back for a part is its group's average (the same bytes
+    for every replica, so that they stay equal), and an average that is non-finite, of another shape,
+    or too large (accepted()) is refused: the part stays as it was."""
 
     def __init__(self, *args, ratio: float, refuse, **kwargs):
         self.ratio, self.refuse = ratio, refuse
@@ -140,11 +95,11 @@ class CheckedContainer(TensorPartContainer):
 
     def register_processed_part(self, peer_index: int, part_index: int, part: torch.Tensor):
         own = self._input_parts_by_peer[peer_index][part_index][0]
-        delta = usable(part, own.shape)
-        if delta is None or not accepted(own, own + delta, self.ratio):
+        mean = usable(part, own.shape)
+        if mean is None or not accepted(own, mean, self.ratio):
             self.refuse(peer_index)
-            delta = torch.zeros_like(own)
-        super().register_processed_part(peer_index, part_index, delta)
+            mean = own
+        super().register_processed_part(peer_index, part_index, mean - own)
 
 
 class _CountingStub:
@@ -182,6 +137,7 @@ class CheckedRunner(AllReduceRunner):
         self.served = asyncio.Event()  # every other sender's stream to this reducer ended
         if self.streams_left <= 0:
             self.served.set()
+        self.means: dict[int, runtime_pb2.Tensor] = {}  # part index -> its average as every replica receives it
 
     def _refuse(self, peer) -> None:
         if peer != self.peer_id:
@@ -189,6 +145,17 @@ class CheckedRunner(AllReduceRunner):
 
     def _get_peer_stub(self, peer):
         return _CountingStub(super()._get_peer_stub(peer), self.ledger)
+
+    async def _communicate_with_peer(self, peer_id):
+        """As hivemind's, but the parts this replica reduces itself come back as the others get them:
+        the average, through the codec."""
+        if peer_id != self.peer_id:
+            return await super()._communicate_with_peer(peer_id)
+        peer_index, sender_index = self.ordered_peer_ids.index(peer_id), self.sender_peer_ids.index(peer_id)
+        for part_index, part in enumerate(self.parts_for_local_averaging):
+            mean = await self.tensor_part_reducer.accumulate_part(sender_index, part_index, part, weight=self.weight)
+            coded = decoded(self._mean_message(part_index, mean)) if mean is not None else None
+            self.tensor_part_container.register_processed_part(peer_index, part_index, coded)
 
     async def _generate_input_for_peer(self, peer_index: int) -> AsyncIterator[averaging_pb2.AveragingData]:
         async for message in super()._generate_input_for_peer(peer_index):
@@ -211,8 +178,8 @@ class CheckedRunner(AllReduceRunner):
                     self.served.set()
 
     async def _accumulate_parts_streaming(self, stream: AsyncIterator[averaging_pb2.AveragingData], sender_index: int):
-        """A sender's parts, each answered with (average - part) in this replica's codec; a part that was
-        refused as malformed is answered with zeros (the sender keeps its own)."""
+        """A sender's parts, each answered with the average in this replica's codec (encoded once: the
+        same bytes for every sender); with nothing admitted, an error (the sender keeps its own part)."""
         loop, part_index = asyncio.get_running_loop(), 0
         prefetch = self.tensor_part_container.prefetch
         try:
@@ -221,11 +188,11 @@ class CheckedRunner(AllReduceRunner):
                     mean = await self.tensor_part_reducer.accumulate_part(sender_index, part_index, part)
                 except BannedException:
                     break
-                shape = self.tensor_part_reducer.part_shapes[part_index]
+                if mean is None:
+                    yield averaging_pb2.AveragingData(code=averaging_pb2.INTERNAL_ERROR)
+                    break
+                serialized = await loop.run_in_executor(None, self._mean_message, part_index, mean)
                 part_index += 1
-                kept = usable(part, shape)
-                delta = mean - kept if mean is not None and kept is not None else torch.zeros(shape)
-                serialized = await loop.run_in_executor(None, self._encode, delta)
                 message = averaging_pb2.AveragingData(code=averaging_pb2.AVERAGED_PART, tensor_part=serialized)
                 self.ledger.sent += message.ByteSize()
                 yield message
@@ -233,12 +200,12 @@ class CheckedRunner(AllReduceRunner):
             if part_index != self.tensor_part_reducer.num_parts:
                 await self._ban_sender(self.sender_peer_ids[sender_index])
 
-    def _encode(self, delta: torch.Tensor) -> runtime_pb2.Tensor:
-        compression = self.tensor_part_container.compression
-        try:
-            return compression.compress(delta, CompressionInfo.from_tensor(delta))
-        except blockwise.BlockwiseError:  # a delta the codec cannot carry: the sender keeps its part
-            return compression.compress(torch.zeros_like(delta), CompressionInfo.from_tensor(delta))
+    def _mean_message(self, part_index: int, mean: torch.Tensor) -> runtime_pb2.Tensor:
+        """Part `part_index`'s average in this replica's codec, made once (admitted parts are finite,
+        and so is their mean)."""
+        if part_index not in self.means:
+            self.means[part_index] = self.tensor_part_container.compression.compress(mean, CompressionInfo.from_tensor(mean))
+        return self.means[part_index]
 
 
 class MemberMatchmaking(Matchmaking):

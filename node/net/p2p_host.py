@@ -33,6 +33,7 @@ CONNECT_TIMEOUT_S = 20.0    # how long a dial may take
 DIRECT_TRY_S = 3.0          # how long to try a peer that names relays directly before going through one
 DIRECT_RETRY_S = 60.0       # after such a try failed, go through its relays at once for this long
 STARTUP_TIMEOUT_S = 15.0
+DHT_JOIN_TIMEOUT_S = 60.0   # a DHT joined mid-run, by a busy process (a training stage): its start may take longer
 
 
 def require_hivemind():
@@ -150,7 +151,7 @@ class P2PHost:
 
     @classmethod
     async def start(cls, settings: P2PSettings, identity: Path | None = None, dht: bool = True,
-                    dht_client: bool = False) -> "P2PHost":
+                    dht_client: bool = False, dht_timeout: float = STARTUP_TIMEOUT_S) -> "P2PHost":
         """Start the daemon (and the DHT unless `dht` is False; `dht_client`: it stores nothing for
         others) and make it this process's host. P2PStartFailed within seconds if it cannot."""
         P2P = require_hivemind()
@@ -179,7 +180,7 @@ class P2PHost:
 
                 await serve_relay(host, cls.swarm_key)
             if dht:
-                await host._start_dht(dht_client)
+                await host._start_dht(dht_client, dht_timeout)
         except BaseException:
             await host.close()
             raise
@@ -191,9 +192,9 @@ class P2PHost:
         only after joining that it needs one: to average with its stage's replicas)."""
         if self.dht is None:
             self.settings.initial_peers = list(initial_peers)
-            await self._start_dht(client_mode=False)
+            await self._start_dht(client_mode=False, timeout=DHT_JOIN_TIMEOUT_S)
 
-    async def _start_dht(self, client_mode: bool) -> None:
+    async def _start_dht(self, client_mode: bool, timeout: float = STARTUP_TIMEOUT_S) -> None:
         from hivemind.dht import DHT
 
         def start():  # forks the DHT's process; it shares this daemon
@@ -203,7 +204,7 @@ class P2PHost:
         self.dht = await asyncio.to_thread(start)
         self.reaper.watch(self.dht.pid)
         try:
-            await asyncio.to_thread(self.dht.wait_until_ready, STARTUP_TIMEOUT_S)
+            await asyncio.to_thread(self.dht.wait_until_ready, timeout)
         except Exception as exc:
             raise P2PStartFailed(f"the DHT did not start (no initial peer answered?): {exc}") from None
 

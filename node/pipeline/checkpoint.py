@@ -33,7 +33,7 @@ DIGEST_KEY = "sha256"  # metadata key of the checksum
 CORRUPT_SUFFIX = ".corrupt"  # a corrupt file is renamed to this, so that nothing lists it again
 EXTRA_LIMIT_PER_DIM = 64  # codec state in a checkpoint: at most this many elements per model channel (AMAQ keeps one)
 
-__all__ = ["BadMetadata", "CheckpointError", "CheckpointTooLarge", "CorruptCheckpoint", "ForeignCheckpoint", "Checkpoint",
+__all__ = ["has_outer", "BadMetadata", "CheckpointError", "CheckpointTooLarge", "CorruptCheckpoint", "ForeignCheckpoint", "Checkpoint",
            "CheckpointStore", "ChunkWriter", "StageSaver", "check_fits", "digest", "load", "optimized", "read_chunks", "read_verified",
            "stage_shapes"]
 
@@ -95,14 +95,18 @@ def read_chunks(path: str | Path, size: int = CHUNK_BYTES) -> Iterator[tuple[byt
                 return
 
 
-def stage_shapes(model: torch.nn.Module) -> dict[str, tuple[int, ...]]:
+def stage_shapes(model: torch.nn.Module, outer: bool = False) -> dict[str, tuple[int, ...]]:
     """The name and shape of every tensor a checkpoint of `model`'s stage holds (weights once, the
-    AdamW moments of each trainable parameter); `extra/...` (codec state) is not listed."""
+    AdamW moments of each trainable parameter; with `outer`, pipelines in data parallel, the outer
+    weights and momentum, flat); `extra/...` (codec state) is not listed."""
     aliases = tied_aliases(model)
     shapes = {f"model/{k}": tuple(v.shape) for k, v in model.state_dict().items() if k not in aliases}
     for name, p in model.named_parameters():
         if p.requires_grad:
             shapes[f"optim/{name}/exp_avg"] = shapes[f"optim/{name}/exp_avg_sq"] = tuple(p.shape)
+    if outer:
+        numel = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        shapes["outer/anchor"] = shapes["outer/momentum"] = (numel,)
     return shapes
 
 
@@ -225,10 +229,13 @@ class CheckpointStore:
         return found[-1] if found else None
 
     def save(self, stage: int, num_stages: int, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-             run_json: str, extra: dict[str, torch.Tensor] | None = None, unreported: list | None = None) -> Path:
+             run_json: str, extra: dict[str, torch.Tensor] | None = None, unreported: list | None = None,
+             outer: dict[str, torch.Tensor] | None = None, pipeline: int = 0) -> Path:
         """Write durably (temp file, fsync, rename) with its SHA-256, and prune old files.
         `unreported`: the last stage's committed steps the coordinator has not heard of yet, as
-        [step, loss, sample ids, seconds] (kept in the metadata, so a kill -9 loses none)."""
+        [step, loss, sample ids, seconds] (kept in the metadata, so a kill -9 loses none); `outer`:
+        the outer weights and momentum, and `pipeline` the pipeline whose stage this is (pipelines in
+        data parallel)."""
         self.dir.mkdir(parents=True, exist_ok=True)
         aliases = tied_aliases(model)
         tensors = {f"model/{k}": v.detach().contiguous().cpu() for k, v in model.state_dict().items() if k not in aliases}
@@ -245,9 +252,13 @@ class CheckpointStore:
                     opt_steps[name] = float(state["step"])
         for k, v in (extra or {}).items():
             tensors[f"extra/{k}"] = v.detach().contiguous().cpu()
+        for k, v in (outer or {}).items():
+            tensors[f"outer/{k}"] = v.detach().contiguous().cpu()
         meta = {"step": str(step), "stage": str(stage), "num_stages": str(num_stages), "run": run_json, "optim_steps": json.dumps(opt_steps)}
         if unreported:
             meta["unreported"] = json.dumps(unreported)
+        if pipeline:
+            meta["pipeline"] = str(pipeline)
         meta[DIGEST_KEY] = digest(tensors, meta)
         path = self.path(stage, num_stages, step)
         tmp = path.with_suffix(".tmp")
@@ -280,13 +291,14 @@ def optimized(tensors: dict[str, torch.Tensor]) -> set[str]:
 def load(ckpt: Checkpoint, model: torch.nn.Module, optimizer: torch.optim.Optimizer, run: RunConfig,
          codec_state: dict[str, torch.Tensor] | None = None) -> tuple[dict[str, torch.Tensor], CheckpointMeta]:
     """Restore weights and optimizer state in place; returns the extra tensors (codec state, those of
-    `codec_state` of its shapes) and the metadata's record. Nothing changes when it raises:
+    `codec_state` of its shapes; the outer weights and momentum as `outer/...`, for a run of
+    pipelines in data parallel) and the metadata's record. Nothing changes when it raises:
     CorruptCheckpoint for a damaged file or one that does not fit (BadMetadata: its metadata),
     ForeignCheckpoint for a checkpoint of another run configuration (model, stages)."""
     tensors, raw = read_verified(ckpt.path)
     meta = CheckpointMeta.parse(raw, MetaForm(ckpt.stage, ckpt.num_stages, ckpt.step, run, f"checkpoint {ckpt.path}"),
                                 optimized(tensors))
-    shapes = {**stage_shapes(model), **{f"extra/{k}": tuple(v.shape) for k, v in (codec_state or {}).items()}}
+    shapes = {**stage_shapes(model, outer=has_outer(run)), **{f"extra/{k}": tuple(v.shape) for k, v in (codec_state or {}).items()}}
     check_fits(tensors, shapes, f"checkpoint {ckpt.path}", extra_limit=EXTRA_LIMIT_PER_DIM * model.cfg.dim)
     state = {k[len("model/"):]: v for k, v in tensors.items() if k.startswith("model/")}
     for alias, name in tied_aliases(model).items():  # a tied head is stored once, as the embedding
@@ -304,7 +316,13 @@ def load(ckpt: Checkpoint, model: torch.nn.Module, optimizer: torch.optim.Optimi
                 "exp_avg": tensors[f"optim/{name}/exp_avg"].to(device),
                 "exp_avg_sq": tensors[f"optim/{name}/exp_avg_sq"].to(device),
             }
-    return {k[len("extra/"):]: v for k, v in tensors.items() if k.startswith("extra/")}, meta
+    extra = {k[len("extra/"):]: v for k, v in tensors.items() if k.startswith("extra/")}
+    return {**extra, **{k: v for k, v in tensors.items() if k.startswith("outer/")}}, meta
+
+
+def has_outer(run: RunConfig) -> bool:
+    """Whether a run's checkpoints hold the outer weights: one that may train several pipelines."""
+    return run.swarm.auto or run.swarm.pipelines > 1
 
 
 class StageSaver:
@@ -318,6 +336,8 @@ class StageSaver:
         self.fetch = None  # async fetch(step) -> bool: the daemon downloads a checkpoint of the stage from the coordinator
         self.saved_step = -1
         self.unreported: list[StepRecord] = []  # what the checkpoint restored last held of steps not reported yet
+        self.outer = None  # pipelines in data parallel: the OuterSync whose outer weights checkpoints keep
+        self.pipeline = 0  # and the pipeline of the stage (the store's copy may be another pipeline's)
 
     async def ensure(self, step: int) -> bool:
         """A checkpoint of `step` is here (step 0 needs none: the initial weights), fetched with
@@ -331,8 +351,9 @@ class StageSaver:
         if self.store is None or step == 0 or step == self.saved_step:
             return
         self.saved_step = step
+        outer = self.outer.checkpoint_tensors() if self.outer is not None else None
         path = self.store.save(self.stage, self.num_stages, step, model, optimizer, self.run_json, codecs.tensors() or None,
-                               unreported)
+                               unreported, outer, self.pipeline)
         log.info("stage %d saved step %d to %s", self.stage, step, path)
         if self.on_saved:
             self.on_saved(str(path), step)
@@ -362,7 +383,9 @@ class StageSaver:
 
     def _restore(self, ckpt: Checkpoint, model, optimizer, codecs) -> int:
         extra, meta = load(ckpt, model, optimizer, self.run, codecs.tensors())
-        codecs.load(extra, ckpt.step)
-        self.unreported = list(meta.unreported)
+        codecs.load({k: v for k, v in extra.items() if not k.startswith("outer/")}, ckpt.step)
+        if self.outer is not None:
+            self.outer.restore({k[len("outer/"):]: v for k, v in extra.items() if k.startswith("outer/")}, ckpt.step)
+        self.unreported = list(meta.unreported) if meta.pipeline == self.pipeline else []  # another pipeline's steps: not ours
         log.info("stage %d loaded %s (step %d)", self.stage, ckpt.path, ckpt.step)
         return ckpt.step

@@ -53,6 +53,7 @@ class CheckpointMeta:
     run: str                             # the run configuration's JSON, of the same run
     optim_steps: dict[str, int]          # AdamW's step count of each parameter, at most `step`
     unreported: tuple[StepRecord, ...]   # steps step - n .. step - 1, the loss stage's only
+    pipeline: int = 0                    # whose ledger the unreported steps are (pipelines in data parallel)
 
     @classmethod
     def parse(cls, meta: Mapping[str, str], form: MetaForm, optimized: Collection[str]) -> "CheckpointMeta":
@@ -68,8 +69,12 @@ class CheckpointMeta:
         if not isinstance(run, str) or len(run) > MAX_RUN_CHARS or not isinstance(saved := _json(run, what, "run"), dict):
             raise BadMetadata(f"{what}: its run configuration is not a JSON object of at most {MAX_RUN_CHARS} characters")
         same_run(saved, json.loads(form.run.to_json()), what)
+        pipeline = meta.get("pipeline", "0")
+        if not isinstance(pipeline, str) or not NUMBER.fullmatch(pipeline) or int(pipeline) >= form.run.swarm.data_slots:
+            raise BadMetadata(f"{what}: its pipeline {str(pipeline)[:20]!r} is not one of the run's "
+                              f"0..{form.run.swarm.data_slots - 1}")
         return cls(form.step, form.stage, form.num_stages, run, _optim_steps(meta, form.step, optimized, what),
-                   _unreported(meta, form, what))
+                   _unreported(meta, form, what), int(pipeline))
 
 
 def same_run(saved: dict, ours: dict, what: str) -> None:

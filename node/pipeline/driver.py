@@ -195,7 +195,9 @@ class StepDriver:
         # a fresh attempt number per incarnation of stage 0: leftovers of a previous one never match
         attempt = random.randrange(1, 1 << 30)
         outer = w.outer
-        await self._sync(attempt, regroup=outer is not None and outer.active)  # other pipelines train: join them
+        if outer is not None and outer.expected > 1:  # other pipelines train: start from their latest outer step
+            await outer.wait_ready()
+        await self._sync(attempt, regroup=outer is not None and outer.active)
         replayed = False  # a replayed step's time says nothing about its cut
         while st.committed < steps and not w.stopping:
             if w.num_stages == 1:

@@ -5,6 +5,7 @@ stage is new), the return to its stage's latest outer step: a newer one of anoth
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
 from dataclasses import dataclass, field
@@ -59,6 +60,9 @@ class OuterSync:
         self.w, self.swarm = worker, worker.run_cfg.swarm
         self.outer = OuterOptimizer(worker.model.parameters(), self.swarm)
         self.averager = averager
+        self.ready = asyncio.Event()  # set once it has an averager (the daemon starts one when pipelines train)
+        if averager is not None:
+            self.ready.set()
         self.expected = 1
         self.anchor_step = worker.committed  # the step the outer weights are of
         self.needs_regroup = False           # the last boundary found no group while pipelines train
@@ -68,6 +72,19 @@ class OuterSync:
     @property
     def active(self) -> bool:
         return self.averager is not None and self.expected > 1
+
+    def use(self, averager: Averager) -> None:
+        """The averager the daemon started for this stage (once pipelines train in data parallel)."""
+        self.averager = averager
+        self.ready.set()
+
+    async def wait_ready(self) -> None:
+        """With pipelines training, wait (up to outer_timeout_s) for the averager the daemon starts."""
+        if self.expected > 1 and self.averager is None:
+            try:
+                await asyncio.wait_for(self.ready.wait(), self.swarm.outer_timeout_s)
+            except asyncio.TimeoutError:
+                log.warning("stage %d: its averager did not start within %.0f s", self.w.stage, self.swarm.outer_timeout_s)
 
     def due(self, committed: int) -> bool:
         """Whether the replicas average after `committed` steps (every outer_every, and the run's last)."""
@@ -79,6 +96,7 @@ class OuterSync:
         committed = self.w.committed
         if not self.due(committed):
             return
+        await self.wait_ready()  # its averager may be starting: the other replicas wait for it
         if not self.active:
             await self.w.compute(self._take, committed, None)
             return
@@ -114,6 +132,23 @@ class OuterSync:
             else:
                 self.outer.step(mean)
             self.anchor_step = committed
+
+    # -- checkpoints --------------------------------------------------------------------------------
+    def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
+        """The outer weights and momentum a checkpoint keeps."""
+        with self._lock:
+            return {k: t.clone() for k, t in self.outer.tensors().items()}
+
+    def restore(self, tensors: dict[str, torch.Tensor], step: int) -> None:
+        """(compute thread) From a checkpoint of `step`: its outer weights (none: the weights as they
+        are), of the last outer boundary at or before `step`."""
+        with self._lock:
+            if "anchor" in tensors:
+                self.outer.load(tensors)
+            else:
+                self.outer.reset()
+            every = self.swarm.outer_every
+            self.anchor_step = step if self.due(step) else step // every * every
 
     # -- newcomers and late pipelines ------------------------------------------------------------
     def state(self) -> tuple[dict, list[torch.Tensor]]:

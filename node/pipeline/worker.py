@@ -23,7 +23,7 @@ from ..train.data import TokenDataset
 from ..train.model import COMPUTE_DTYPES, StageModel, build_stage
 from ..train.optim import StageOptimizer, grad_sumsq
 from .admission import Admission, BadMicroBatch
-from .checkpoint import CheckpointStore, StageSaver
+from .checkpoint import CheckpointStore, StageSaver, has_outer
 from .checkpoint_meta import kept_unreported
 from .driver import StepDriver
 from .inbox import Inbox
@@ -64,7 +64,8 @@ class StageWorker:
         self.resync = Resync(self)
         self.inbox = Inbox(self)
         # pipelines in data parallel (a run that may have more than one): the replicas' outer steps
-        self.outer = OuterSync(self, averager) if run.swarm.auto or run.swarm.pipelines > 1 else None
+        self.outer = OuterSync(self, averager) if has_outer(run) else None
+        self.saver.outer, self.saver.pipeline = self.outer, pipeline  # its checkpoints keep the outer weights
         self.ending = Stopping()
         self.t.on_link_down(self._link_down)
 

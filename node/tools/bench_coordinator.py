@@ -31,7 +31,7 @@ from .swarm import free_port
 
 __all__ = ["CoordinatorRow", "Spread", "CoordinatorProcess", "BenchError", "main"]
 
-COLUMNS = ("nodes", "joins s", "placed", "placed s", "heartbeats", "heartbeat ms p50 / p99", "heartbeat errors",
+COLUMNS = ("nodes", "joins s", "placed", "placed s", "pipelines", "heartbeats", "heartbeat ms p50 / p99", "heartbeat errors",
            "coordinator CPU %", "RSS MB (peak)", "probes", "probe GB", "probes per node at once", "probes at once",
            "state ms p50 / p99", "state KB", "metrics ms p50 / p99", "metrics KB", "SIGTERM exit s", "sim CPU %")
 PLACED = ("active", "standby")
@@ -68,6 +68,7 @@ class CoordinatorRow:
     join_s: float = 0.0
     placed: int = 0                 # volunteers active or standby when placement ended (or timed out)
     placed_s: float | None = None   # from the last join until all were placed; None: not within the timeout
+    pipelines: int = 0              # complete pipelines when placement ended
     window_s: float = 0.0
     heartbeats: int = 0             # answered within the window
     heartbeat_ms: Spread = field(default_factory=Spread)
@@ -147,31 +148,39 @@ def say(text: str) -> None:
     print(f"tahnode bench coordinator: {text}", file=sys.stderr, flush=True)
 
 
-def placed_count(url: str, ids: set[str]) -> int | None:
-    """How many of `ids` /api/v1/state shows active or standby (None: no answer)."""
+def placed_count(url: str, ids: set[str]) -> tuple[int, int] | None:
+    """How many of `ids` /api/v1/state shows active or standby, and how many pipelines are complete
+    (None: no answer)."""
     got = fetch(url)
     try:
-        return None if got is None else sum(n.get("id") in ids and n.get("status") in PLACED for n in json.loads(got[1])["nodes"])
+        state = None if got is None else json.loads(got[1])
+        if state is None:
+            return None
+        placed = sum(n.get("id") in ids and n.get("status") in PLACED for n in state["nodes"])
+        return placed, sum(1 for p in state.get("pipelines", []) if p.get("complete"))
     except (ValueError, KeyError):
         return None
 
 
-async def wait_placed(coord: CoordinatorProcess, sims: SimVolunteers, timeout: float) -> tuple[int, float | None]:
-    """Poll /api/v1/state until every volunteer is active or standby: (how many are, seconds; None if not all in time)."""
+async def wait_placed(coord: CoordinatorProcess, sims: SimVolunteers, timeout: float, row: CoordinatorRow) -> None:
+    """Poll /api/v1/state until every volunteer is active or standby: how many are, in how many seconds
+    (None if not all in time) and in how many pipelines, into `row`."""
     ids, n = set(sims.volunteers), len(sims.volunteers)
     start, placed, shown = time.monotonic(), 0, 0.0
     while (elapsed := time.monotonic() - start) < timeout:
         coord.alive()
         now = await asyncio.to_thread(placed_count, f"{coord.http}/api/v1/state", ids)
-        placed = placed if now is None else now
+        if now is not None:
+            row.placed = placed = now[0]
+            row.pipelines = now[1]
         if placed == n:
-            return placed, time.monotonic() - start
+            row.placed_s = time.monotonic() - start
+            return
         if elapsed - shown >= 5:
             p = sims.probes
             say(f"N={n}: {placed}/{n} placed after {elapsed:.0f} s; {p.stats.probes} probes done, {p.in_flight} in flight")
             shown = elapsed
         await asyncio.sleep(POLL_S)
-    return placed, None
 
 
 def fmt(value: float | None, spec: str = ".1f") -> str:
@@ -179,7 +188,7 @@ def fmt(value: float | None, spec: str = ".1f") -> str:
 
 
 def cells(r: CoordinatorRow) -> list[str]:
-    return [str(r.nodes), fmt(r.join_s, ".2f"), f"{r.placed}/{r.nodes}", fmt(r.placed_s), str(r.heartbeats),
+    return [str(r.nodes), fmt(r.join_s, ".2f"), f"{r.placed}/{r.nodes}", fmt(r.placed_s), str(r.pipelines), str(r.heartbeats),
             str(r.heartbeat_ms), str(r.heartbeat_errors), f"{r.cpu_pct:.0f}", f"{r.rss_mb:.0f} ({r.peak_rss_mb:.0f})",
             str(r.probes), f"{r.probe_gb:.2f}", str(r.probes_per_node_max), str(r.probes_at_once_max), str(r.state_ms),
             f"{r.state_kb:,.0f}", str(r.metrics_ms), f"{r.metrics_kb:,.0f}", fmt(r.sigterm_exit_s, ".2f"), f"{r.sim_cpu_pct:.0f}"]
@@ -209,7 +218,7 @@ class Bench:
                 say(f"N={n}: {joins.joined}/{n} joined in {joins.seconds:.1f} s; refused: {joins.errors or 'none'}")
                 gc.freeze()  # the volunteers' keys and records live to the end: collections need not scan them
                 sims.start_heartbeats()
-                row.placed, row.placed_s = await wait_placed(coord, sims, self.args.place_timeout)
+                await wait_placed(coord, sims, self.args.place_timeout, row)
                 say(f"N={n}: " + (f"all placed {row.placed_s:.1f} s after the last join" if row.placed_s is not None else
                                   f"only {row.placed}/{n} placed within {self.args.place_timeout:g} s"))
                 await self.window(coord, sims)
@@ -263,6 +272,7 @@ class Bench:
 NOTES = {  # what the columns mean: the --help epilog and the sentence under the table
     "joins s": "seconds from the first join sent to the last one answered (50 in flight at a time)",
     "placed s": "seconds from the last join until every volunteer is active or standby in /api/v1/state",
+    "pipelines": "complete pipelines then (--pipelines auto: as many as the volunteers allow, up to --max-pipelines)",
     "heartbeat ms": "latency of the heartbeats answered in the window, as the volunteers see it",
     "coordinator CPU %": "user+system time of the coordinator (and any children) over the window, % of one core",
     "RSS MB (peak)": "the coordinator's resident memory at the end of the window (VmRSS; VmHWM in brackets)",

@@ -20,10 +20,10 @@ from pathlib import Path
 from ..config import RunConfig, TransportKind
 from ..config.toml import toml_table
 from . import netns
-from .bench_report import markdown_table, plot_convergence, plot_losses, plot_throughput, write_section
+from .bench_report import markdown_table, plot_losses, plot_throughput, write_section
 from .swarm import LocalSwarm, Shaper, SwarmError, SwarmSpec
 
-__all__ = ["CodecPair", "Row", "Cell", "BenchConfig", "convergence_cells", "mean_curves", "main"]
+__all__ = ["CodecPair", "Row", "Cell", "BenchConfig", "main"]
 
 DEFAULT_PAIRS = "none/none,group/naive,aqsgd/naive,aqsgd/naive:bits=8,amaq/naive,tahquant/naive,tahquant/tahquant"
 NO_SCHEDULE = {"forward_high_params": {}}  # the [codec] settings of a pair written without '@': no precision schedule
@@ -269,6 +269,10 @@ def build_parser() -> argparse.ArgumentParser:
                     "0..N-1 (weights and data order) and compare each with none/none of the same seed (default 3; "
                     "one run's final loss moves by several percent with the seed, and by a percent or two with "
                     "any change of rounding)")
+    ap.add_argument("--pipelines", default="", metavar="P,...", help="instead of the matrix: P pipelines of --stages' first "
+                    "count in data parallel, for each P (e.g. 1,2) and --rates, against the limit with their averaging "
+                    "(tahnode.tools.bench_pipelines)")
+    ap.add_argument("--outer-every", type=int, default=4, help="with --pipelines: steps between outer steps (default 4)")
     ap.add_argument("--json", action="store_true", help="print the rows as one JSON list on the last line")
     return ap
 
@@ -327,46 +331,13 @@ def report_matrix(rows: list[Row], cfg: BenchConfig, args, command: str) -> str:
     return text
 
 
-def convergence_cells(rows: list[Row], reference: str = "none/none") -> list[list[str]]:
-    """A line per codec pair: its final loss averaged over its seeds, and how far above the
-    reference pair's run *of the same seed* it ended, averaged, then seed by seed."""
-    base = {r.seed: final_loss(r) for r in rows if r.pair == reference}
-    cells = []
-    for pair in dict.fromkeys(r.pair for r in rows):
-        runs = sorted((r for r in rows if r.pair == pair), key=lambda r: r.seed)
-        gaps = [100 * (final_loss(r) / base[r.seed] - 1) for r in runs if r.seed in base]
-        vs = f"{statistics.fmean(gaps):+.2f}% ({', '.join(f'{g:+.1f}' for g in gaps)})" if gaps else "no reference run"
-        cells.append([pair, str(max(len(r.losses) for r in runs)), str(len(runs)),
-                      f"{statistics.fmean(final_loss(r) for r in runs):.4f}", vs,
-                      f"{statistics.fmean(r.bits_fwd for r in runs):.2f} / {statistics.fmean(r.bits_bwd for r in runs):.2f}",
-                      f"{statistics.fmean(r.tokens_per_s for r in runs):,.0f}"])
-    return cells
-
-
-def mean_curves(rows: list[Row]) -> list[Row]:
-    """A row per codec pair whose losses are the step-by-step mean over its seeds (for the plot)."""
-    out = []
-    for pair in dict.fromkeys(r.pair for r in rows):
-        runs = [r for r in rows if r.pair == pair]
-        n = min(len(r.losses) for r in runs)
-        out.append(Row(0.0, 0.0, runs[0].stages, pair, losses=[statistics.fmean(r.losses[i] for r in runs) for i in range(n)]))
-    return out
-
-
-def report_convergence(rows: list[Row], cfg: BenchConfig, args, command: str) -> str:
-    reference = "none/none" if any(r.pair == "none/none" for r in rows) else rows[0].pair
-    text = markdown_table(CONVERGENCE_COLUMNS, convergence_cells(rows, reference))
-    seeds = sorted({r.seed for r in rows})
-    plots = [plot_convergence(mean_curves(rows), reference, Path(args.plots) / f"{args.name}-convergence.png")]
-    write_section(Path(args.doc), f"{args.name}-convergence", f"Convergence: {args.name}", [
-        text, "", f"Model: {cfg.model}, {cfg.tokens_per_step} tokens per step, {cfg.unshaped_steps} steps, 3 stages on unshaped "
-        f"links; every pair trained with seeds {', '.join(map(str, seeds))} (weights and data order), the same data for the "
-        f"same seed; the plot shows each pair's loss averaged over the seeds.", "", f"Command: `{command}`"], plots)
-    return text
-
-
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    command = ("tahnode bench swarm " + " ".join(sys.argv[3:] if argv is None else argv)).strip()
+    if args.pipelines:
+        from .bench_pipelines import main as pipelines_main
+
+        return pipelines_main(args, command)
     try:
         pairs = [CodecPair.parse(p) for p in args.pairs.split(",") if p.strip()]
         if args.convergence:
@@ -391,7 +362,8 @@ def main(argv: list[str] | None = None) -> int:
     rows = run_rows(cfg, todo)
     if not rows:
         return 1
-    command = ("tahnode bench swarm " + " ".join(sys.argv[3:] if argv is None else argv)).strip()
+    from .swarm_convergence import report_convergence
+
     text = (report_convergence if args.convergence else report_matrix)(rows, cfg, args, command)
     print(text)
     print(f"written to {args.doc}; plots in {args.plots}")

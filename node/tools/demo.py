@@ -1,5 +1,6 @@
-"""`tahnode demo` / `make demo`: a coordinator and one stage daemon per stage as real processes on
-127.0.0.1, training on built-in defaults with progress shown, ending with a summary."""
+"""`tahnode demo` / `make demo`: a coordinator and one stage daemon per stage (per stage and pipeline,
+with --pipelines N) as real processes on 127.0.0.1, training on built-in defaults with progress
+shown, ending with a summary."""
 
 from __future__ import annotations
 
@@ -143,12 +144,15 @@ def main(args, run: RunConfig) -> int:
         swarm.start("coordinator", ["coordinator", "--listen", f"127.0.0.1:{grpc_port}", "--http", f"127.0.0.1:{http_port}",
                                     "--model", args.model, "--config", str(workdir / "run.toml"), "--token-file", str(token),
                                     "--store", str(workdir / "store")])
-        for stage in range(run.stages):
-            swarm.start(f"stage{stage}", ["join", "--coordinator", f"127.0.0.1:{grpc_port}", "--stage", str(stage),
-                                          "--listen", "127.0.0.1:0", "--node-id", f"demo-stage{stage}", "--token-file", str(token),
-                                          "--checkpoint-dir", str(workdir / "checkpoints" / f"stage{stage}"), "--device", args.device,
-                                          "--threads", str(share_of_cores(run.stages))])
-        console.print(f"tahnode demo: coordinator + {run.stages} stage daemons on 127.0.0.1, {run.model.n_layers}-layer model, "
+        pipelines = 1 if run.swarm.auto else run.swarm.pipelines  # --pipelines N: N chains (a pinned node takes the first open one)
+        for name in (f"p{p}-stage{k}" if p else f"stage{k}" for p in range(pipelines) for k in range(run.stages)):
+            stage = name.rsplit("stage", 1)[1]
+            swarm.start(name, ["join", "--coordinator", f"127.0.0.1:{grpc_port}", "--stage", stage, "--listen", "127.0.0.1:0",
+                               "--node-id", f"demo-{name}", "--token-file", str(token), "--checkpoint-dir",
+                               str(workdir / "checkpoints" / name), "--device", args.device,
+                               "--threads", str(share_of_cores(run.stages * pipelines))])
+        chains = f"{pipelines} pipelines of {run.stages} stage daemons" if pipelines > 1 else f"{run.stages} stage daemons"
+        console.print(f"tahnode demo: coordinator + {chains} on 127.0.0.1, {run.model.n_layers}-layer model, "
                       f"codecs {run.codec.forward}/{run.codec.backward}, {run.train.steps} steps, device {args.device}")
         console.print(f"status page: http://127.0.0.1:{http_port}/   logs and checkpoints: {workdir}")
         state = warm = ended = None

@@ -95,7 +95,10 @@ class DatasetInfo:
         return info
 
     def write(self, path: Path) -> None:
-        path.write_text(json.dumps(dataclasses.asdict(self), indent=2) + "\n")
+        """Write the index whole (a temporary file of this process, renamed): a reader sees the old or the new."""
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(dataclasses.asdict(self), indent=2) + "\n")
+        os.replace(tmp, path)
 
 
 def index_path(token_file: Path) -> Path:
@@ -216,7 +219,7 @@ def _progress_bar(enabled: bool):
 
 def _refuse_overwrite(out: Path, inputs: list[Path]) -> None:
     """The token file, its index and the temporary file must not be any of the inputs."""
-    written = {p.resolve(): p for p in (out, index_path(out), out.with_name(out.name + ".tmp"))}
+    written = {p.resolve(): p for p in (out, index_path(out), _tmp(out))}
     for item in inputs:
         if item.resolve() in written:
             raise ValueError(f"--out {out} would overwrite the input {item} (the token file and its index "
@@ -241,7 +244,7 @@ def prepare(inputs: list[Path], out: Path, tokenizer: Path | None = None, progre
     eod = np.asarray([tok.eod], dtype=dtype)
 
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(out.name + ".tmp")
+    tmp = _tmp(out)
     digest, n_tokens, sources = hashlib.sha256(), 0, 0
     bar = _progress_bar(progress)
     total = sum(p.stat().st_size for p in files)
@@ -274,12 +277,18 @@ def prepare(inputs: list[Path], out: Path, tokenizer: Path | None = None, progre
         tmp.unlink(missing_ok=True)
         raise ValueError(f"no text files found in {[str(p) for p in inputs]} "
                          f"(looked for {', '.join(suffixes)})")
-    os.replace(tmp, out)
     info = DatasetInfo(dtype=np.dtype(dtype).name, n_tokens=n_tokens, vocab_size=tok.vocab_size,
                        tokenizer=tok.name, eod_token=tok.eod, sources=sources,
                        sha256=digest.hexdigest(), tokenizer_sha256=tok.sha256)
-    info.write(index_path(out))
+    info.write(index_path(out))  # the index first: whoever sees the token file finds its index
+    os.replace(tmp, out)
     return info
+
+
+def _tmp(out: Path) -> Path:
+    """Where this process writes a token file before renaming it: processes that prepare the same file
+    at once (two pipelines' stage 0 on one machine) each write their own."""
+    return out.with_name(f"{out.name}.{os.getpid()}.tmp")
 
 
 def file_sha256(path: Path) -> str:

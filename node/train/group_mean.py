@@ -3,9 +3,9 @@ butterfly all-reduce over compressed pseudo-gradients, with the check that refus
 that is not finite or far larger than its group's (the rule the averager's reducer applies).
 
 In the butterfly each of the P replicas reduces a P-th of the vector: the others send it their part
-compressed (its own stays raw), it averages the parts it admits and sends each sender the
-difference between the average and that sender's part, compressed; the sender adds it to its own,
-unless the average it would get is not finite or far larger than its own part (a reducer that
+compressed (its own stays raw), it averages the parts it admits and sends every sender the same
+average, compressed (so that the replicas stay equal), and takes it itself as they do; a sender
+takes it for its part unless it is not finite or far larger than its own part (a reducer that
 lies): then it keeps its own part."""
 
 from __future__ import annotations
@@ -95,15 +95,13 @@ def butterfly_mean(vectors: list[torch.Tensor], bits: int, ratio: float) -> Grou
                 sent[i] += wire_bytes(hi - lo, bits)
         ok = admitted([float(r.norm()) for r in received], j, ratio)
         refused[j] = {i for i in range(p) if not ok[i]}
-        mean = torch.stack([r for r, keep in zip(received, ok) if keep]).mean(dim=0)
+        mean = _crossed(torch.stack([r for r, keep in zip(received, ok) if keep]).mean(dim=0), bits)
         for i in range(p):
-            delta = mean - received[i]
             if i != j:
-                delta = _crossed(delta, bits)
                 sent[j] += wire_bytes(hi - lo, bits)
-            averaged = vectors[i][lo:hi] + delta
-            if accepted(vectors[i][lo:hi], averaged, ratio):
-                means[i][lo:hi] = averaged
+            own = vectors[i][lo:hi]
+            if accepted(own, mean, ratio):
+                means[i][lo:hi] = own + (mean - own)  # as hivemind adds it: the difference to its own part
             else:
                 kept[j].add(i)
     return GroupMean(means, refused, kept, sent)

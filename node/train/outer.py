@@ -56,15 +56,15 @@ class OuterOptimizer:
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """What a checkpoint keeps of it: the outer weights (flat) and the momentum, if any."""
-        out = {"outer.anchor": torch.cat([a.reshape(-1) for a in self.anchor])}
+        out = {"anchor": torch.cat([a.reshape(-1) for a in self.anchor])}
         if self.momentum is not None:
-            out["outer.momentum"] = self.momentum.clone()
+            out["momentum"] = self.momentum.clone()
         return out
 
     @torch.no_grad()
     def load(self, tensors: dict[str, torch.Tensor]) -> None:
         """Restore what `tensors()` gave (a missing momentum starts at zero); ValueError if a shape is wrong."""
-        anchor = tensors["outer.anchor"]
+        anchor = tensors["anchor"]
         if anchor.numel() != self.numel:
             raise ValueError(f"outer weights of {anchor.numel()} values for a stage of {self.numel}")
         offset = 0
@@ -72,7 +72,7 @@ class OuterOptimizer:
             a.copy_(anchor[offset:offset + a.numel()].view_as(a))
             offset += a.numel()
         if self.momentum is not None:
-            momentum = tensors.get("outer.momentum")
+            momentum = tensors.get("momentum")
             if momentum is not None and momentum.numel() != self.numel:
                 raise ValueError(f"outer momentum of {momentum.numel()} values for a stage of {self.numel}")
             self.momentum.copy_(momentum if momentum is not None else torch.zeros(self.numel))

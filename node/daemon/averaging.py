@@ -1,0 +1,107 @@
+"""A daemon's part in keeping the replicas of its stage in step: once the coordinator says that two
+pipelines or more train, it joins the swarm's DHT and starts its stage's averager (hivemind's,
+tahnode.net.averaging), admits only the replicas the coordinator names, and dials them."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from pathlib import Path
+
+from ..config import NodeConfig
+from ..net.errors import PeerUnreachable
+from ..net.p2p_host import P2PAddress, P2PHost, is_p2p_address
+from ..pipeline.worker import StageWorker
+from ..proto import tahnode_pb2 as pb
+from .heartbeats import Heartbeats
+from .p2p import averaging_host
+
+log = logging.getLogger("tahnode.daemon")
+
+__all__ = ["StageAveraging", "START_WAIT_S", "RETRY_S"]
+
+START_WAIT_S = 60.0  # how long a new stage waits for its averager (DHT, p2p daemon) before it trains anyway
+RETRY_S = 5.0        # after an averager failed to start, the next try
+
+
+class StageAveraging:
+    """The averager of `worker`'s stage, started on the first assignment that names two pipelines or
+    more (`follow(assignment)` with each one), stopped with `stop()`."""
+
+    def __init__(self, cfg: NodeConfig, folder: Path, run_id: str, worker: StageWorker, beats: Heartbeats, node_id: str):
+        self.cfg, self.folder, self.run_id, self.node_id = cfg, folder, run_id, node_id
+        self.w, self.beats = worker, beats
+        self.starting: asyncio.Task | None = None
+        self.tried = 0.0
+        self.averager = None
+        self.members: list[str] = []  # the peers its averager admits
+        self.met: set[str] = set()    # the replicas its p2p daemon dialled
+
+    def follow(self, a: pb.Assignment) -> None:
+        """How many pipelines train (whom the stage averages with); with two or more, the averager
+        starts (again, RETRY_S after a failed start), and admits the replicas the assignment names."""
+        outer = self.w.outer
+        if outer is None:
+            return
+        outer.expected = a.pipelines
+        if self.averager is not None:
+            self._meet(a)
+        failed = self.starting is not None and self.starting.done() and self.averager is None
+        if failed and time.monotonic() - self.tried >= RETRY_S:
+            self.starting = None  # its DHT or p2p daemon did not come up last time
+        if a.pipelines > 1 and a.dht_peers and self.starting is None:
+            self.tried = time.monotonic()
+            self.starting = asyncio.ensure_future(self._start(list(a.dht_peers)))
+
+    async def started(self, timeout: float = START_WAIT_S) -> None:
+        """Wait (at most `timeout` s) for a start that is under way."""
+        if self.starting is not None:
+            await asyncio.wait({asyncio.shield(self.starting)}, timeout=timeout)
+
+    def _meet(self, a: pb.Assignment) -> None:
+        replicas = {P2PAddress.parse(r.address).peer_id: r.address for r in a.replicas if is_p2p_address(r.address)}
+        members = sorted(replicas) + [self.averager.peer_id]
+        if members != self.members:
+            self.members = members
+            self.averager.set_members(members)
+        for peer, address in replicas.items():
+            if peer not in self.met:
+                self.met.add(peer)
+                asyncio.ensure_future(self._dial(address))
+
+    async def _dial(self, address: str) -> None:
+        try:
+            await P2PHost._current.connect(address)
+        except PeerUnreachable as exc:
+            log.warning("%s: cannot reach a replica of its stage: %s", self.node_id, exc)
+            self.met.discard(P2PAddress.parse(address).peer_id)  # tried again with the next assignment
+
+    async def _start(self, dht_peers: list[str]) -> None:
+        """Join the DHT and start the averager of this stage's replicas (hivemind's, imported here only)."""
+        from ..net.averaging import StageAverager
+
+        w, swarm = self.w, self.w.run_cfg.swarm
+        try:
+            host = await averaging_host(self.cfg, self.folder, dht_peers)
+            averager = StageAverager(host.dht, f"tahnode{self.run_id}s{w.stage}", w.outer.outer.numel, swarm.outer_bits,
+                                     swarm.outer_norm_ratio, state=w.outer.state)
+            averager.start()
+        except Exception as exc:  # the pipeline trains on alone: its outer steps keep its weights
+            log.error("%s: the averager of stage %d did not start (%s); the stage trains without averaging", self.node_id,
+                      w.stage, exc)
+            return
+        self.averager = averager
+        self.beats.averager = await host.address()
+        w.outer.use(averager)
+        print(f"{self.node_id}: stage {w.stage} averages with its replicas in the other pipelines (every "
+              f"{swarm.outer_every} steps, {swarm.outer_bits}-bit pseudo-gradients)", flush=True)
+
+    async def stop(self) -> None:
+        if self.starting is not None:
+            self.starting.cancel()
+            await asyncio.gather(self.starting, return_exceptions=True)
+        if self.averager is not None:
+            await asyncio.to_thread(self.averager.shutdown)
+            self.averager = None
+        self.beats.averager = ""

@@ -1,0 +1,62 @@
+"""A stage replica that misbehaves at its outer steps, for tests/test_pipelines_faults.py: the real
+`tahnode join` daemon, patched in-process on a script.
+
+- `liar`: from outer step 2 on, its pseudo-gradient is 1e30 everywhere (finite: it goes out).
+- `stall`: at outer step 3 it sends its first part, writes MARKER and stops there (the test kills it
+  with SIGKILL: a replica that dies in the middle of an all-reduce).
+
+Run as `python tests/faulty_replica.py MODE MARKER -- JOIN FLAGS...`."""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from tahnode import cli
+from tahnode.net import averaging_parts
+from tahnode.train import outer
+
+LIE_FROM, STALL_AT = 2, 3  # outer steps
+
+
+def lie() -> None:
+    honest = outer.OuterOptimizer.pseudo_gradient
+    calls = {"n": 0}
+
+    def pseudo_gradient(self):
+        calls["n"] += 1
+        g = honest(self)
+        return torch.full_like(g, 1e30) if calls["n"] >= LIE_FROM else g
+
+    outer.OuterOptimizer.pseudo_gradient = pseudo_gradient
+
+
+def stall(marker: Path) -> None:
+    """In hivemind's averager process: after the first part of the STALL_AT-th round went out."""
+    sent = averaging_parts.CheckedRunner._generate_input_for_peer
+    rounds = {"n": 0, "group": None}
+
+    async def generate(self, peer_index):
+        if rounds["group"] != self.group_id:
+            rounds["group"], rounds["n"] = self.group_id, rounds["n"] + 1
+        async for message in sent(self, peer_index):
+            yield message
+            if rounds["n"] >= STALL_AT:
+                marker.write_text(f"stalled in outer step {rounds['n']}\n")
+                while True:  # the test kills this process now
+                    time.sleep(1)
+
+    averaging_parts.CheckedRunner._generate_input_for_peer = generate
+
+
+def main() -> int:
+    mode, marker, args = sys.argv[1], Path(sys.argv[2]), sys.argv[sys.argv.index("--") + 1:]
+    lie() if mode == "liar" else stall(marker)
+    return cli.main(["join", *args])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

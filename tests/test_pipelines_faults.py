@@ -1,0 +1,106 @@
+"""Faults among the replicas, with real daemons: three pipelines of two stages, every node pinned to
+its stage (n0/n1, n2/liar, victim/n5). The liar's stage-1 replica sends pseudo-gradients of 1e30
+from its second outer step on: the honest replicas refuse its parts, never average them in, report
+it, and the coordinator bans it. The victim stalls in the middle of its third outer step and is
+killed with SIGKILL there (its whole machine: the daemon, its p2p daemon, its averager): the other
+replicas of its stage finish that outer step within the deadline. Pipeline 0 trains to the end,
+every step of it in the ledger once, its weights finite."""
+
+from __future__ import annotations
+
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from tahnode.pipeline.checkpoint import read_verified
+from swarm import Swarm
+
+pytestmark = pytest.mark.slow
+
+STEPS, EVERY, TIMEOUT = 48, 4, 30
+RUN = ["--stages", "2", "--steps", str(STEPS), "--checkpoint-every", "8", "--micro-batches", "2", "--batch-size", "2",
+       "--seq-len", "64", "--codec", "none", "--backward-codec", "none", "--pipelines", "3", "--outer-every", str(EVERY),
+       "--outer-timeout", str(TIMEOUT)]
+FAULTY = Path(__file__).parent / "faulty_replica.py"
+
+
+def tree(pid: int) -> list[int]:
+    """`pid` and every process below it."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry.name))
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        todo += children.get(p, [])
+    return out
+
+
+def test_a_lying_replica_is_refused_and_banned_and_a_killed_one_does_not_stop_the_outer_step(tmp_path):
+    swarm = Swarm(tmp_path)
+    marker = tmp_path / "stalled"
+    faulty = {}
+    try:
+        swarm.start_coordinator(*RUN)
+        swarm.wait_for(lambda s: s is not None, 60, "the coordinator")
+        for name, stage in (("n0", 0), ("n1", 1), ("n2", 0), ("liar", 1), ("victim", 0), ("n5", 1)):
+            if name in ("liar", "victim"):
+                args = ["join", "--coordinator", swarm.coordinator, "--stage", str(stage), "--listen", "127.0.0.1:0",
+                        "--node-id", name, "--checkpoint-dir", str(tmp_path / "ck" / name), "--device", "cpu", "--threads", "1"]
+                mode = "liar" if name == "liar" else "stall"
+                faulty[name] = subprocess.Popen([sys.executable, str(FAULTY), mode, str(marker), "--", *args[1:]],
+                                                stdout=(tmp_path / f"{name}.log").open("a"), stderr=subprocess.STDOUT, env=swarm.env)
+            else:
+                swarm.join(name, stage, "--threads", "1")
+            count = len(faulty) + len([n for n in swarm.procs if n != "coordinator"])
+            swarm.wait_for(lambda s: len(s["nodes"]) == count, 60, f"{name} to join")  # pinned: joined in this order
+        deadline = time.monotonic() + 300
+        while not marker.exists():
+            assert time.monotonic() < deadline, "the victim never reached its third outer step"
+            time.sleep(0.2)
+        for pid in tree(faulty["victim"].pid):  # the victim's machine dies in the middle of the all-reduce
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        state = swarm.wait_for(lambda s: any("banned: liar" in e for e in s["events"]), 240, "the liar banned")
+        assert "pseudo-gradients" in next(e for e in state["events"] if "banned: liar" in e)
+        swarm.wait_for(lambda s: next(p for p in s["pipelines"] if p["index"] == 0)["step"] >= STEPS, 600,
+                       f"pipeline 0 past {STEPS} steps")
+        ledger = swarm.ledger()["steps"]
+        final = swarm.state()
+    finally:
+        swarm.stop()
+        for proc in faulty.values():
+            if proc.poll() is None:
+                proc.kill()
+    stalled_round = int(marker.read_text().split()[-1])
+    zero = [e for e in ledger if e["pipeline"] == 0]
+    assert [e["step"] for e in zero] == list(range(STEPS))  # every step of pipeline 0 once
+    assert all(math.isfinite(e["loss"]) for e in zero)
+    # the victim's stage-0 replicas finished the outer step it died in, within the deadline
+    for name in ("n0", "n2"):
+        log = swarm.log(name)
+        done = [line for line in log.splitlines() if f"outer step after step {stalled_round * EVERY} " in line]
+        assert done, log[-3000:]
+        seconds = float(done[0].split("replicas (")[1].split(" s")[0])
+        assert seconds < TIMEOUT + 25, done[0]  # the deadline, and the dead sender's chunk timeout (20 s) at most
+    # the honest stage-1 replicas refused the liar's parts and reported them
+    nodes = {n["id"]: n for n in final["nodes"]}
+    assert nodes["liar"]["status"] == "banned"
+    assert sum(nodes[n].get("outer", {}).get("refused", 0) for n in ("n1", "n5")) >= 2
+    tensors, _ = read_verified(sorted((tmp_path / "ck" / "n1").glob("stage1-*.safetensors"))[-1])
+    assert all(bool(torch.isfinite(t).all()) and float(t.abs().max()) < 1e3 for t in tensors.values())
