@@ -2,8 +2,8 @@
 `tahnode join` daemon, patched in-process on a script.
 
 - `liar`: from outer step 2 on, its pseudo-gradient is 1e30 everywhere (finite: it goes out).
-- `stall`: at outer step 3 it sends its first part, writes MARKER and stops there (the test kills it
-  with SIGKILL: a replica that dies in the middle of an all-reduce).
+- `stall`: in its third outer step, once its group formed, it writes MARKER and stops before it sends
+  a part (the test kills it with SIGKILL: a replica that dies in the middle of an all-reduce).
 
 Run as `python tests/faulty_replica.py MODE MARKER -- JOIN FLAGS...`."""
 
@@ -35,19 +35,19 @@ def lie() -> None:
 
 
 def stall(marker: Path) -> None:
-    """In hivemind's averager process: after the first part of the STALL_AT-th round went out."""
+    """In hivemind's averager process: in the STALL_AT-th group it is in, before its first part goes out."""
     sent = averaging_parts.CheckedRunner._generate_input_for_peer
     rounds = {"n": 0, "group": None}
 
     async def generate(self, peer_index):
         if rounds["group"] != self.group_id:
             rounds["group"], rounds["n"] = self.group_id, rounds["n"] + 1
+        if rounds["n"] >= STALL_AT:
+            marker.write_text(f"stalled in its outer step {rounds['n']}, in a group of {len(self.ordered_peer_ids)}\n")
+            while True:  # the test kills this process now (its event loop blocked: nothing more goes out)
+                time.sleep(1)
         async for message in sent(self, peer_index):
             yield message
-            if rounds["n"] >= STALL_AT:
-                marker.write_text(f"stalled in outer step {rounds['n']}\n")
-                while True:  # the test kills this process now
-                    time.sleep(1)
 
     averaging_parts.CheckedRunner._generate_input_for_peer = generate
 

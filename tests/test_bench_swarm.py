@@ -39,6 +39,19 @@ def test_limits_are_the_smaller_of_link_and_compute_per_stages_pair_and_transpor
     assert [r.series for r in rows[:2]] == ["none/none", "none/none over p2p"]
 
 
+def test_pipelines_rows_take_the_smaller_limit_and_their_speed_up_over_one_pipeline():
+    from tahnode.tools.bench_pipelines import PipelineRow, pipeline_limits
+
+    rows = [PipelineRow(0, 1, 3, 8, tokens_per_s=2000), PipelineRow(0, 2, 3, 8, tokens_per_s=3000),
+            PipelineRow(10, 1, 3, 8, tokens_per_s=450, link_limit=500), PipelineRow(10, 2, 3, 8, tokens_per_s=880, link_limit=1000),
+            PipelineRow(50, 2, 3, 8, tokens_per_s=2700, link_limit=5000)]
+    pipeline_limits(rows)
+    assert [(r.limit, r.limit_tokens_per_s, round(r.share, 2), round(r.speedup, 2)) for r in rows] == [
+        ("compute", 2000, 1.0, 0.0), ("compute", 3000, 1.0, 1.5), ("link", 500, 0.9, 0.0), ("link", 1000, 0.88, 1.96),
+        ("compute", 3000, 0.9, 0.0)]  # no 1-pipeline row at 50 Mbit/s: no speed-up
+    assert rows[3].cells()[:6] == ["10", "2", "3", "every 8", "880", "1.96×"]
+
+
 def test_convergence_compares_each_seed_with_the_reference_of_the_same_seed():
     def run(pair, seed, final, first=5.0):
         return Row(0, 0, 3, pair, losses=[first] * 5 + [final] * 10, seed=seed, bits_fwd=4.0, tokens_per_s=100.0 * (seed + 1))

@@ -204,22 +204,20 @@ def test_sample_schedule_is_deterministic_and_covers_each_epoch():
 
 
 def test_pipelines_train_samples_of_their_own():
-    """Pipelines of a run never share a sample within a step's span of the stream; their steps put
-    together are one pipeline's step with P times the batch; one slot is the single stream."""
-    n, bs, mbs, slots = 1000, 3, 2, 4
-    schedule = SampleSchedule(n, bs, mbs, seed=5, slots=slots)
-    big = SampleSchedule(n, bs, mbs * slots, seed=5)
-    for step in range(6):
-        per_pipeline = [[i for m in range(mbs) for i in schedule.ids(step, m, p)] for p in range(slots)]
-        together = [i for ids in per_pipeline for i in ids]
-        assert len(set(together)) == len(together) == slots * bs * mbs
-        assert together == [i for m in range(mbs * slots) for i in big.ids(step, m)]
-    seen = [i for step in range(8) for p in range(slots) for m in range(mbs) for i in schedule.ids(step, m, p)]
-    assert len(seen) == len(set(seen))  # 192 of 1000: within one epoch, none twice
-    assert SampleSchedule(n, bs, mbs, seed=5, slots=1).ids(3, 1) == SampleSchedule(n, bs, mbs, seed=5).ids(3, 1)
+    """Each pipeline owns a lane of the stream as long as a whole run: no two (step, pipeline) of a run
+    share a sample while the run's samples fit one epoch; pipeline 0 is the single stream."""
+    n, bs, mbs, slots, steps = 1000, 3, 2, 4, 40
+    schedule = SampleSchedule(n, bs, mbs, seed=5, slots=slots, lane=steps * bs * mbs)
+    single = SampleSchedule(n, bs, mbs, seed=5)
+    seen = [i for p in range(slots) for step in range(steps) for m in range(mbs) for i in schedule.ids(step, m, p)]
+    assert len(seen) == len(set(seen)) == slots * steps * bs * mbs  # 960 of 1000: within one epoch, none twice
+    assert [schedule.ids(s, m) for s in range(steps) for m in range(mbs)] == [single.ids(s, m) for s in range(steps) for m in range(mbs)]
+    assert schedule.ids(0, 0, 1) == single.ids_at(steps, 0, bs)  # pipeline 1 starts where a run of pipeline 0 ends
     with pytest.raises(ValueError, match="pipeline 4 is out of range"):
         schedule.ids(0, 0, 4)
-    assert schedule.epoch(125) == 125 * slots * bs * mbs / n
+    with pytest.raises(ValueError, match="lanes"):
+        SampleSchedule(n, bs, mbs, slots=2, lane=5)
+    assert schedule.epoch(100) == 100 * bs * mbs / n
 
 
 def test_sample_schedule_rejects_bad_arguments():

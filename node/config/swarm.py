@@ -38,7 +38,7 @@ class SwarmConfig:
     standbys: int = knob(1, "spare nodes kept back to take over a failed stage before another pipeline is formed")
     min_chain_share: float = knob(0.5, "a new pipeline must reach this share of the fastest pipeline's tokens/s (a "
                                   "slower one would set the pace of every outer step); its nodes stand by instead")
-    outer_every: int = knob(4, "the replicas of each stage average their pseudo-gradients every this many steps (H)",
+    outer_every: int = knob(8, "the replicas of each stage average their pseudo-gradients every this many steps (H)",
                             metavar="STEPS")
     outer_lr: float = knob(1.0, "the outer step's learning rate (1 without momentum: the replicas' mean weights)")
     outer_momentum: float = knob(0.0, "the outer step's Nesterov momentum (DiLoCo's is 0.9 with outer lr 0.7); 0: none")
@@ -55,7 +55,7 @@ class SwarmConfig:
 
     @property
     def data_slots(self) -> int:
-        """How many pipelines the sample schedule keeps apart: --pipelines N, else max_pipelines."""
+        """The most pipelines the run may have (each has its lane of the sample stream): --pipelines N, else max_pipelines."""
         return self.max_pipelines if self.auto else self.pipelines
 
     def validate(self) -> "SwarmConfig":

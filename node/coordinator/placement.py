@@ -182,10 +182,12 @@ class Placement:
         holders stand by (they fill other vacancies, or form a pipeline again, later)."""
         complete = self.r.roster.complete_pipelines()
         for p in self.open_pipelines():
-            if complete and len(self.r.roster.open_stages(p)) > len(self.r.waiting()):
+            lost = p in self.r.roster.formed  # not one whose pinned nodes are still joining
+            if lost and complete and len(self.r.roster.open_stages(p)) > len(self.r.waiting()):
                 holders = [self.r.roster.holder(k, p) for k in range(self.r.run.stages)]
                 moved = [n.node_id for n in holders if n is not None and self.r.stand_by(n)]
                 self.r.epoch += 1
+                self.r.roster.formed.discard(p)
                 self.r.event(f"pipeline {p} dissolved: it lost a stage and no standby can take it; "
                              f"{', '.join(moved)} stand by")
 

@@ -317,7 +317,8 @@ class SwarmRegistry:
         node = self.nodes.get(req.node_id)
         if node is None:
             raise UnknownNode(f"unknown node {req.node_id!r}")
-        node.status = NodeStatus.LEFT
+        if node.status is not NodeStatus.BANNED:  # a banned node that leaves stays banned (its record shows why it went)
+            node.status = NodeStatus.LEFT
         self.epoch += 1
         self.event(f"left: {req.node_id} (stage {node.stage})")
         return pb.LeaveReply()

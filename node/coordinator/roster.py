@@ -23,6 +23,7 @@ class Roster:
         self.run, self.nodes = run, nodes
         self._holders: dict[tuple[int, int], NodeRecord] | None = None
         self.finished: set[int] = set()  # pipelines whose loss stage reported the run's last step
+        self.formed: set[int] = set()    # pipelines that were complete once (one that loses a stage may be dissolved)
         self.dht_peers: list[str] = []   # the coordinator's DHT, once pipelines train in data parallel (server.py starts it)
 
     def invalidate(self) -> None:
@@ -46,7 +47,9 @@ class Roster:
 
     def complete_pipelines(self) -> list[int]:
         """The pipelines every stage of which is held: those that train."""
-        return [p for p in self.pipelines() if not self.open_stages(p)]
+        complete = [p for p in self.pipelines() if not self.open_stages(p)]
+        self.formed.update(complete)
+        return complete
 
     def vacancies(self) -> list[tuple[int, int]]:
         """(pipeline, stage) of every open stage of the pipelines that have holders."""

@@ -79,7 +79,7 @@ class Heartbeats:
         return hb
 
     async def _loop(self) -> None:
-        while True:
+        while not self.dismissed.is_set():  # a banned node stops reporting (its daemon saves and exits)
             try:
                 await self.report()
             except UnknownNode as exc:  # declared failed while we were busy, or a restarted coordinator: join again
@@ -104,7 +104,7 @@ class Heartbeats:
         if self.task:
             self.task.cancel()
         deadline = asyncio.get_running_loop().time() + wait_s
-        while True:
+        while not self.dismissed.is_set():  # banned: nothing it reports is taken
             try:
                 await self.report()
                 return

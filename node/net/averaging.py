@@ -22,7 +22,10 @@ __all__ = ["AveragingRound", "StageAverager", "AveragingError", "UnsupportedBits
 BITS = (4, 8, 16, 32)        # 4/8: tahnode.codecs.blockwise; 16: float16; 32: float32 as is
 MIN_MATCHMAKING_S = 0.5      # the least time a replica looks for its group
 REQUEST_TIMEOUT_S = 0.3      # how long a would-be leader may take to answer (below MIN_MATCHMAKING_S: hivemind)
-CHUNK_TIMEOUT_S = 20.0       # a sender silent this long between two parts is dropped (a reducer: twice this)
+# a sender silent this long between two parts (of at most 512 KiB: 0.4 s at 10 Mbit/s) is dropped, a
+# reducer after twice this: a replica that dies in an all-reduce costs the others 15 s at most, within
+# the outer step's deadline (swarm.outer_timeout_s, 30 s); with 20 s it cost them 70 s
+CHUNK_TIMEOUT_S = 5.0
 GRACE_S = 1.5                # after the deadline, the time the leader's "begin" message may take to arrive
 ALLREDUCE_TIMEOUT_S = 600.0  # the most an all-reduce may take once its group formed
 CONTROL_TIMEOUT_S = 30.0     # the most the averager's process may take to answer a control message

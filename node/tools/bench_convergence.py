@@ -198,7 +198,7 @@ def report(results: list[RunResult], specs: list[RunSpec], args, command: str) -
 
 def _pipelines_note(rate: float) -> str:
     return ("P pipelines train steps of the messages above each, on samples of their own; the reference is one pipeline "
-            "with P times the messages per step (the same samples, one synchronous step), of the same seed. Averaging "
+            "with P times the messages per step (over the run, the same samples; one synchronous step), of the same seed. Averaging "
             "bytes: what the replicas sent each other for their outer steps (butterfly all-reduce of blockwise-coded "
             "pseudo-gradients), over the activations and gradients every pipeline sent. Replica spread: the largest "
             "difference between two replicas' outer weights after an outer step. Wall-clock: a step takes its link time "

@@ -59,7 +59,7 @@ class PipelineBench:
     tokens_per_step: int = 16384
     seq_len: int = 128
     micro_batches: int = 4
-    outer_every: int = 4
+    outer_every: int = 8
     warmup: int = 4
     steps: int = 12
     prefix: str = "tnp-"

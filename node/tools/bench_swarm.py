@@ -272,7 +272,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--pipelines", default="", metavar="P,...", help="instead of the matrix: P pipelines of --stages' first "
                     "count in data parallel, for each P (e.g. 1,2) and --rates, against the limit with their averaging "
                     "(tahnode.tools.bench_pipelines)")
-    ap.add_argument("--outer-every", type=int, default=4, help="with --pipelines: steps between outer steps (default 4)")
+    ap.add_argument("--outer-every", type=int, default=8, help="with --pipelines: steps between outer steps (default 8, the run's)")
     ap.add_argument("--json", action="store_true", help="print the rows as one JSON list on the last line")
     return ap
 

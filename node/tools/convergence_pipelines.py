@@ -1,6 +1,6 @@
 """`tahnode bench convergence --pipelines P,...`: do P pipelines in data parallel, kept in step by
-outer steps every H steps, train as well as one pipeline with P times the batch (the same samples,
-synchronous), and reach one pipeline's final loss sooner? The runs to train and their report."""
+outer steps every H steps, train as well as one pipeline with P times the batch (over the run the
+same samples; synchronous), and reach one pipeline's final loss sooner? The runs and their report."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ def add_pipeline_args(ap) -> None:
     g.add_argument("--pipelines", default="", metavar="P,...", help="train P pipelines kept in step by outer steps, for each "
                    "P, beside one pipeline with P× the batch (the same samples) and one pipeline alone; default pair only "
                    "unless --pairs is given")
-    g.add_argument("--outer-every", default="4", metavar="H,...", help="steps between outer steps, for each H (default 4)")
+    g.add_argument("--outer-every", default="8", metavar="H,...", help="steps between outer steps, for each H (default 8, the run's)")
     g.add_argument("--outer-bits", type=int, default=8, help="bits of a pseudo-gradient value on the wire (default 8)")
     g.add_argument("--outer-lr", type=float, default=1.0, help="the outer step's learning rate (default 1)")
     g.add_argument("--outer-momentum", type=float, default=0.0, help="the outer step's Nesterov momentum (default 0)")

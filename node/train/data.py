@@ -85,16 +85,17 @@ class SampleSchedule:
     """Which sample ids each (step, pipeline, micro-batch) trains on, the same on every machine.
 
     The samples form one stream: epoch after epoch, each epoch a permutation of all ids (drawn
-    from a torch.Generator seeded by (seed, epoch); the identity with shuffle=False). Step s of
-    pipeline p (of `slots` pipelines the run keeps apart: swarm.data_slots) takes the step's
-    samples at stream position (s * slots + p) * samples_per_step, micro-batch m the batch_size
-    ids from m * batch_size on, so a batch may straddle two epochs; no two (step, pipeline) share
-    a position, and with every slot in use every id occurs once per epoch. Replaying a step gives
-    the same ids. One pipeline with slots = 1 is the single stream of a single pipeline.
-    Identical across machines with the same torch version."""
+    from a torch.Generator seeded by (seed, epoch); the identity with shuffle=False). Pipeline p
+    (of `slots`, the most a run may have: swarm.data_slots) owns the stream's lane p, `lane`
+    positions from p * lane on (a whole run's samples: run.train.steps * samples_per_step); step s
+    takes the samples at s * samples_per_step in its lane, micro-batch m the batch_size ids from
+    m * batch_size on, so a batch may straddle two epochs. No two (step, pipeline) of a run share a
+    position; pipeline 0 is the single stream of a single pipeline (every id once per epoch), and
+    other pipelines start further on. Replaying a step gives the same ids. Identical across machines
+    with the same torch version."""
 
     def __init__(self, num_samples: int, batch_size: int, micro_batches: int, seed: int = 0,
-                 shuffle: bool = True, slots: int = 1):
+                 shuffle: bool = True, slots: int = 1, lane: int = 0):
         for name, value in (("num_samples", num_samples), ("batch_size", batch_size),
                             ("micro_batches", micro_batches), ("slots", slots)):
             if not isinstance(value, int) or value < 1:
@@ -104,14 +105,18 @@ class SampleSchedule:
         self.num_samples = num_samples
         self.batch_size, self.micro_batches = batch_size, micro_batches
         self.seed, self.shuffle, self.slots = seed, shuffle, slots
+        if slots > 1 and lane < batch_size * micro_batches:
+            raise ValueError(f"pipelines' lanes of {lane} positions cannot hold a step of {batch_size * micro_batches}")
+        self.lane = lane
         self._cached: tuple[int, torch.Tensor] | None = None  # (epoch, its permutation)
 
     @classmethod
     def for_run(cls, run: RunConfig, num_samples: int) -> "SampleSchedule":
-        """The schedule of `run` over a data set of `num_samples`: its batch shape and seed, and as
-        many pipelines kept apart as its [swarm] table says (swarm.data_slots)."""
+        """The schedule of `run` over a data set of `num_samples`: its batch shape and seed, and a
+        lane of the whole run's samples for each pipeline its [swarm] table allows (swarm.data_slots)."""
         t = run.train
-        return cls(num_samples, t.batch_size, t.micro_batches, seed=t.seed, slots=run.swarm.data_slots)
+        return cls(num_samples, t.batch_size, t.micro_batches, seed=t.seed, slots=run.swarm.data_slots,
+                   lane=t.steps * t.batch_size * t.micro_batches)
 
     @property
     def samples_per_step(self) -> int:
@@ -149,11 +154,11 @@ class SampleSchedule:
             raise ValueError(f"pipeline {pipeline} is out of range: the schedule keeps {self.slots} apart (0..{self.slots - 1})")
         if offset < 0 or count < 1 or offset + count > self.samples_per_step:
             raise ValueError(f"samples {offset}..{offset + count - 1} are not within a step of {self.samples_per_step}")
-        return list(self._stream((step * self.slots + pipeline) * self.samples_per_step + offset, count))
+        return list(self._stream(pipeline * self.lane + step * self.samples_per_step + offset, count))
 
     def epoch(self, step: int) -> float:
-        """How many epochs the stream has passed at the start of `step` (fractional)."""
-        return step * self.slots * self.samples_per_step / self.num_samples
+        """How many epochs pipeline 0 has passed at the start of `step` (fractional)."""
+        return step * self.samples_per_step / self.num_samples
 
 
 def check_vocabulary(run: RunConfig, vocab_size: int, tokenizer: str, where: str | Path) -> None:
