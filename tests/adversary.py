@@ -234,10 +234,13 @@ def main() -> int:
     script = Script(log)
     tamper(script)
     flag = {args[k]: args[k + 1] for k in range(len(args) - 1) if args[k].startswith("--")}
-    threading.Thread(target=control_plane_attacks, daemon=True, args=(
+    attacks = threading.Thread(target=control_plane_attacks, daemon=True, args=(
         script, flag["--coordinator"], flag["--node-id"], Path(flag["--checkpoint-dir"]), os.environ["TAHNODE_TOKEN"],
-        status)).start()
-    return cli.main(["join", *args])
+        status))
+    attacks.start()
+    code = cli.main(["join", *args])
+    attacks.join(timeout=60)  # banned, the daemon stops at once: the lies it had yet to tell are still told
+    return code
 
 
 if __name__ == "__main__":

@@ -166,3 +166,33 @@ def test_a_late_pipeline_takes_the_latest_outer_step_and_trains_in_step_from_the
     for k in range(run.stages):
         a, b = (torch.cat([x.detach().reshape(-1) for x in swarm.workers[p][k].model.parameters()]) for p in range(2))
         assert float((a - b).abs().max()) < 1e-5
+
+
+def test_an_averager_that_fails_leaves_its_replica_training_on_its_own_weights(dataset):
+    """A replica whose averager raises (its process ended, or its own pseudo-gradient is not finite)
+    keeps its weights at the outer step; the others go ahead without it at the deadline."""
+    from tahnode.net.averaging import AveragerNotRunning
+
+    class Broken(LocalAverager):
+        async def average(self, vector, round, expected, timeout):
+            raise AveragerNotRunning("the averager's process ended")
+
+    steps = 6
+    run = build_run(steps, **NONE, **{"swarm.pipelines": 2, "swarm.outer_every": 4, "swarm.outer_timeout_s": 0.5})
+    swarm = Pipelines(run, dataset, 2)
+
+    async def go():
+        try:
+            workers = [w for p in range(2) for w in await swarm.start(p)]
+            for w in swarm.workers[1]:
+                w.outer.use(Broken(swarm.group, w.stage, 1))
+            await asyncio.wait_for(asyncio.gather(*(w.run(steps) for w in workers)), 120)
+        finally:
+            await swarm.close()
+
+    asyncio.run(go())
+    assert all(w.committed == steps for ws in swarm.workers.values() for w in ws)
+    assert list(swarm.losses(1)) == list(range(steps))  # the broken one trained every step, on its own
+    assert all(w.outer.stats.alone == 2 and w.outer.stats.steps == 0 for w in swarm.workers[1])
+    # pipeline 0 waited for it until the deadline, then took its newer outer step (a late pipeline's rule)
+    assert list(swarm.losses(0)) in ([0, 1, 2, 3], list(range(steps)))

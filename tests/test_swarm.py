@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from tahnode.config import RunConfig
+from tahnode.tools import netns
 from tahnode.tools.swarm import LocalSwarm, fetch
 from tahnode.train.data import SampleSchedule, open_dataset
 
@@ -131,10 +132,17 @@ def test_swarm_up_gives_the_asked_rate_and_rtt_and_down_leaves_nothing(tmp_path,
 @pytest.mark.netns
 def test_down_cleans_up_after_a_crash(tmp_path):
     """Everything killed with SIGKILL and the state file gone: `down` still finds the namespaces by
-    their prefix, and their processes by namespace."""
+    their prefix, and their processes by namespace. The swarm comes up beside the network another
+    prefix left behind (a bench still running, a crashed test): each has a root veth of its own."""
     prefix, workdir = f"tc{os.getpid() % 1000}-", tmp_path / "swarm"
-    swarm_cmd("up", "--nodes", "2", "--bandwidth", "50mbit", "--prefix", prefix, "--workdir", str(workdir), "--steps", "500",
-              env={**os.environ, "TAHNODE_CACHE": str(tmp_path / "cache")})
+    stray = netns.Topology.star(f"ts{os.getpid() % 1000}-", ["coord"], 0)
+    netns.create(stray)
+    try:
+        swarm_cmd("up", "--nodes", "2", "--bandwidth", "50mbit", "--prefix", prefix, "--workdir", str(workdir), "--steps", "500",
+                  env={**os.environ, "TAHNODE_CACHE": str(tmp_path / "cache")})
+    finally:
+        netns.remove(stray.prefix)
+    assert json.loads((workdir / "state.json").read_text())["http"] != f"http://{stray.host_link_addresses[1]}:8080"
     doc = json.loads((workdir / "state.json").read_text())
     os.kill(doc["pids"]["coord"], signal.SIGKILL)
     (workdir / "state.json").unlink()

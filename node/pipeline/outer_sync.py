@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
+from ..net.averaging import AveragingError, AveragingRound
 from ..train.outer import OuterOptimizer
 
 if TYPE_CHECKING:
@@ -84,7 +85,7 @@ class OuterSync:
             try:
                 await asyncio.wait_for(self.ready.wait(), self.swarm.outer_timeout_s)
             except asyncio.TimeoutError:
-                log.warning("stage %d: its averager did not start within %.0f s", self.w.stage, self.swarm.outer_timeout_s)
+                log.warning("stage %d: its averager did not start within %.3g s", self.w.stage, self.swarm.outer_timeout_s)
 
     def due(self, committed: int) -> bool:
         """Whether the replicas average after `committed` steps (every outer_every, and the run's last)."""
@@ -101,13 +102,17 @@ class OuterSync:
             await self.w.compute(self._take, committed, None)
             return
         pseudo = await self.w.compute(self.outer.pseudo_gradient)
-        result = await self.averager.average(pseudo, outer_round(committed, self.swarm.outer_every), self.expected,
-                                             self.swarm.outer_timeout_s)
+        try:
+            result = await self.averager.average(pseudo, outer_round(committed, self.swarm.outer_every), self.expected,
+                                                 self.swarm.outer_timeout_s)
+        except AveragingError as exc:  # its own pseudo-gradient not finite (it diverged), or its averager's process ended
+            log.error("stage %d: outer step after step %d without the others: %s", self.w.stage, committed, exc)
+            result = AveragingRound(None, 0)
         self._count(result)
         await self.w.compute(self._take, committed, result.mean)
         self.needs_regroup = result.mean is None
         if result.mean is None:
-            log.warning("stage %d: no replica of it came to outer step %d within %.0f s; it keeps its weights",
+            log.warning("stage %d: no replica of it came to outer step %d within %.3g s; it keeps its weights",
                         self.w.stage, outer_round(committed, self.swarm.outer_every), self.swarm.outer_timeout_s)
         else:
             log.info("stage %d: outer step after step %d with %d replicas (%.2f s, %d bytes sent)", self.w.stage, committed,

@@ -2,8 +2,8 @@
 P x S nodes in namespaces with tc, against the physical limit with the replicas' averaging in it.
 
 Link limit (design.md sections 3 and 9), per pipeline: tokens per step x rate / the bytes per step
-of its busiest node: its busiest data-plane direction plus everything it sent to the replicas of its
-stage (the averaging, tc's counters of those links); the swarm's is the pipelines' sum. Compute
+of its busiest node: its busiest data-plane direction over the measured steps (tc's counters) plus
+what its averager sent per step (its own count); the swarm's is the pipelines' sum. Compute
 limit: the same swarm on unshaped links. tokens/s: every pipeline's tokens over the wall time of its
 measured steps, outer steps included. Table and plot into docs/benchmarks.md."""
 
@@ -16,6 +16,7 @@ from pathlib import Path
 
 from ..config.toml import toml_table
 from .bench_report import markdown_table, pyplot_for, save_figure, write_section
+from .bench_swarm import DEFAULT_PAIRS, NO_SCHEDULE, CodecPair
 from .swarm import LocalSwarm, SwarmError, SwarmSpec
 
 __all__ = ["PipelineRow", "PipelineBench", "pipeline_limits", "run_pipelines", "COLUMNS"]
@@ -54,34 +55,44 @@ class PipelineRow:
 class PipelineBench:
     """How every row trains: the model, the step, the outer step, the steps measured."""
 
-    model: str = "llama-thin"
+    model: str = "llama-thin-3"
     stages: int = 3
     tokens_per_step: int = 16384
     seq_len: int = 128
     micro_batches: int = 4
+    pipeline_micro_batches: int = 8  # fixed: pipelines that tune their cuts apart run apart, and wait for each other
     outer_every: int = 8
     warmup: int = 4
     steps: int = 12
     prefix: str = "tnp-"
     workdir: Path = Path("bench-swarm/pipelines")
+    pair: CodecPair | None = None    # the codecs (None: the run's defaults)
+
+    @property
+    def codecs(self) -> str:
+        return self.pair.label if self.pair else "the run's default pair"
 
     def run_toml(self, steps: int) -> str:
         samples = self.tokens_per_step // self.seq_len
         train = {"steps": steps, "seq_len": self.seq_len, "micro_batches": self.micro_batches,
-                 "batch_size": samples // self.micro_batches, "checkpoint_every": 10**6, "warmup_steps": 1}
-        return toml_table("train", train)
+                 "batch_size": samples // self.micro_batches, "checkpoint_every": 10**6, "warmup_steps": 1,
+                 "pipeline_micro_batches": self.pipeline_micro_batches}
+        if self.pair is None:
+            return toml_table("train", train)
+        codec = {"forward": self.pair.forward, "backward": self.pair.backward, "forward_params": self.pair.forward_params,
+                 "backward_params": self.pair.backward_params, **(self.pair.schedule or NO_SCHEDULE)}
+        return toml_table("train", train) + toml_table("codec", codec)
 
 
-def node_bytes(swarm: LocalSwarm, state: dict) -> dict[str, tuple[int, int]]:
-    """node -> (bytes on its busiest data-plane direction, bytes it sent its stage's replicas), from tc."""
+def data_bytes(swarm: LocalSwarm, state: dict) -> dict[str, int]:
+    """node -> bytes sent so far on its busiest data-plane direction (tc's counters)."""
     chains = {tuple(p["nodes"]) for p in state.get("pipelines", [])}
-    where = {n["id"]: (n["pipeline"], n["stage"]) for n in state["nodes"] if n.get("pipeline") is not None}
     out = {}
-    for node, (pipeline, stage) in where.items():
-        neighbours = {c[k] for c in chains if node in c for k in (stage - 1, stage + 1) if 0 <= k < len(c)}
-        replicas = {m for m, (p, k) in where.items() if k == stage and p != pipeline}
-        sent = {dst: swarm.link_bytes(node, dst) for dst in neighbours | replicas}
-        out[node] = (max((sent[d] for d in neighbours), default=0), sum(sent[d] for d in replicas))
+    for n in state["nodes"]:
+        if n.get("pipeline") is None:
+            continue
+        neighbours = {c[k] for c in chains if n["id"] in c for k in (n["stage"] - 1, n["stage"] + 1) if 0 <= k < len(c)}
+        out[n["id"]] = max((swarm.link_bytes(n["id"], dst) for dst in neighbours), default=0)
     return out
 
 
@@ -97,11 +108,12 @@ def measure(cfg: PipelineBench, rate: float, pipelines: int) -> PipelineRow:
                      workdir=row_dir, run_flags=flags, auto=True, placement_flags=["--settle", "2", "--probe-wait", "4"])
     swarm = LocalSwarm.up(spec)
     try:
-        formed = swarm.wait(lambda s: sum(p["complete"] for p in s.get("pipelines", [])) == pipelines, 300,
-                            f"{pipelines} pipelines")
+        started = swarm.wait(lambda s: sum(p["complete"] for p in s.get("pipelines", [])) == pipelines
+                             and min(p["step"] or 0 for p in s["pipelines"]) >= cfg.warmup, 600, f"{pipelines} pipelines")
+        before = data_bytes(swarm, started) if rate else {}  # the probes' bytes left out: from the measured steps on
         state = swarm.wait(lambda s: s["training"]["finished"], 600 + 60 * steps, f"{steps} steps of every pipeline")
         ledger = swarm.state("ledger")["steps"]
-        sent = node_bytes(swarm, formed) if rate else {}
+        after = data_bytes(swarm, started) if rate else {}
     finally:
         LocalSwarm.down(spec.prefix, row_dir)
     row = PipelineRow(rate, pipelines, cfg.stages, cfg.outer_every)
@@ -111,11 +123,13 @@ def measure(cfg: PipelineBench, rate: float, pipelines: int) -> PipelineRow:
         if mine:
             row.tokens_per_s += cfg.tokens_per_step * len(mine) / sum(row.step_seconds[p])
     row.final_loss = statistics.fmean(e["loss"] for e in ledger if e["step"] == steps - 1)
-    if sent:
-        busiest = max(sent, key=lambda n: sent[n][0] + sent[n][1])
-        row.data_bytes_per_step, row.averaging_bytes_per_step = (b / steps for b in sent[busiest])
-        row.link_limit = pipelines * cfg.tokens_per_step * rate * 1e6 / (8 * (row.data_bytes_per_step + row.averaging_bytes_per_step))
-    outers = [n["outer"] for n in state["nodes"] if n.get("outer", {}).get("steps")]
+    outer = {n["id"]: n.get("outer", {}) for n in state["nodes"]}
+    if after:  # a node's averaging: the bytes its averager counted over the run, per step
+        per_step = {n: ((after[n] - before.get(n, 0)) / cfg.steps, outer.get(n, {}).get("bytes_sent", 0) / steps) for n in after}
+        busiest = max(per_step, key=lambda n: sum(per_step[n]))
+        row.data_bytes_per_step, row.averaging_bytes_per_step = per_step[busiest]
+        row.link_limit = pipelines * cfg.tokens_per_step * rate * 1e6 / (8 * sum(per_step[busiest]))
+    outers = [o for o in outer.values() if o.get("steps")]
     row.outer_seconds = statistics.fmean(o["seconds"] / (o["steps"] + o.get("alone", 0)) for o in outers) if outers else 0.0
     return row
 
@@ -165,10 +179,12 @@ def report(rows: list[PipelineRow], cfg: PipelineBench, doc: Path, plots: Path, 
     text = markdown_table(COLUMNS, [r.cells() for r in rows])
     write_section(doc, f"{name}-pipelines", f"Pipelines in data parallel: {name}", [
         text, "", f"Model: {cfg.model} in {cfg.stages} stages, {cfg.tokens_per_step} tokens per step per pipeline "
-        f"({cfg.seq_len} tokens per sample), codecs: the run's defaults; every node joins with --stage auto and the "
+        f"({cfg.seq_len} tokens per sample), codecs: {cfg.codecs}; every node joins with --stage auto and the "
         f"coordinator forms the pipelines; the replicas average every {cfg.outer_every} steps. {cfg.warmup} warm-up steps, "
-        f"then {cfg.steps} measured steps (tokens over their whole wall time, outer steps included). Every directed link "
-        "is a tc class at the rate; the link limit counts a node's averaging bytes on top of its busiest data direction.",
+        f"then {cfg.steps} measured steps (tokens over their whole wall time, outer steps included); each step cut into "
+        f"{cfg.pipeline_micro_batches} micro-batches (pipelines that tune their cuts apart wait for each other at every outer "
+        "step). Every directed link is a tc class at the rate; the link limit counts a node's averaging bytes on top of its "
+        "busiest data direction.",
         "", f"Command: `{command}`"], [plot(rows, plots / f"{name}-pipelines.png")])
     return text
 
@@ -189,7 +205,9 @@ def main(args, command: str) -> int:
         rates = [float(x) for x in args.rates.split(",") if x.strip()]
         if not counts or min(counts) < 1 or args.outer_every < 1:
             raise ValueError("--pipelines takes whole numbers >= 1, --outer-every one >= 1")
-        cfg = PipelineBench(model=args.model or "llama-thin", stages=int(args.stages.split(",")[0]),
+        pair = None if args.pairs == DEFAULT_PAIRS else CodecPair.parse(args.pairs.split(",")[0])
+        cfg = PipelineBench(model=args.model or "llama-thin-3", stages=int(args.stages.split(",")[0]), pair=pair,
+                            pipeline_micro_batches=args.pipeline_micro_batches or 8,
                             tokens_per_step=args.tokens_per_step, seq_len=args.seq_len, micro_batches=args.micro_batches or 4,
                             outer_every=args.outer_every, warmup=args.warmup, steps=args.steps, prefix=args.prefix,
                             workdir=Path(args.workdir) / "pipelines")

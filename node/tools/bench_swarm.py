@@ -249,9 +249,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--seq-len", type=int, default=128, help="tokens per sample (default 128)")
     ap.add_argument("--micro-batches", type=int, default=0, help="the step's samples as this many micro-batches (default 4)")
     ap.add_argument("--pipeline-micro-batches", type=int, default=0,
-                    help="micro-batches the pipeline cuts a step into (default 0: auto, tahnode.pipeline.schedule)")
+                    help="micro-batches the pipeline cuts a step into (default 0: auto, tahnode.pipeline.schedule; "
+                    "with --pipelines 8, the same for every pipeline)")
     ap.add_argument("--model", default="", help="model preset or TOML (default llama-thin: dim 64, so links dominate; with "
-                    "--convergence llama-tiny)")
+                    "--convergence llama-tiny; with --pipelines llama-thin-3, a quarter of its compute)")
     ap.add_argument("--transports", default="grpc", help="the nodes' data planes to compare, comma-separated: grpc, p2p "
                     "(p2p needs pip install 'tahnode[p2p]'; default grpc)")
     ap.add_argument("--shaper", default=Shaper.TC.value, choices=[s.value for s in Shaper], help="tc (root; default) or userspace")

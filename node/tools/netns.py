@@ -10,10 +10,11 @@ import shutil
 import subprocess
 from dataclasses import dataclass, field
 
-__all__ = ["NetnsError", "Host", "Topology", "check_root", "create", "remove", "namespaces", "pids_in", "class_bytes"]
+__all__ = ["NetnsError", "Host", "Topology", "check_root", "create", "free_host_link", "remove", "namespaces", "pids_in",
+           "class_bytes"]
 
 SUBNET = "10.77.0"
-HOST_LINK = ("10.78.0.1", "10.78.0.2")  # root side, the exposed host's side (/30)
+HOST_LINKS = "10.78"                   # the root namespace's veths: the first free /30 in 10.78.0.0/16
 QUEUE_S = 0.4                           # a shaped link queues this many seconds of its rate, then drops
 
 
@@ -38,6 +39,7 @@ class Topology:
     hosts: list[Host]
     rates: dict[tuple[str, str], float] = field(default_factory=dict)  # (src, dst) -> bits/s
     exposed: str = ""                                                   # the host reachable from the root namespace
+    host_link_addresses: tuple[str, str] = ("", "")                     # (root side, exposed side), set by create()
 
     @classmethod
     def star(cls, prefix: str, names: list[str], rate_bps: float, slow: dict[frozenset, float] | None = None,
@@ -174,14 +176,26 @@ def create(topo: Topology) -> None:
             _shape(topo, host)
         if topo.exposed:
             ns = topo.host(topo.exposed).namespace(topo.prefix)
+            root_side, exposed_side = topo.host_link_addresses = free_host_link()
             _run("ip", "link", "add", topo.host_link, "type", "veth", "peer", "name", "host0", "netns", ns)
-            _run("ip", "addr", "add", f"{HOST_LINK[0]}/30", "dev", topo.host_link)
+            _run("ip", "addr", "add", f"{root_side}/30", "dev", topo.host_link)
             _run("ip", "link", "set", topo.host_link, "up")
-            _run("ip", "-n", ns, "addr", "add", f"{HOST_LINK[1]}/30", "dev", "host0")
+            _run("ip", "-n", ns, "addr", "add", f"{exposed_side}/30", "dev", "host0")
             _run("ip", "-n", ns, "link", "set", "host0", "up")
     except BaseException:
         remove(topo.prefix)
         raise
+
+
+def free_host_link() -> tuple[str, str]:
+    """The two addresses of the first /30 in 10.78.0.0/16 that no interface of the root namespace
+    holds: swarms of other prefixes (another test, a bench left running) keep theirs."""
+    held = set(_run("ip", "-4", "-o", "addr", "show", check=False).stdout.split())
+    for block in range(0, 1 << 16, 4):
+        pair = tuple(f"{HOST_LINKS}.{(block + k) >> 8}.{(block + k) & 255}" for k in (1, 2))
+        if not any(line.startswith(f"{address}/") for line in held for address in pair):
+            return pair
+    raise NetnsError(f"every /30 of {HOST_LINKS}.0.0/16 is in use by the root namespace")
 
 
 def remove(prefix: str) -> list[str]:

@@ -152,7 +152,7 @@ class LocalSwarm:
         if self.topo:
             coord = self.topo.host("coord").address
             self.coordinator, listen_http = f"{coord}:{COORD_PORT}", f"0.0.0.0:{HTTP_PORT}"
-            self.http = f"http://{netns.HOST_LINK[1]}:{HTTP_PORT}"
+            self.http = f"http://{self.topo.host_link_addresses[1]}:{HTTP_PORT}"
         else:
             self.coordinator, port = f"127.0.0.1:{free_port()}", free_port()
             listen_http, self.http = f"127.0.0.1:{port}", f"http://127.0.0.1:{port}"
