@@ -29,8 +29,8 @@ os.environ["TAHNODE_TEST_SESSION"] = str(os.getpid())
 SESSION_MARK = f"TAHNODE_TEST_SESSION={os.environ['TAHNODE_TEST_SESSION']}".encode()
 
 # What shares the root network namespace (tahnode.tools.netns's host links in 10.78.0.0/16, dockerd's
-# nftables and docker0, the CPU that shaped links are measured against): under pytest-xdist (`make test` runs 2 workers) these tests share one group,
-# so one worker runs them one after another.
+# nftables and docker0, the CPU that shaped links are measured against): under pytest-xdist (`make test`
+# runs 2 workers) these tests share one group, so one worker runs them one after another.
 ROOT_NETWORK_GROUP = "root-network"
 
 
