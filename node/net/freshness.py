@@ -78,7 +78,7 @@ class ReplayGuard:
         if self.store is None or not self.store.exists():
             return {}
         try:
-            return {str(k): int(v) for k, v in json.loads(self.store.read_text()).items()}
+            return current({str(k): int(v) for k, v in json.loads(self.store.read_text()).items()}, self.started - self.window)
         except (ValueError, OSError, AttributeError) as exc:
             log.warning("could not read the counters seen before a restart from %s (%s): starting without them", self.store, exc)
             return {}
@@ -129,6 +129,9 @@ class ReplayGuard:
             self._prune(now)
 
     def _prune(self, now: float) -> None:
+        """Forget the counters, and the senders, that are off the clock by now: a seal of theirs is
+        refused as OFF_CLOCK whatever was recorded of it, so what the guard keeps (and saves) is
+        bounded by what senders sealed within one window, not by every name it ever saw."""
         horizon = now - self.window
         for sender in list(self.seen):
             kept = {c: t for c, t in self.seen[sender].items() if t >= horizon}
@@ -136,4 +139,11 @@ class ReplayGuard:
                 self.seen[sender] = kept
             else:
                 del self.seen[sender]
+        self.high = current(self.high, horizon)
+        self.floor = current(self.floor, horizon)
         self.last_prune = now
+
+
+def current(counters: dict[str, int], horizon: float) -> dict[str, int]:
+    """The senders whose highest counter is at or after `horizon` (seconds of the clock)."""
+    return {sender: counter for sender, counter in counters.items() if counter / 1e6 >= horizon}
