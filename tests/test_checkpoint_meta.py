@@ -188,3 +188,26 @@ def test_codec_state_of_another_shape_is_a_corrupt_checkpoint(tmp_path):
         assert [c.step for c in store.list(1, run.stages)] == [4]
     finally:
         worker.close()
+
+
+def test_checkpoints_ahead_of_the_ledger_neither_push_out_confirmed_ones_nor_become_the_resume_point(servers):
+    """Issue 39, finding 9: uploads of steps up to the ledger + 200 were taken as they came and the
+    store kept its newest 3 whatever they were: a holder's 43, 44 and a made-up 250 pushed out the
+    real 40, and every new holder resumed at 250. Files ahead of the ledger now wait apart."""
+    reg, names = servers.registry, [n for n, _ in build_stage(servers.run_cfg.model, 0, servers.run_cfg.stages).named_parameters()]
+    reg.join(servers.sealer("n-last", run="").seal(pb.JoinRequest(node_id="n-last", address="127.0.0.1:5",
+                                                                  stage=servers.run_cfg.loss_stage), COORDINATOR))
+
+    def at(step: int) -> bytes:
+        return poisoned(servers.checkpoint, {"step": str(step)})
+
+    heartbeat(servers, "n-last", [pb.LossPoint(step=k, loss=5.0, sample_ids=[k]) for k in range(8)])
+    assert upload(servers, servers.checkpoint.read_bytes(), step=7) is None
+    for step in (10, 11, 90):  # ahead of the ledger's 8 steps, within its slack and the run's 100
+        assert upload(servers, at(step), step=step) is None
+    assert stored(servers) == [7, 10, 11, 90] and reg.resume_step(0) == 7
+    heartbeat(servers, "n-last", [pb.LossPoint(step=k, loss=5.0, sample_ids=[k]) for k in range(8, 11)])
+    assert reg.resume_step(0) == 11  # the ledger holds 11 steps now: the file of step 11 is confirmed
+    for step in (12, 13, 14):
+        assert upload(servers, at(step), step=step) is None
+    assert stored(servers) == [7, 10, 11, 13, 14, 90] and reg.resume_step(0) == 11  # 3 confirmed, 3 ahead

@@ -99,7 +99,7 @@ def test_status_page_in_chromium_shows_the_live_swarm(swarm, chromium, tmp_path)
         assert index.nodes[f"node{k}"]["stage"] == str(k)
     shown = {pair: float(row["mbps"]) for pair, row in index.links.items()}
     assert ("node0", "node1") in shown and ("node1", "node0") in shown
-    assert all(v > 0 for v in shown.values())
+    assert all(v > 0 for v in shown.values()), shown
     assert int(index.by_id["step"].replace(",", "")) >= state["training"]["step"]
     assert shot.exists() and shot.stat().st_size > 20_000
     metrics = swarm_metrics(swarm)

@@ -169,9 +169,15 @@ class SwarmRegistry:
         return self.peer(n) if n is not None else pb.Peer(stage=stage)
 
     def resume_step(self, stage: int) -> int:
-        """The step a new holder of `stage` resumes from: the store's newest checkpoint of it."""
-        ckpt = self.store.latest(stage, self.run.stages)
+        """The step a new holder of `stage` resumes from: the store's newest checkpoint of it that
+        the ledger confirms (a holder may upload a step a little ahead of the loss reports, or make
+        one up: that file waits until the ledger reaches its step)."""
+        ckpt = self.store.latest(stage, self.run.stages, at_most=self.confirmed_step())
         return ckpt.step if ckpt else 0
+
+    def confirmed_step(self) -> int:
+        """The steps the furthest pipeline's ledger holds: a checkpoint of a step up to it is confirmed."""
+        return max((self.ledger_next(p) for p in self.histories), default=0)
 
     def assignment(self, node: NodeRecord, with_config: bool = False) -> pb.Assignment:
         """What `node` holds and who its neighbours are; the run's configuration with it if asked
@@ -337,7 +343,7 @@ class SwarmRegistry:
         if node.status is not NodeStatus.ACTIVE or node.stage != stage:
             raise InvalidRequest(f"node {node_id} does not hold stage {stage} now ({node.status}, stage {node.stage}): "
                                  "it may not upload that stage's checkpoints")
-        known = max((self.ledger_next(p) for p in self.roster.pipelines()), default=0)
+        known = self.confirmed_step()
         if not 1 <= step <= min(known + LEDGER_SLACK, self.run.train.steps):
             raise InvalidRequest(f"a checkpoint of step {step} is outside the run: the ledger has {known} "
                                  f"steps of {self.run.train.steps}")

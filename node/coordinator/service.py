@@ -123,7 +123,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                         await context.abort(UPLOAD_CODES.get(type(exc), grpc.StatusCode.DATA_LOSS),
                                             f"checkpoint of stage {chunk.stage} at step {chunk.step} refused, not stored: {exc}")
                     writer = None
-                    self.r.store.prune(chunk.stage, chunk.num_stages)
+                    self.r.store.prune(chunk.stage, chunk.num_stages, self.r.confirmed_step())
                     log.info("stored %s (%d bytes) from %s", final.name, total, chunk.node_id)
         finally:
             if writer is not None:

@@ -216,16 +216,24 @@ class CheckpointStore:
         ckpt.path.replace(aside)
         return aside
 
-    def prune(self, stage: int, num_stages: int) -> None:
-        """Keep only the newest `keep` files of the stage."""
-        for old in self.list(stage, num_stages)[: -self.keep]:
-            old.path.unlink(missing_ok=True)
+    def prune(self, stage: int, num_stages: int, confirmed: int | None = None) -> None:
+        """Keep only the newest `keep` files of the stage; with `confirmed` (the steps a ledger
+        holds), the newest `keep` at or before it and, apart, the newest `keep` after it: files of
+        steps nobody confirmed yet never push out those of steps that were."""
+        found = self.list(stage, num_stages)
+        if confirmed is None:
+            old = found[: -self.keep]
+        else:
+            old = [c for c in found if c.step <= confirmed][: -self.keep] + [c for c in found if c.step > confirmed][: -self.keep]
+        for ckpt in old:
+            ckpt.path.unlink(missing_ok=True)
 
     def find(self, stage: int, num_stages: int, step: int) -> Checkpoint | None:
         return next((c for c in self.list(stage, num_stages) if c.step == step), None)
 
-    def latest(self, stage: int, num_stages: int) -> Checkpoint | None:
-        found = self.list(stage, num_stages)
+    def latest(self, stage: int, num_stages: int, at_most: int | None = None) -> Checkpoint | None:
+        """The stage's newest file (of a step at most `at_most`, if given)."""
+        found = [c for c in self.list(stage, num_stages) if at_most is None or c.step <= at_most]
         return found[-1] if found else None
 
     def save(self, stage: int, num_stages: int, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
