@@ -107,6 +107,27 @@ def test_only_the_loss_stage_holder_reports_losses_and_only_numbers(servers):
     assert all(math.isfinite(p.loss) for p in reg.ledger().values())
 
 
+def test_the_loss_stage_holder_rewrites_no_further_back_than_a_rollback_goes(servers):
+    """Issue 39, finding 8: the loss stage's own holder wiped the durable ledger (50 steps to 1) with
+    one LossPoint(step=0), which also cleared an open divergence alert; and a NaN loss was dropped
+    before the alert could see it. A report may rewrite steps back to the oldest checkpoint every
+    stage has in the store, or its pipeline's last outer step, no further."""
+    reg = servers.registry
+    reg.join(servers.sealer("n-last", run="").seal(pb.JoinRequest(node_id="n-last", address="127.0.0.1:5",
+                                                                  stage=reg.run.loss_stage), COORDINATOR))
+    heartbeat(servers, "n-last", [pb.LossPoint(step=k, loss=5.0 - k / 50, sample_ids=[k]) for k in range(50)])
+    for stage in range(reg.run.stages):  # the checkpoints the stages uploaded (their contents do not matter here)
+        for step in (40, 45):
+            reg.store.path(stage, reg.run.stages, step).write_bytes(b"")
+    assert reg.rollback_floor(0) == 40
+    heartbeat(servers, "n-last", [pb.LossPoint(step=0, loss=9.0, sample_ids=[1])])
+    assert sorted(reg.ledger()) == list(range(50)) and reg.ledger()[0].loss == 5.0
+    heartbeat(servers, "n-last", [pb.LossPoint(step=50, loss=math.nan)])
+    assert any("ALERT" in e and "step 50" in e for e in reg.events), reg.events
+    heartbeat(servers, "n-last", [pb.LossPoint(step=42, loss=4.0, sample_ids=[1])])  # a rollback to a checkpoint
+    assert sorted(reg.ledger()) == list(range(43)) and reg.ledger()[42].loss == 4.0
+
+
 def test_a_heartbeat_cannot_grow_the_coordinators_state(servers):
     """Finding 6: a node's links were never cleared: one 1.4 MB heartbeat added 60 000 of them."""
     reg = servers.registry

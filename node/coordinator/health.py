@@ -94,6 +94,10 @@ class LossHistory:
         for step, loss in sorted(self.points.items()):
             self.watch.observe(step, loss)
 
+    def watch_only(self, step: int, loss: float) -> tuple[LossAlert | None, bool]:
+        """What the watch makes of a step that is not recorded (a loss that is not a number)."""
+        return self.watch.observe(step, loss)
+
     def add(self, step: int, loss: float) -> tuple[LossAlert | None, bool]:
         """Record a committed step: (a newly raised alert or None, whether an open alert cleared)."""
         if self.points and max(self.points) >= step:

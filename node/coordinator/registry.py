@@ -175,6 +175,16 @@ class SwarmRegistry:
         ckpt = self.store.latest(stage, self.run.stages, at_most=self.confirmed_step())
         return ckpt.step if ckpt else 0
 
+    def rollback_floor(self, pipeline: int) -> int:
+        """The earliest step a loss report may rewrite in `pipeline`'s ledger: a rollback goes back to
+        a checkpoint every stage has (the oldest the store keeps of the stage that has the least), or
+        to the pipeline's last outer step (at most outer_every steps); never further (a report of
+        step 0 wiped the ledger)."""
+        stored = [self.store.list(k, self.run.stages) for k in range(self.run.stages)]
+        confirmed = self.confirmed_step()
+        oldest = [min((c.step for c in found if c.step <= confirmed), default=0) for found in stored]
+        return min(min(oldest, default=0), max(0, self.ledger_next(pipeline) - self.run.swarm.outer_every))
+
     def confirmed_step(self) -> int:
         """The steps the furthest pipeline's ledger holds: a checkpoint of a step up to it is confirmed."""
         return max((self.ledger_next(p) for p in self.histories), default=0)
@@ -303,12 +313,19 @@ class SwarmRegistry:
             log.warning("ignored %d losses from %s: only the holder of stage %d reports them", len(points), reporter.node_id,
                         self.run.loss_stage)
             return
-        kept = [p for p in points if 0 <= p.step < self.run.train.steps and math.isfinite(p.loss)]
-        if len(kept) < len(points):
-            log.warning("ignored %d losses from %s: a step outside the run's %d or a loss that is not a number",
-                        len(points) - len(kept), reporter.node_id, self.run.train.steps)
-        points = kept
         history = self.history(reporter.pipeline)
+        for point in points:  # a loss that is not a number is never stored, but the alert hears of it
+            if 0 <= point.step < self.run.train.steps and not math.isfinite(point.loss):
+                raised, _ = history.watch_only(point.step, point.loss)
+                if raised is not None:
+                    self.event(f"ALERT: {raised.message(self.run.codec.label)}", logging.WARNING)
+        floor = self.rollback_floor(reporter.pipeline)
+        kept = [p for p in points if floor <= p.step < self.run.train.steps and math.isfinite(p.loss)]
+        if len(kept) < len(points):
+            log.warning("ignored %d losses from %s: a step outside the run's %d, before step %d (the furthest a rollback "
+                        "goes back), or a loss that is not a number", len(points) - len(kept), reporter.node_id,
+                        self.run.train.steps, floor)
+        points = kept
         for point in points:
             raised, cleared = history.add(point.step, point.loss)
             if raised is not None:
