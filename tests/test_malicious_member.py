@@ -13,6 +13,7 @@ import torch
 from safetensors.torch import save
 
 from tahnode.coordinator.state import NodeStatus
+from tahnode.net.errors import InvalidRequest
 from tahnode.net.freshness import COORDINATOR
 from tahnode.pipeline.checkpoint import DIGEST_KEY, digest, read_verified
 from tahnode.proto import tahnode_pb2 as pb
@@ -136,6 +137,30 @@ def test_a_heartbeat_cannot_grow_the_coordinators_state(servers):
     msg = servers.sealer(NODE).seal(pb.HeartbeatRequest(node_id=NODE, links=links), COORDINATOR)
     send(servers, RPCS["Heartbeat"], [msg.SerializeToString()])
     assert reg.nodes[NODE].links == {}  # none of them is a node of the swarm
+
+
+def test_a_heartbeats_stats_and_a_joins_names_are_kept_to_what_they_show(servers):
+    """Issue 39, finding 4: a heartbeat's free maps (refusals by reason, offences, outer figures) were
+    kept whole and shown on /metrics and /api/v1/state (10 standbys x one 3.7 MB heartbeat: +197 MB,
+    a 92 MB state document); node ids and devices of 1 and 2 MB joined."""
+    reg = servers.registry
+    junk = {f"reason-{k}-" + "x" * 40: k for k in range(14_000)}
+    stats = pb.TrainingStats(step=3, refused={**junk, "replayed": 2}, offences=junk, outer={**junk, "steps": 1.0},
+                             outer_offences=junk)
+    msg = servers.sealer(NODE).seal(pb.HeartbeatRequest(node_id=NODE, stats=stats), COORDINATOR)
+    assert msg.ByteSize() > 2_500_000
+    send(servers, RPCS["Heartbeat"], [msg.SerializeToString()])
+    kept = reg.nodes[NODE].stats
+    assert dict(kept.refused) == {"replayed": 2} and kept.step == 3
+    assert len(kept.offences) <= 16 and len(kept.outer_offences) <= 16 and len(kept.outer) <= 16 and "steps" in kept.outer
+    assert kept.ByteSize() < 4096
+    for field in ("node_id", "device"):
+        name = {"node_id": "x" * (1 << 20), "device": "cuda:0"}
+        name[field] = "y" * (2 << 20)
+        join = servers.sealer(name["node_id"], run="").seal(pb.JoinRequest(address="127.0.0.1:9", stage=-1, **name), COORDINATOR)
+        with pytest.raises(InvalidRequest):
+            reg.join(join)
+    assert len(reg.nodes) == 1
 
 
 def test_records_of_nodes_long_gone_are_forgotten(servers):

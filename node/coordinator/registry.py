@@ -21,6 +21,7 @@ from ..proto import tahnode_pb2 as pb
 from .bans import BanPolicy, Bans, ban_marks
 from .durable import SwarmDB
 from .health import LossHistory, LossWatch
+from .reports import check_names, kept_stats
 from .roster import Roster
 from .state import STANDBY, Census, NodeRecord, NodeStatus
 
@@ -229,6 +230,7 @@ class SwarmRegistry:
     def join(self, req: pb.JoinRequest) -> pb.JoinReply:
         if not req.node_id or not req.address:
             raise InvalidRequest("join needs a node id and an address")
+        check_names(req)
         self.check(req, req.node_id, run_optional=True, bind=True)
         banned = self.bans.left_any(ban_marks(req.node_id, req.seal.public_key, req.address))
         if banned:
@@ -261,7 +263,7 @@ class SwarmRegistry:
         if node is None or not node.status.live:
             raise UnknownNode(f"unknown node {req.node_id!r}: join first")
         node.last_seen = time.monotonic()
-        node.stats.CopyFrom(req.stats)
+        node.stats.CopyFrom(kept_stats(req.stats))
         if req.layer_ms > 0:
             node.layer_ms = req.layer_ms
         for link in req.links[:MAX_LINKS_PER_NODE]:  # to nodes it could have sent to, a few at most
