@@ -145,13 +145,13 @@ def test_a_heartbeats_stats_and_a_joins_names_are_kept_to_what_they_show(servers
     a 92 MB state document); node ids and devices of 1 and 2 MB joined."""
     reg = servers.registry
     junk = {f"reason-{k}-" + "x" * 40: k for k in range(14_000)}
-    stats = pb.TrainingStats(step=3, refused={**junk, "replayed": 2}, offences=junk, outer={**junk, "steps": 1.0},
+    stats = pb.TrainingStats(step=3, refused={**junk, "replayed": 2, "bad_micro_batch": 5}, offences=junk, outer={**junk, "steps": 1.0},
                              outer_offences=junk)
     msg = servers.sealer(NODE).seal(pb.HeartbeatRequest(node_id=NODE, stats=stats), COORDINATOR)
     assert msg.ByteSize() > 2_500_000
     send(servers, RPCS["Heartbeat"], [msg.SerializeToString()])
     kept = reg.nodes[NODE].stats
-    assert dict(kept.refused) == {"replayed": 2} and kept.step == 3
+    assert dict(kept.refused) == {"replayed": 2, "bad_micro_batch": 5} and kept.step == 3
     assert len(kept.offences) <= 16 and len(kept.outer_offences) <= 16 and len(kept.outer) <= 16 and "steps" in kept.outer
     assert kept.ByteSize() < 4096
     for field in ("node_id", "device"):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from ..net.errors import InvalidRequest
 from ..net.freshness import RefusalReason
+from ..pipeline.state import BAD_MICRO_BATCH
 from ..proto import tahnode_pb2 as pb
 
 __all__ = ["kept_stats", "check_names", "MAX_ID", "MAX_DEVICE", "MAX_ADDRESS", "MAX_OFFENDERS", "MAX_OUTER_FIGURES"]
@@ -14,7 +15,7 @@ MAX_DEVICE = 64         # of a device string ("cuda:0", "cpu", a GPU's name)
 MAX_ADDRESS = 512       # of an address (host:port, or a p2p multiaddress with its peer id)
 MAX_OFFENDERS = 16      # senders a node's offence counts name (only its neighbours and replicas are judged)
 MAX_OUTER_FIGURES = 16  # figures of its outer steps (tahnode.pipeline.outer_sync.OuterSync.report)
-REASONS = frozenset(r.value for r in RefusalReason)
+REASONS = frozenset(r.value for r in RefusalReason) | {BAD_MICRO_BATCH}
 
 
 def kept_stats(stats: pb.TrainingStats) -> pb.TrainingStats:

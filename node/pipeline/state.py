@@ -12,7 +12,10 @@ import torch
 from ..net.transport import BACKWARD, FORWARD
 from ..proto import tahnode_pb2 as pb
 
-__all__ = ["PipelineError", "DivergedStep", "Pending", "StepState", "StopRequest", "Stopping", "StepRecord", "Stats"]
+__all__ = ["PipelineError", "DivergedStep", "Pending", "StepState", "StopRequest", "Stopping", "StepRecord", "Stats",
+           "BAD_MICRO_BATCH"]
+
+BAD_MICRO_BATCH = "bad_micro_batch"  # the refusal count of the micro-batches a stage refused (heartbeats' stats)
 
 
 class PipelineError(RuntimeError):
@@ -133,7 +136,7 @@ class Stats:
         for r in self.outbox:
             stats.losses.add(step=r.step, loss=r.loss, sample_ids=r.sample_ids, seconds=r.seconds)
         if self.refused_micro_batches:
-            stats.refused["bad_micro_batch"] = self.refused_micro_batches
+            stats.refused[BAD_MICRO_BATCH] = self.refused_micro_batches
         for sender, count in self.offences.items():
             stats.offences[sender] = count
         return stats
