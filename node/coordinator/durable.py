@@ -43,6 +43,7 @@ class SwarmDB:
         self.db.execute("PRAGMA synchronous=NORMAL")  # WAL: no fsync per write (a join cost 1.6 ms of fsync)
         self.db.executescript(SCHEMA)
         self.saved_holders: list | None = None
+        self.ledger_version = 0  # bumps with every write to the ledger (a cached ledger document is stale then)
 
     def ledger(self) -> dict[int, dict[int, pb.LossPoint]]:
         """pipeline -> step -> its committed step."""
@@ -65,6 +66,7 @@ class SwarmDB:
     def record(self, points: list[pb.LossPoint], pipeline: int = 0) -> None:
         """Store committed steps of a pipeline in order, each replacing the step it names and every
         later one of that pipeline (after a rollback those are trained again), in one transaction."""
+        self.ledger_version += 1
         with self.db:
             self.db.execute("BEGIN")
             for p in points:

@@ -35,7 +35,7 @@ from .registry import SwarmRegistry
 from .service import CoordinatorServicer
 from .state import NodeRecord
 from .status_page import SwarmView, make_app
-from .view import all_links, latest_on, ledger_json, swarm_state
+from .view import LedgerDocument, all_links, latest_on, swarm_state
 
 log = logging.getLogger("tahnode.coordinator")
 
@@ -68,7 +68,12 @@ class StateSnapshot:
 
 def http_app(snapshot: StateSnapshot, registry: SwarmRegistry, placement: Placement) -> web.Application:
     app = make_app(snapshot, lambda offset, limit: all_links(registry, placement, offset, limit))
-    app.router.add_get("/api/v1/ledger", lambda _r: web.json_response(ledger_json(registry)))
+    ledger = LedgerDocument(registry)
+
+    async def get_ledger(_request: web.Request) -> web.Response:
+        return web.Response(body=await ledger.get(), content_type="application/json")
+
+    app.router.add_get("/api/v1/ledger", get_ledger)
     return app
 
 

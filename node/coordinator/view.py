@@ -3,6 +3,8 @@ history and events (`swarm_state`, the /api/v1/state document), and the ledger o
 
 from __future__ import annotations
 
+import asyncio
+import json
 import math
 
 from ..net.channels import transport_of
@@ -12,7 +14,7 @@ from .placement import Placement, chain_links
 from .registry import SwarmRegistry
 from .state import NodeRecord, NodeStatus
 
-__all__ = ["swarm_state", "ledger_json", "all_links"]
+__all__ = ["swarm_state", "ledger_json", "all_links", "LedgerDocument"]
 
 OUTER_KEYS = 16  # figures of a node's outer steps shown (a heartbeat's map is the node's to fill)
 
@@ -158,3 +160,25 @@ def ledger_json(r: SwarmRegistry) -> dict:
     (GET /api/v1/ledger), pipeline by pipeline."""
     return {"steps": [{"pipeline": pipeline, "step": step, "loss": p.loss, "sample_ids": list(p.sample_ids), "seconds": p.seconds}
                       for pipeline, ledger in sorted(r.ledgers().items()) for step, p in sorted(ledger.items())]}
+
+
+class LedgerDocument:
+    """GET /api/v1/ledger's body: built once per change of the ledger, its JSON encoded off the event
+    loop, and served as it is to every GET until the ledger changes (each GET built it whole on the
+    loop: 0.24-0.36 s and 2.3 MB at 20 k steps, for anyone who asked)."""
+
+    def __init__(self, registry: SwarmRegistry):
+        self.r = registry
+        self.version, self.body = -1, b""
+        self.builds = 0
+        self._lock = asyncio.Lock()
+
+    async def get(self) -> bytes:
+        async with self._lock:
+            version = self.r.db.ledger_version
+            if version != self.version:
+                rows = ledger_json(self.r)
+                self.body = await asyncio.to_thread(lambda: json.dumps(rows).encode())
+                self.version = version
+                self.builds += 1
+            return self.body
