@@ -72,4 +72,4 @@ def test_pipelines_train_in_data_parallel_and_a_late_pair_forms_another(tmp_path
             wa, wb = final_weights(swarm, a), final_weights(swarm, b)
             assert nodes[a]["stage"] == nodes[b]["stage"] and wa.keys() == wb.keys()
             for name in wa:
-                assert float((wa[name] - wb[name]).abs().max()) < 1e-3, name
+                assert float((wa[name] - wb[name]).abs().max()) < 1e-3, (a, b, name)

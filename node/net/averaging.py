@@ -124,8 +124,12 @@ class StageAverager:
             return AveragingRound(None, 0, seconds=time.monotonic() - started)
         group = await asyncio.to_thread(self._averager.run_round, vector.cpu(), format(round % 256, "08b"),
                                         expected, timeout)
-        refused, sent, received = await asyncio.to_thread(self._averager.ask, "_take_ledger")
+        refused, sent, received, partial = await asyncio.to_thread(self._averager.ask, "_take_ledger")
         mean = None
+        if group is not None and partial:  # its values of some parts are its own: not the group's mean
+            log.warning("averaging %s round %d: a part's average never came back; the round counts as missed",
+                        self.prefix, round)
+            group = None
         if group is not None:
             mean = await asyncio.to_thread(self._result)
         if refused:
@@ -192,6 +196,7 @@ class Ledger:
         self.members: frozenset[str] = frozenset()
         self.refused: Counter = Counter()
         self.sent = self.received = 0
+        self.partial = False  # a part's average never came back in the last round
 
     def admits(self, peer) -> bool:
         return not self.members or str(peer) in self.members
@@ -199,9 +204,12 @@ class Ledger:
     def refuse(self, peer) -> None:
         self.refused[str(peer)] += 1
 
-    def take(self) -> tuple[dict[str, int], int, int]:
-        tally = (dict(self.refused), self.sent, self.received)
-        self.refused, self.sent, self.received = Counter(), 0, 0
+    def mark_partial(self) -> None:
+        self.partial = True
+
+    def take(self) -> tuple[dict[str, int], int, int, bool]:
+        tally = (dict(self.refused), self.sent, self.received, self.partial)
+        self.refused, self.sent, self.received, self.partial = Counter(), 0, 0, False
         return tally
 
     async def counting_received(self, stream: AsyncIterator) -> AsyncIterator:

@@ -89,9 +89,18 @@ class CheckedContainer(TensorPartContainer):
     for every replica, so that they stay equal), and an average that is non-finite, of another shape,
     or too large (accepted()) is refused: the part stays as it was."""
 
-    def __init__(self, *args, ratio: float, refuse, **kwargs):
-        self.ratio, self.refuse = ratio, refuse
+    def __init__(self, *args, ratio: float, refuse, on_partial, **kwargs):
+        self.ratio, self.refuse, self.on_partial = ratio, refuse, on_partial
         super().__init__(*args, **kwargs)
+
+    def register_failed_reducer(self, peer_index: int):
+        """As hivemind's (this replica's own values for the parts that reducer never averaged), and
+        told (`on_partial`): the round's result is not the group's, and the replicas would drift apart."""
+        self.on_partial()
+        for part_index in range(self._outputs_registered_by_peer[peer_index], self.num_parts_by_peer[peer_index]):
+            own = self._input_parts_by_peer[peer_index][part_index][0]
+            TensorPartContainer.register_processed_part(self, peer_index, part_index, torch.zeros_like(own))
+            self.failed_size += own.numel()
 
     def register_processed_part(self, peer_index: int, part_index: int, part: torch.Tensor):
         own = self._input_parts_by_peer[peer_index][part_index][0]
@@ -125,7 +134,7 @@ class CheckedRunner(AllReduceRunner):
         self.tensor_part_reducer.finished.set()
         self.tensor_part_container = CheckedContainer(tensors, peer_fractions, return_deltas=True, ratio=ratio,
                                                       refuse=lambda k: self._refuse(self.ordered_peer_ids[k]),
-                                                      **container)
+                                                      on_partial=ledger.mark_partial, **container)
         index = self.ordered_peer_ids.index(self.peer_id)
         self.parts_for_local_averaging = self.tensor_part_container.get_raw_input_parts(index)
         own = self.sender_peer_ids.index(self.peer_id) if self.peer_id in self.sender_peer_ids else -1

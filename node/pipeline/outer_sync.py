@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
@@ -20,6 +21,8 @@ if TYPE_CHECKING:
     from .worker import StageWorker
 
 log = logging.getLogger("tahnode.pipeline")
+
+CATCH_UP_S = 10.0  # after a boundary without a group, how long a replica looks for the others' outer weights of it
 
 __all__ = ["OuterSync", "OuterStats", "Averager", "outer_round"]
 
@@ -67,6 +70,7 @@ class OuterSync:
         self.expected = 1
         self.anchor_step = worker.committed  # the step the outer weights are of
         self.needs_regroup = False           # the last boundary found no group while pipelines train
+        self.alone_at: int | None = None     # that boundary's step (its outer weights are its own, not the group's)
         self.stats = OuterStats()
         self._lock = threading.Lock()        # the outer weights, against the thread that serves them to newcomers
 
@@ -110,13 +114,46 @@ class OuterSync:
             result = AveragingRound(None, 0)
         self._count(result)
         await self.w.compute(self._take, committed, result.mean)
-        self.needs_regroup = result.mean is None
-        if result.mean is None:
+        self.needs_regroup = result.mean is None and not await self._catch_up(committed)
+        if self.needs_regroup:
             log.warning("stage %d: no replica of it came to outer step %d within %.3g s; it keeps its weights",
                         self.w.stage, outer_round(committed, self.swarm.outer_every), self.swarm.outer_timeout_s)
-        else:
+        elif result.mean is not None:
             log.info("stage %d: outer step after step %d with %d replicas (%.2f s, %d bytes sent)", self.w.stage, committed,
                      result.group, result.seconds, result.bytes_sent)
+
+    async def _catch_up(self, committed: int) -> bool:
+        """After a boundary where it found no group: the other replicas may have averaged this same
+        step without it (they formed their group at the deadline). Take their outer weights of it if
+        a peer serves them within CATCH_UP_S, as if it had been in their group (this stage alone, no
+        step trained again); else the replica keeps its own, and its pipeline regroups."""
+        deadline = time.monotonic() + CATCH_UP_S
+        while time.monotonic() < deadline:
+            try:
+                peer = await self.averager.load_state(max(1.0, deadline - time.monotonic()))
+            except AveragingError:  # its averager's process ended
+                return False
+            step = peer[0].get("step") if peer else None
+            if isinstance(step, int) and step >= committed:  # a newer step: the pipeline regroups instead
+                grouped = step == committed and peer[0].get("alone") is False
+                return grouped and await self.w.compute(self._adopt, peer, committed)
+            await asyncio.sleep(0.5)
+        return False
+
+    def _adopt(self, peer: tuple[dict, list[torch.Tensor]], committed: int) -> bool:
+        """(compute thread) A peer's outer weights of step `committed` become this replica's, and its weights."""
+        with self._lock:
+            if self.w.committed != committed or not self._fits(peer[1]):
+                return False
+            self.outer.load(dict(zip(list(self.outer.tensors()), peer[1])))
+            with torch.no_grad():
+                for a, p in zip(self.outer.anchor, self.outer.params):
+                    p.copy_(a)
+            self.anchor_step, self.alone_at = committed, None
+            self.stats.adopted += 1
+        log.warning("stage %d missed outer step %d; it takes the other replicas' outer weights of it", self.w.stage,
+                    outer_round(committed, self.swarm.outer_every))
+        return True
 
     def _count(self, result) -> None:
         s = self.stats
@@ -137,6 +174,7 @@ class OuterSync:
             else:
                 self.outer.step(mean)
             self.anchor_step = committed
+            self.alone_at = committed if mean is None and self.active else None
 
     # -- checkpoints --------------------------------------------------------------------------------
     def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
@@ -157,11 +195,11 @@ class OuterSync:
 
     # -- newcomers and late pipelines ------------------------------------------------------------
     def state(self) -> tuple[dict, list[torch.Tensor]]:
-        """What a newcomer of the stage loads (any thread): the outer weights, the outer momentum, and
-        the step they are of."""
+        """What a newcomer of the stage loads (any thread): the outer weights, the outer momentum, the
+        step they are of, and whether they are its own (no group at that step) rather than a group's."""
         with self._lock:
             tensors = [t.clone() for t in self.outer.tensors().values()]
-            return {"step": self.anchor_step}, tensors
+            return {"step": self.anchor_step, "alone": self.alone_at == self.anchor_step}, tensors
 
     async def regroup(self) -> int:
         """Return to the stage's latest outer step: a replica's in another pipeline if it is newer
@@ -174,10 +212,12 @@ class OuterSync:
         w = self.w
         with self._lock:
             step = peer[0].get("step") if peer else None
-            if isinstance(step, int) and step > self.anchor_step and self._fits(peer[1]):
+            newer = isinstance(step, int) and (step > self.anchor_step or (
+                step == self.anchor_step == self.alone_at and peer[0].get("alone") is False))
+            if newer and self._fits(peer[1]):
                 names = list(self.outer.tensors())
                 self.outer.load(dict(zip(names, peer[1])))
-                self.anchor_step = step
+                self.anchor_step, self.alone_at = step, None
                 self.stats.adopted += 1
                 log.warning("stage %d takes the outer weights of step %d from a replica in another pipeline", w.stage, step)
             with torch.no_grad():
