@@ -156,7 +156,12 @@ class OneValueReplica(StageAverager):
 
 
 @pytest.mark.parametrize("liar", ["huge", "nan", "one value"])
-def test_a_hostile_replica_never_poisons_the_honest_ones(dhts, liar):
+def test_a_hostile_replica_never_poisons_the_honest_ones(dhts, liar, monkeypatch):
+    from tahnode.net import averaging_parts
+
+    # the liar's part must arrive to be refused: on a loaded machine (CI runs real swarms beside this)
+    # it once took more than the 5 s after which a silent sender is dropped, uncounted
+    monkeypatch.setattr(averaging_parts, "CHUNK_TIMEOUT_S", 30.0)
     xs = vectors(3, seed=3)
     kind = {"huge": StageAverager, "nan": NaNReplica, "one value": OneValueReplica}[liar]
     sent = xs[2] * (1e30 / float(xs[2].norm())) if liar == "huge" else xs[2]
