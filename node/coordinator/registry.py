@@ -321,7 +321,8 @@ class SwarmRegistry:
                 raised, _ = history.watch_only(point.step, point.loss)
                 if raised is not None:
                     self.event(f"ALERT: {raised.message(self.run.codec.label)}", logging.WARNING)
-        floor = self.rollback_floor(reporter.pipeline)
+        rewrites = any(p.step < self.ledger_next(reporter.pipeline) for p in points)
+        floor = self.rollback_floor(reporter.pipeline) if rewrites else 0  # the store is read for a rollback only
         kept = [p for p in points if floor <= p.step < self.run.train.steps and math.isfinite(p.loss)]
         if len(kept) < len(points):
             log.warning("ignored %d losses from %s: a step outside the run's %d, before step %d (the furthest a rollback "

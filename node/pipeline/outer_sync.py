@@ -145,12 +145,8 @@ class OuterSync:
         with self._lock:
             if self.w.committed != committed or not self._fits(peer[1]):
                 return False
-            self.outer.load(dict(zip(list(self.outer.tensors()), peer[1])))
-            with torch.no_grad():
-                for a, p in zip(self.outer.anchor, self.outer.params):
-                    p.copy_(a)
-            self.anchor_step, self.alone_at = committed, None
-            self.stats.adopted += 1
+            self._take_peer(peer[1], committed)
+            self._weights_to_anchor()
         log.warning("stage %d missed outer step %d; it takes the other replicas' outer weights of it", self.w.stage,
                     outer_round(committed, self.swarm.outer_every))
         return True
@@ -215,20 +211,27 @@ class OuterSync:
             newer = isinstance(step, int) and (step > self.anchor_step or (
                 step == self.anchor_step == self.alone_at and peer[0].get("alone") is False))
             if newer and self._fits(peer[1]):
-                names = list(self.outer.tensors())
-                self.outer.load(dict(zip(names, peer[1])))
-                self.anchor_step, self.alone_at = step, None
-                self.stats.adopted += 1
+                self._take_peer(peer[1], step)
                 log.warning("stage %d takes the outer weights of step %d from a replica in another pipeline", w.stage, step)
-            with torch.no_grad():
-                for a, p in zip(self.outer.anchor, self.outer.params):
-                    p.copy_(a)
+            self._weights_to_anchor()
             step = self.anchor_step
         if w.committed != step:
             w.resumed_at(step)
             w.stats.losses = [r for r in w.stats.losses if r.step < step]
             w.codecs.drop_streams()
         return step
+
+    def _take_peer(self, tensors: list[torch.Tensor], step: int) -> None:
+        """(holding the lock) A group's outer weights and momentum of `step`, served by a peer, become this replica's."""
+        self.outer.load(dict(zip(list(self.outer.tensors()), tensors)))
+        self.anchor_step, self.alone_at = step, None
+        self.stats.adopted += 1
+
+    def _weights_to_anchor(self) -> None:
+        """(holding the lock) The stage's weights become its outer weights."""
+        with torch.no_grad():
+            for a, p in zip(self.outer.anchor, self.outer.params):
+                p.copy_(a)
 
     def _fits(self, tensors: list[torch.Tensor]) -> bool:
         """A replica's state of this stage's shapes, every value finite."""

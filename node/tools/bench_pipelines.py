@@ -16,7 +16,7 @@ from pathlib import Path
 
 from ..config.toml import toml_table
 from .bench_report import markdown_table, pyplot_for, save_figure, write_section
-from .bench_swarm import DEFAULT_PAIRS, NO_SCHEDULE, CodecPair
+from .bench_swarm import DEFAULT_PAIRS, CodecPair
 from .swarm import LocalSwarm, SwarmError, SwarmSpec
 
 __all__ = ["PipelineRow", "PipelineBench", "pipeline_limits", "run_pipelines", "COLUMNS"]
@@ -79,9 +79,7 @@ class PipelineBench:
                  "pipeline_micro_batches": self.pipeline_micro_batches}
         if self.pair is None:
             return toml_table("train", train)
-        codec = {"forward": self.pair.forward, "backward": self.pair.backward, "forward_params": self.pair.forward_params,
-                 "backward_params": self.pair.backward_params, **(self.pair.schedule or NO_SCHEDULE)}
-        return toml_table("train", train) + toml_table("codec", codec)
+        return toml_table("train", train) + toml_table("codec", self.pair.codec_table())
 
 
 def data_bytes(swarm: LocalSwarm, state: dict) -> dict[str, int]:

@@ -47,6 +47,11 @@ class CodecPair:
     backward_params: dict
     schedule: dict = field(default_factory=dict)  # the [codec] settings of the schedule (forward_high_*)
 
+    def codec_table(self) -> dict:
+        """The run config's [codec] table that sends this pair."""
+        return {"forward": self.forward, "backward": self.backward, "forward_params": self.forward_params,
+                "backward_params": self.backward_params, **(self.schedule or NO_SCHEDULE)}
+
     @classmethod
     def parse(cls, text: str) -> "CodecPair":
         from ..codecs import get_codec, parse_param_args
@@ -162,9 +167,7 @@ class BenchConfig:
         train = {"steps": steps, "seq_len": self.seq_len, "micro_batches": micro, "batch_size": samples // micro,
                  "pipeline_micro_batches": self.pipeline_micro_batches, "seed": seed, "checkpoint_every": 10**6,
                  "warmup_steps": self.lr_warmup_steps}
-        codec = {"forward": pair.forward, "backward": pair.backward, "forward_params": pair.forward_params,
-                 "backward_params": pair.backward_params, **(pair.schedule or NO_SCHEDULE)}
-        return toml_table("train", train) + toml_table("codec", codec)
+        return toml_table("train", train) + toml_table("codec", pair.codec_table())
 
     def validate(self) -> "BenchConfig":
         samples = self.tokens_per_step // self.seq_len
