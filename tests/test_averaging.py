@@ -108,6 +108,28 @@ def test_replicas_at_different_rounds_never_average_together(dhts):
     assert results[2].mean is None and results[2].group == 0 and results[2].bytes_sent == 0
 
 
+def test_a_round_under_way_waits_for_a_replica_that_the_pipeline_count_adds(dhts):
+    """A replica begins a round for a group of two; a third pipeline is placed meanwhile (set_target
+    3), and the other two replicas come 1 and 2 s later: the group is of three. Before, the first two
+    formed their group as soon as both were in, and the third was left alone (tests/test_pipelines_swarm.py)."""
+    xs = vectors(3, seed=5)
+
+    async def main(avs):
+        first = asyncio.ensure_future(avs[0].average(xs[0], 4, 2, 10.0))
+        await asyncio.sleep(0.5)
+        avs[0].set_target(3)
+        await asyncio.sleep(0.5)
+        second = asyncio.ensure_future(avs[1].average(xs[1], 4, 3, 10.0))
+        await asyncio.sleep(1.0)
+        return await asyncio.gather(first, second, avs[2].average(xs[2], 4, 3, 10.0))
+
+    with replicas(dhts, [StageAverager] * 3) as avs:
+        results = asyncio.run(main(avs))
+    exact = torch.stack(xs).mean(dim=0)
+    for result in results:
+        assert result.group == 3 and float((result.mean - exact).abs().max()) <= codec_tolerance(xs, 8)
+
+
 def test_a_missing_replica_leaves_the_others_to_average_at_the_deadline(dhts):
     xs = vectors(2, seed=2)
     with replicas(dhts, [StageAverager] * 2) as avs:

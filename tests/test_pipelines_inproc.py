@@ -213,6 +213,43 @@ def test_a_replica_that_misses_an_outer_step_the_others_took_takes_their_outer_w
             assert float((first - other).abs().max()) < 1e-5, (k, p)
 
 
+def test_replicas_that_all_miss_an_outer_step_end_with_the_lowest_pipelines_weights(dataset, monkeypatch):
+    """Both stage-1 replicas miss the first outer step (no group formed: each came alone): the one
+    of pipeline 1 takes pipeline 0's outer weights of it, and the two end with one model. Before,
+    each kept its own: a regroup took only a newer step or a group's, and every later round averaged
+    pseudo-gradients against outer weights that stayed apart for good (CI: 8e-3 apart at the end)."""
+    from tahnode.pipeline import outer_sync
+
+    monkeypatch.setattr(outer_sync, "CATCH_UP_S", 1.5)  # shorter than a round's timeout, as by default
+    steps = 8
+    run = build_run(steps, **NONE, **{"swarm.pipelines": 2, "swarm.outer_every": 4, "swarm.outer_bits": 32,
+                                      "swarm.outer_timeout_s": 2.0})
+    swarm = Pipelines(run, dataset, 2)
+
+    class Alone(LocalAverager):
+        async def average(self, vector, round, expected, timeout):
+            if round == 1:
+                await asyncio.sleep(timeout)
+                return SimpleNamespace(mean=None, group=0, refused={}, bytes_sent=0, bytes_received=0, seconds=timeout)
+            return await super().average(vector, round, expected, timeout)
+
+    async def go():
+        try:
+            workers = [w for p in range(2) for w in await swarm.start(p)]
+            for p in range(2):
+                swarm.workers[p][1].outer.use(Alone(swarm.group, 1, p))
+            await asyncio.wait_for(asyncio.gather(*(w.run(steps) for w in workers)), 120)
+        finally:
+            await swarm.close()
+
+    asyncio.run(go())
+    first, second = (swarm.workers[p][1].outer.stats for p in range(2))
+    assert (first.alone, first.adopted, second.alone, second.adopted) == (1, 0, 1, 1)
+    for k in range(run.stages):
+        a, b = (torch.cat([x.detach().reshape(-1) for x in swarm.workers[p][k].model.parameters()]) for p in range(2))
+        assert float((a - b).abs().max()) < 1e-5, k
+
+
 def test_an_averager_that_fails_leaves_its_replica_training_on_its_own_weights(dataset):
     """A replica whose averager raises (its process ended, or its own pseudo-gradient is not finite)
     keeps its weights at the outer step; the others go ahead without it at the deadline."""

@@ -56,15 +56,15 @@ def test_pipelines_train_in_data_parallel_and_a_late_pair_forms_another(tmp_path
     for entry in ledger:
         by_pipeline.setdefault(entry["pipeline"], []).append(entry)
     assert sorted(by_pipeline) == [0, 1, 2]
-    for p in (0, 1):
-        assert [e["step"] for e in by_pipeline[p]] == list(range(STEPS))  # every step once
-    late = [e["step"] for e in by_pipeline[2]]
-    assert late[0] > 0 and late[0] % EVERY == 0 and late[-1] == STEPS - 1  # from an outer step of the others to the end
-    for a, b in zip(late, late[1:]):  # once each; a pipeline that fell behind took the others' newest outer step
-        assert b == a + 1 or (b > a and b % EVERY == 0), late
-    for step in range(late[0], STEPS):  # the pipelines' samples never overlap
-        ids = [set(next(e for e in by_pipeline[p] if e["step"] == step)["sample_ids"]) for p in range(3)]
-        assert not (ids[0] & ids[1] or ids[0] & ids[2] or ids[1] & ids[2])
+    for p, steps in by_pipeline.items():
+        steps = [e["step"] for e in steps]
+        assert steps[0] % EVERY == 0 and (steps[0] == 0) == (p < 2) and steps[-1] == STEPS - 1  # the late one from an outer step
+        for a, b in zip(steps, steps[1:]):  # once each; a pipeline that fell behind took the others' newest outer step
+            assert b == a + 1 or (b > a and b % EVERY == 0), (p, steps)
+        assert p == 2 or len(steps) >= STEPS - 2 * EVERY, (p, steps)  # the first two fell behind once at most
+    for step in range(STEPS):  # the pipelines' samples never overlap
+        ids = [set(e["sample_ids"]) for p in range(3) for e in by_pipeline[p] if e["step"] == step]
+        assert sum(map(len, ids)) == len(set().union(*ids)), step
     assert "tahnode_pipelines 3.0" in metrics and 'tahnode_node_pipeline{node="n5"} 2.0' in metrics
     nodes = {n["id"]: n for n in state["nodes"]}
     for chain_a, chain_b in ((pipelines_of(three)[0], pipelines_of(three)[1]), (pipelines_of(three)[0], pipelines_of(three)[2])):

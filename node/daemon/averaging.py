@@ -44,6 +44,8 @@ class StageAveraging:
         outer = self.w.outer
         if outer is None:
             return
+        if self.averager is not None and a.pipelines != outer.expected:
+            self.averager.set_target(a.pipelines)
         outer.expected = a.pipelines
         if self.averager is not None:
             self._meet(a)
@@ -65,6 +67,7 @@ class StageAveraging:
         if members != self.members:
             self.members = members
             self.averager.set_members(members)
+            self.w.outer.admitted = len(members)  # its rounds wait until it admits a replica of every pipeline
         for peer, address in replicas.items():
             if peer not in self.met:
                 self.met.add(peer)

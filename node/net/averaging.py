@@ -161,6 +161,11 @@ class StageAverager:
         process, before any later round."""
         self._averager.tell("_set_members", list(peer_ids))
 
+    def set_target(self, expected: int) -> None:
+        """The group a round (under way, or later) waits for: `expected` replicas, two at least (the
+        coordinator's count of pipelines changed: a round begun before would form without the new one)."""
+        self._averager.tell("_set_target", max(2, expected))
+
     def shutdown(self) -> None:
         if self._averager.is_alive():
             self._averager.shutdown()

@@ -311,8 +311,12 @@ class CheckedAverager(DecentralizedAverager):
 
     async def _begin_round(self, group_bits: str, target: int, future: MPFuture) -> None:
         self._matchmaking.group_key_manager.group_bits = group_bits
-        self._matchmaking.target_group_size = self._matchmaking.group_key_manager.target_group_size = target
+        await self._set_target(target)
         future.set_result(None)
+
+    async def _set_target(self, target: int) -> None:
+        # read by hivemind's leader at each join: a round under way waits for a group of the new size
+        self._matchmaking.target_group_size = self._matchmaking.group_key_manager.target_group_size = target
 
     async def _take_ledger(self, future: MPFuture) -> None:
         future.set_result(self.ledger.take())

@@ -71,6 +71,8 @@ class OuterSync:
         self.anchor_step = worker.committed  # the step the outer weights are of
         self.needs_regroup = False           # the last boundary found no group while pipelines train
         self.alone_at: int | None = None     # that boundary's step (its outer weights are its own, not the group's)
+        self.source = worker.pipeline        # the pipeline whose outer step made outer weights of alone_at
+        self.admitted: int | None = None     # replicas its averager admits, itself included (None: it admits any)
         self.stats = OuterStats()
         self._lock = threading.Lock()        # the outer weights, against the thread that serves them to newcomers
 
@@ -106,6 +108,7 @@ class OuterSync:
             await self.w.compute(self._take, committed, None)
             return
         pseudo = await self.w.compute(self.outer.pseudo_gradient)
+        await self._wait_members()
         try:
             result = await self.averager.average(pseudo, outer_round(committed, self.swarm.outer_every), self.expected,
                                                  self.swarm.outer_timeout_s)
@@ -122,11 +125,20 @@ class OuterSync:
             log.info("stage %d: outer step after step %d with %d replicas (%.2f s, %d bytes sent)", self.w.stage, committed,
                      result.group, result.seconds, result.bytes_sent)
 
+    async def _wait_members(self) -> None:
+        """Before a round: until its averager admits a replica of every pipeline (a stage new to
+        averaging learns them from the coordinator's next assignments), at most outer_timeout_s. A
+        round begun before would refuse the replicas it does not know yet, and form at its deadline if at all."""
+        deadline = time.monotonic() + self.swarm.outer_timeout_s
+        while self.admitted is not None and self.admitted < self.expected and time.monotonic() < deadline:
+            await asyncio.sleep(0.2)
+
     async def _catch_up(self, committed: int) -> bool:
         """After a boundary where it found no group: the other replicas may have averaged this same
-        step without it (they formed their group at the deadline). Take their outer weights of it if
-        a peer serves them within CATCH_UP_S, as if it had been in their group (this stage alone, no
-        step trained again); else the replica keeps its own, and its pipeline regroups."""
+        step without it (they formed their group at the deadline), or been alone at it too. Take a
+        peer's outer weights of this step that outrank its own (`outranked_by`) if a peer serves them
+        within CATCH_UP_S, as if it had been in their group (this stage alone, no step trained again);
+        else the replica keeps its own, and its pipeline regroups."""
         deadline = time.monotonic() + CATCH_UP_S
         while time.monotonic() < deadline:
             try:
@@ -134,20 +146,36 @@ class OuterSync:
             except AveragingError:  # its averager's process ended
                 return False
             step = peer[0].get("step") if peer else None
-            if isinstance(step, int) and step >= committed:  # a newer step: the pipeline regroups instead
-                grouped = step == committed and peer[0].get("alone") is False
-                return grouped and await self.w.compute(self._adopt, peer, committed)
+            if isinstance(step, int) and step > committed:  # a newer step: the pipeline regroups instead
+                return False
+            if step == committed and self.outranked_by(peer[0]):
+                return await self.w.compute(self._adopt, peer, committed)
             await asyncio.sleep(0.5)
         return False
+
+    def outranked_by(self, meta: dict) -> bool:
+        """Whether a peer's state (its `state()` metadata) is to replace this replica's outer weights:
+        a newer step; of the same step, a group's over one's own; and where both are a replica's own,
+        that of the lowest pipeline, so that replicas which all missed a step still end with one model."""
+        step = meta.get("step")
+        if not isinstance(step, int) or step < self.anchor_step:
+            return False
+        if step > self.anchor_step:
+            return True
+        own_alone, peer_alone = self.alone_at == self.anchor_step, meta.get("alone") is not False
+        if own_alone != peer_alone:
+            return own_alone
+        source = meta.get("source")
+        return own_alone and type(source) is int and 0 <= source < self.source
 
     def _adopt(self, peer: tuple[dict, list[torch.Tensor]], committed: int) -> bool:
         """(compute thread) A peer's outer weights of step `committed` become this replica's, and its weights."""
         with self._lock:
             if self.w.committed != committed or not self._fits(peer[1]):
                 return False
-            self._take_peer(peer[1], committed)
+            self._take_peer(peer, committed)
             self._weights_to_anchor()
-        log.warning("stage %d missed outer step %d; it takes the other replicas' outer weights of it", self.w.stage,
+        log.warning("stage %d missed outer step %d; it takes another replica's outer weights of it", self.w.stage,
                     outer_round(committed, self.swarm.outer_every))
         return True
 
@@ -169,7 +197,7 @@ class OuterSync:
                 self.outer.reset()
             else:
                 self.outer.step(mean)
-            self.anchor_step = committed
+            self.anchor_step, self.source = committed, self.w.pipeline
             self.alone_at = committed if mean is None and self.active else None
 
     # -- checkpoints --------------------------------------------------------------------------------
@@ -195,7 +223,7 @@ class OuterSync:
         step they are of, and whether they are its own (no group at that step) rather than a group's."""
         with self._lock:
             tensors = [t.clone() for t in self.outer.tensors().values()]
-            return {"step": self.anchor_step, "alone": self.alone_at == self.anchor_step}, tensors
+            return {"step": self.anchor_step, "alone": self.alone_at == self.anchor_step, "source": self.source}, tensors
 
     async def regroup(self) -> int:
         """Return to the stage's latest outer step: a replica's in another pipeline if it is newer
@@ -207,12 +235,10 @@ class OuterSync:
     def _regroup(self, peer: tuple[dict, list[torch.Tensor]] | None) -> int:
         w = self.w
         with self._lock:
-            step = peer[0].get("step") if peer else None
-            newer = isinstance(step, int) and (step > self.anchor_step or (
-                step == self.anchor_step == self.alone_at and peer[0].get("alone") is False))
-            if newer and self._fits(peer[1]):
-                self._take_peer(peer[1], step)
-                log.warning("stage %d takes the outer weights of step %d from a replica in another pipeline", w.stage, step)
+            if peer is not None and self.outranked_by(peer[0]) and self._fits(peer[1]):
+                self._take_peer(peer, peer[0]["step"])
+                log.warning("stage %d takes the outer weights of step %d from a replica in another pipeline", w.stage,
+                            self.anchor_step)
             self._weights_to_anchor()
             step = self.anchor_step
         if w.committed != step:
@@ -221,10 +247,15 @@ class OuterSync:
             w.codecs.drop_streams()
         return step
 
-    def _take_peer(self, tensors: list[torch.Tensor], step: int) -> None:
-        """(holding the lock) A group's outer weights and momentum of `step`, served by a peer, become this replica's."""
+    def _take_peer(self, peer: tuple[dict, list[torch.Tensor]], step: int) -> None:
+        """(holding the lock) A peer's outer weights and momentum of `step` become this replica's (a
+        replica's own, not a group's, if the peer's were: their source comes with them)."""
+        meta, tensors = peer
         self.outer.load(dict(zip(list(self.outer.tensors()), tensors)))
-        self.anchor_step, self.alone_at = step, None
+        self.anchor_step = step
+        alone = meta.get("alone") is not False
+        self.alone_at = step if alone else None
+        self.source = meta["source"] if alone and isinstance(meta.get("source"), int) else self.w.pipeline
         self.stats.adopted += 1
 
     def _weights_to_anchor(self) -> None:
