@@ -54,6 +54,8 @@ def decode(low: torch.Tensor, unary: torch.Tensor, count: int, k: int, qmax: int
     rice.check_k(k, codec)
     rice.check_length(unary.numel(), count, k, 2 * qmax, codec)
     u = unary.numpy()
+    if 8 * u.size - int(np.bitwise_count(u).sum(dtype=np.int64)) != count:  # counted before unpacking (8x its size)
+        raise rice.wrong_end(u.size, count, codec)
     ends = np.flatnonzero(np.unpackbits(u, bitorder="little") == 0)
     if ends.size != count or (count and int(ends[-1]) < 8 * (u.size - 1)) or (not count and u.size):
         raise rice.wrong_end(u.size, count, codec)

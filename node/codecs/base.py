@@ -99,6 +99,13 @@ class Codec:
         names = self._travelling(self.wire_version())
         return {f.name: float(getattr(self.params, f.name)) for f in dataclasses.fields(self.params) if f.name in names}
 
+    def sent(self, msg: pb.EncodedTensor) -> bool:
+        """Whether `msg` is what this codec, with these parameters, sends: its name, wire version and
+        every parameter that travels. A receiver decodes only its run's own (finding 3 of issue 39: a
+        peer's grid or group size sets how much a decoder unpacks before anything else is checked)."""
+        return msg.codec == self.name and msg.version == self.wire_version() and all(
+            msg.params.get(name) == value for name, value in self.header_params().items())
+
     @classmethod
     def _travelling(cls, version: int) -> set[str]:
         """The names of the parameters that a message of `version` carries in its params."""

@@ -96,12 +96,16 @@ class CodecStreams:
         return msg, gen, k
 
     def decode(self, direction: Direction, stream: int, mb: pb.MicroBatch, dtype: torch.dtype, payload=None) -> torch.Tensor:
-        """The received tensor, decoded by the run's codec of that direction (a message that names
-        another is refused: its codec's state, e.g. AQ-SGD's cache, is not the peer's to grow).
+        """The received tensor, decoded by the run's codec of that direction, with the parameters the
+        run sends (a message of another codec or of other parameters is refused: its codec's state,
+        e.g. AQ-SGD's cache, is not the peer's to grow, nor its decoder's memory the peer's to size).
         `payload`: the tensor's payload where it travelled apart (tahnode.net.body)."""
-        expected = self.codecs[direction].name
-        if mb.tensor.codec != expected:
-            raise codecs.CodecError(f"{direction} message encoded with {mb.tensor.codec!r}; this run sends {expected!r}")
+        own = [self.codecs[direction]] + ([self.high] if direction is FORWARD and self.high is not None else [])
+        if not any(codec.sent(mb.tensor) for codec in own):
+            sent = ", ".join(f"{k}={v:g}" for k, v in sorted(mb.tensor.params.items())[:8])
+            raise codecs.CodecError(f"{direction} message encoded with {mb.tensor.codec!r} version {mb.tensor.version} "
+                                    f"({sent}); this run sends {own[0].name!r} version {own[0].wire_version()} "
+                                    f"({', '.join(f'{k}={v:g}' for k, v in own[0].header_params().items())})")
         ctx = self._context(self.receiving, direction, stream, CodecContext)
         ctx.sample_ids = list(mb.sample_ids)
         started = self._clock()

@@ -1,0 +1,66 @@
+"""Issue 39 finding 3, the Rice decode bomb: a receiver decodes only what its run sends (the codec,
+wire version and parameters of its direction, the precision schedule's included), so a peer cannot
+pick the grid that sizes a decode; and a unary stream whose zero-bits are not one per value is
+refused before it is unpacked (8 bits to a byte, then an index per zero-bit)."""
+
+from __future__ import annotations
+
+import tracemalloc
+
+import numpy as np
+import pytest
+import torch
+
+from tahnode.codecs import CodecError, get_codec
+from tahnode.kernels import rice, rice_cpu
+from tahnode.net.transport import BACKWARD, FORWARD
+from tahnode.proto import tahnode_pb2 as pb
+from test_pipeline_inproc import build_run, codec_streams
+
+X = torch.randn(2, 32, 64, generator=torch.Generator().manual_seed(0))
+
+
+def micro_batch(msg: pb.EncodedTensor) -> pb.MicroBatch:
+    return pb.MicroBatch(tensor=msg, sample_ids=[0, 1])
+
+
+def test_a_receiver_decodes_its_runs_codec_and_parameters_only():
+    run = build_run(4)  # the default pair: TAH-Quant layout 3 forward (and its schedule's finer grid), pertoken back
+    receiver, forward = codec_streams(run, 1), run.codec.forward_codec_params
+    assert forward.get("layout") == 3 and run.codec.scheduled
+    own = get_codec(run.codec.forward, **forward)
+    fine = get_codec(run.codec.forward, **{**forward, **run.codec.high_params})
+    for codec in (own, fine):  # both grids the run sends decode
+        back = receiver.decode(FORWARD, 1, micro_batch(codec.encode(X)), torch.float32)
+        assert float((back - X).norm() / X.norm()) < 0.1
+    for params in ({"qmax": 127}, {"group_size": 64}, {"layout": 1}):  # a grid the peer chose: refused, not decoded
+        with pytest.raises(CodecError, match="this run sends 'tahquant' version 3"):
+            receiver.decode(FORWARD, 1, micro_batch(get_codec(run.codec.forward, **{**forward, **params}).encode(X)),
+                            torch.float32)
+    back_codec = get_codec(run.codec.backward, **run.codec.backward_params)
+    other_bits = {**run.codec.backward_params, "bits": 8}
+    sender = codec_streams(run, 1)
+    msg, _, _ = sender.encode_gradient(X, [0, 1])
+    assert back_codec.sent(msg)
+    with pytest.raises(CodecError, match="this run sends"):
+        codec_streams(run, 0).decode(BACKWARD, 1, micro_batch(get_codec(run.codec.backward, **other_bits).encode(X)),
+                                     torch.float32)
+
+
+def test_a_unary_stream_with_other_than_one_zero_bit_a_value_is_refused_before_it_is_unpacked():
+    count, k, qmax = 1 << 16, 0, 12
+    longest = -(-count * ((2 * qmax >> k) + 1) // 8)  # the longest stream count values of the run's grid take
+    unary = torch.zeros(longest, dtype=torch.uint8)   # every bit a zero: 8 ends a byte
+    tracemalloc.start()
+    try:
+        with pytest.raises(CodecError, match="do not end"):
+            rice_cpu.decode(torch.empty(0, dtype=torch.uint8), unary, count, k, qmax, "tahquant")
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 2 * longest, peak  # before: unpacked to 8 bytes a byte, and an int64 index per zero-bit (72x)
+    with pytest.raises(CodecError, match="do not end"):  # the reference refuses it alike
+        rice.decode(torch.empty(0, dtype=torch.uint8), unary, count, k, 2 * qmax, "tahquant")
+    honest = np.full(count // 8, 0b10101010, np.uint8)  # one zero-bit and one one-bit a value: still decodes
+    assert rice_cpu.decode(torch.empty(0, dtype=torch.uint8), torch.from_numpy(honest), count // 2, 0, qmax,
+                           "tahquant").numel() == count // 2
