@@ -129,6 +129,25 @@ def test_the_loss_stage_holder_rewrites_no_further_back_than_a_rollback_goes(ser
     assert sorted(reg.ledger()) == list(range(43)) and reg.ledger()[42].loss == 4.0
 
 
+def test_the_loss_stage_holder_alone_does_not_end_the_run(servers):
+    """Issue 39, finding 8: one heartbeat of the loss stage's holder with a loss for every step and
+    `finished` ended the run (and dismissed the standbys). A pipeline is over once its first stage,
+    which drives the steps, says it trained the last one too."""
+    reg, steps = servers.registry, servers.registry.run.train.steps
+    reg.join(servers.sealer("n-last", run="").seal(pb.JoinRequest(node_id="n-last", address="127.0.0.1:5",
+                                                                  stage=reg.run.loss_stage), COORDINATOR))
+
+    def said_done(node: str, points: list[pb.LossPoint]) -> None:
+        stats = pb.TrainingStats(losses=points, finished=True, step=steps)
+        send(servers, RPCS["Heartbeat"], [servers.sealer(node).seal(pb.HeartbeatRequest(node_id=node, stats=stats),
+                                                                   COORDINATOR).SerializeToString()])
+
+    said_done("n-last", [pb.LossPoint(step=k, loss=1.0, sample_ids=[k]) for k in range(steps)])
+    assert reg.ledger_next(0) == steps and not reg.finished
+    said_done(NODE, [])  # stage 0 trained the last step as well
+    assert reg.finished
+
+
 def test_a_heartbeat_cannot_grow_the_coordinators_state(servers):
     """Finding 6: a node's links were never cleared: one 1.4 MB heartbeat added 60 000 of them."""
     reg = servers.registry

@@ -276,9 +276,8 @@ class SwarmRegistry:
         self._judge(node, req.stats.offences)
         self._judge(node, self.roster.replica_offences(node, req.stats.outer_offences), "pseudo-gradients")
         self._record(node, list(req.stats.losses))
-        if req.stats.finished and node.status is NodeStatus.ACTIVE and node.stage == self.run.stages - 1 \
-                and self.ledger_next(node.pipeline) >= self.run.train.steps:  # over when its ledger says so, not a node
-            self.roster.finished.add(node.pipeline)
+        if req.stats.finished and node.status is NodeStatus.ACTIVE and req.stats.step >= self.run.train.steps:
+            self.roster.said_finished(node, self.ledger_next(node.pipeline) >= self.run.train.steps)
         return pb.HeartbeatReply(assignment=self.assignment(node), known=True, run_finished=self.finished,
                                  heartbeat_s=self.heartbeat_period())
 

@@ -22,9 +22,19 @@ class Roster:
     def __init__(self, run: RunConfig, nodes: dict[str, NodeRecord]):
         self.run, self.nodes = run, nodes
         self._holders: dict[tuple[int, int], NodeRecord] | None = None
-        self.finished: set[int] = set()  # pipelines whose loss stage reported the run's last step
+        self.finished: set[int] = set()  # pipelines over: their ledger full, their first and loss stages done
+        self.finishing: dict[int, set[int]] = {}  # pipeline -> stages whose holder said it trained the last step
         self.formed: set[int] = set()    # pipelines that were complete once (one that loses a stage may be dissolved)
         self.dht_peers: list[str] = []   # the coordinator's DHT, once pipelines train in data parallel (server.py starts it)
+
+    def said_finished(self, node: NodeRecord, ledger_full: bool) -> None:
+        """`node`, active, says it trained the run's last step: its pipeline is over once its ledger has
+        every step and both its first stage (which drives the steps) and its loss stage said so. The
+        loss stage's word alone, with a made-up loss for every step, ended the run (issue 39, finding 8)."""
+        said = self.finishing.setdefault(node.pipeline, set())
+        said.add(node.stage)
+        if ledger_full and {0, self.run.loss_stage} <= said:
+            self.finished.add(node.pipeline)
 
     def invalidate(self) -> None:
         self._holders = None
