@@ -206,8 +206,13 @@ def test_the_ledger_document_is_built_once_per_change_of_the_ledger(servers):
     assert doc.builds == 2 and [p["step"] for p in json.loads(body)["steps"]] == list(range(21))
 
 
-def test_records_of_nodes_long_gone_are_forgotten(servers):
+def test_records_of_nodes_long_gone_are_forgotten(servers, monkeypatch):
+    from tahnode.coordinator import durable
     from tahnode.coordinator.registry import DEAD_RECORD_S
+    from tahnode.net.errors import Refused
+    from tahnode.net.auth import Sealer, SwarmKey
+    from tahnode.net.identity import NodeKey
+    from servers import TOKEN
 
     reg = servers.registry
     for k in range(3):
@@ -221,8 +226,16 @@ def test_records_of_nodes_long_gone_are_forgotten(servers):
     reg.nodes["gone-0"].last_seen -= DEAD_RECORD_S + 1
     reg.nodes["gone-1"].last_seen -= DEAD_RECORD_S + 1
     reg.sweep()
-    assert set(reg.nodes) == {NODE, "gone-2"} and "gone-0" not in reg.identities
-    assert reg.nodes[NODE].links == {}
+    assert set(reg.nodes) == {NODE, "gone-2"} and reg.nodes[NODE].links == {}
+    # issue 39, finding 7: an id's key outlives its record (another key could bind a gone node's id
+    # 600 s after it left); past durable.MAX_IDENTITIES, the oldest of gone nodes are dropped
+    assert "gone-0" in reg.identities
+    with pytest.raises(Refused):
+        reg.join(Sealer(SwarmKey(TOKEN), "gone-0", "", NodeKey.generate()).seal(
+            pb.JoinRequest(node_id="gone-0", address="127.0.0.1:99", stage=-1), COORDINATOR))
+    monkeypatch.setattr(durable, "MAX_IDENTITIES", len(reg.identities) - 2)
+    reg.sweep()
+    assert "gone-0" not in reg.identities and "gone-1" not in reg.identities and {NODE, "gone-2"} <= set(reg.identities)
 
 
 def test_the_status_documents_come_from_a_snapshot():
@@ -262,32 +275,47 @@ def test_a_node_off_loopback_without_a_certificate_may_not_join(servers, address
 
 def test_a_ban_holds_the_key_and_the_address_and_outlives_a_restart(tmp_path):
     """Finding 13: a banned node came back at once under a new id and key; bans were lost on a
-    coordinator restart."""
+    coordinator restart. Issue 39, finding 7: a ban held the host a node claimed to serve on, so an
+    insider that claimed a victim's address and got itself banned locked the victim out; it holds the
+    host the join came from (a public one), and the claimed address only where the carrier confirms it."""
     from tahnode.config import RunConfig
     from tahnode.coordinator.registry import SwarmRegistry
     from tahnode.net.auth import Sealer, SwarmKey
     from tahnode.net.errors import Banned
     from tahnode.net.identity import NodeKey
 
-    keys = {name: NodeKey.generate() for name in ("n0", "n1", "n2", "n1-again", "n1-elsewhere")}
+    names = ("n0", "n1", "n2", "n1-again", "n1-elsewhere", "liar", "liar-again", "victim")
+    keys = {name: NodeKey.generate() for name in names}
 
     def registry():
         return SwarmRegistry(RunConfig.build("llama-tiny", None), SwarmKey("t"), heartbeat_timeout=3600, store_dir=tmp_path / "s")
 
-    def join(reg, name, address, stage=-1, key=None):
+    def join(reg, name, address, stage=-1, key=None, seen=""):
         sealer = Sealer(SwarmKey("t"), name, identity=key or keys[name])
-        return reg.join(sealer.seal(pb.JoinRequest(node_id=name, address=address, stage=stage), COORDINATOR))
+        return reg.join(sealer.seal(pb.JoinRequest(node_id=name, address=address, stage=stage), COORDINATOR), seen)
+
+    def refuse(reg, reporter, sender):
+        beat = Sealer(SwarmKey("t"), reporter, reg.sealer.run, keys[reporter])
+        reg.heartbeat(beat.seal(pb.HeartbeatRequest(node_id=reporter, stats=pb.TrainingStats(offences={sender: 3})),
+                                COORDINATOR))
+        assert reg.nodes[sender].status is NodeStatus.BANNED
 
     reg = registry()
     join(reg, "n0", "127.0.0.1:1", 0)
-    join(reg, "n1", "93.184.216.34:7100", 1)  # a public address
+    join(reg, "n1", "93.184.216.34:7100", 1, seen="ipv4:93.184.216.34:40100")  # a public host, the one it serves on
     join(reg, "n2", "127.0.0.1:3", 2)
-    beat = Sealer(SwarmKey("t"), "n2", reg.sealer.run, keys["n2"])
-    reg.heartbeat(beat.seal(pb.HeartbeatRequest(node_id="n2", stats=pb.TrainingStats(offences={"n1": 3})), COORDINATOR))
-    assert reg.nodes["n1"].status is NodeStatus.BANNED
+    refuse(reg, "n2", "n1")
     again = registry()  # the coordinator restarted
     with pytest.raises(Banned):
         join(again, "n1-again", "127.0.0.1:9", key=keys["n1"])  # a new id, the same key
     with pytest.raises(Banned):
-        join(again, "n1-elsewhere", "93.184.216.34:7200")  # a new id and key, the same public host
-    assert join(again, "n1-elsewhere", "93.184.216.99:7100").assignment.stage == -1  # someone else entirely
+        join(again, "n1-elsewhere", "93.184.216.34:7200", seen="ipv4:93.184.216.34:40200")  # the same public host
+    assert join(again, "n1-elsewhere", "93.184.216.99:7100", seen="ipv4:93.184.216.99:40300").assignment.stage == -1
+
+    join(again, "n0", "127.0.0.1:1", 0)
+    join(again, "n2", "127.0.0.1:3", 2)
+    join(again, "liar", "8.8.8.8:7100", 1, seen="ipv4:1.1.1.1:50000")  # claims the victim's address
+    refuse(again, "n2", "liar")
+    assert join(again, "victim", "8.8.8.8:7100", seen="ipv4:8.8.8.8:50100").assignment.stage == -1  # not locked out
+    with pytest.raises(Banned):
+        join(again, "liar-again", "1.1.1.1:7300", seen="ipv4:1.1.1.1:50200")  # a new id and key from the liar's host

@@ -17,17 +17,30 @@ from typing import Callable, Mapping
 __all__ = ["BanPolicy", "Bans", "ban_marks"]
 
 
-def ban_marks(node_id: str, public_key: bytes, address: str) -> list[str]:
-    """What a ban of this node holds on to: `id:` its node id, `key:` its identity key, and `host:` the
-    host of a public address (a private or loopback one is shared by unrelated nodes: `addr:` the
-    exact address then; a p2p address names a peer id, which costs nothing to change: `addr:` too)."""
+def ban_marks(node_id: str, public_key: bytes, address: str, seen: str = "") -> list[str]:
+    """What a ban of this node holds on to: `id:` its node id, `key:` its identity key; `addr:` the
+    exact address it claimed to serve on, where its carrier confirms the claim (`seen`, the caller as
+    gRPC or p2p saw it: "ipv4:1.2.3.4:5678", "p2p:<peer id>"; its host or peer id is the address's)
+    or cannot tell (""); and `host:` the host its join came from, if public (a private or loopback one
+    is shared by unrelated nodes). Never a host it only claimed: anyone may claim a victim's, and the
+    ban locked the victim out (issue 39, finding 7)."""
     marks = [f"id:{node_id}"] + ([f"key:{public_key.hex()}"] if public_key else [])
-    host = address.rsplit(":", 1)[0].strip("[]") if address and not address.startswith("/") else ""
+    kind, _, caller = seen.partition(":")
+    host = caller.rsplit(":", 1)[0].strip("[]") if kind in ("ipv4", "ipv6") else ""
+    if address and (not seen or _claimed(address) in (host or None, caller if kind == "p2p" else None)):
+        marks.append(f"addr:{address}")
     try:
         public = bool(host) and ipaddress.ip_address(host).is_global
     except ValueError:
         public = False
-    return marks + ([f"host:{host}"] if public else [f"addr:{address}"] if address else [])
+    return marks + ([f"host:{host}"] if public else [])
+
+
+def _claimed(address: str) -> str:
+    """The host of a host:port address, the peer id of a p2p one."""
+    if address.startswith("/"):
+        return address.rsplit("/p2p/", 1)[-1] if "/p2p/" in address else ""
+    return address.rsplit(":", 1)[0].strip("[]")
 
 
 @dataclass(frozen=True)

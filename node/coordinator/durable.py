@@ -13,7 +13,9 @@ from pathlib import Path
 
 from ..proto import tahnode_pb2 as pb
 
-__all__ = ["SwarmDB"]
+__all__ = ["SwarmDB", "MAX_IDENTITIES"]
+
+MAX_IDENTITIES = 65536  # node id -> key bindings kept (the oldest of gone nodes dropped past it)
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS ledger (pipeline INTEGER NOT NULL, step INTEGER NOT NULL, loss REAL, seconds REAL NOT NULL,
@@ -80,9 +82,16 @@ class SwarmDB:
     def bind(self, node_id: str, public_key: bytes) -> None:
         self.db.execute("INSERT INTO identities VALUES (?, ?)", (node_id, public_key))
 
-    def forget(self, node_id: str) -> None:
-        """Drop a node id's binding to its key (its record was pruned: the id is free again)."""
-        self.db.execute("DELETE FROM identities WHERE node_id = ?", (node_id,))
+    def forget_oldest(self, bound: dict[str, bytes], keep) -> list[str]:
+        """Past MAX_IDENTITIES bindings, drop the oldest (of ids not in `keep`, the live records) and
+        return their ids. Bindings outlive their nodes' records: an id whose node left was free to
+        anyone 600 s later, and the node could not rejoin under it (issue 39, finding 7)."""
+        excess = len(bound) - MAX_IDENTITIES
+        if excess <= 0:
+            return []
+        oldest = [i for (i,) in self.db.execute("SELECT node_id FROM identities ORDER BY rowid") if i not in keep][:excess]
+        self.db.executemany("DELETE FROM identities WHERE node_id = ?", [(i,) for i in oldest])
+        return oldest
 
     def bans(self) -> dict[str, float]:
         """Ban mark -> when it ends (wall clock), for the bans not over yet."""

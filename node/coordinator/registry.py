@@ -227,12 +227,13 @@ class SwarmRegistry:
         return True
 
     # -- requests ---------------------------------------------------------------------------
-    def join(self, req: pb.JoinRequest) -> pb.JoinReply:
+    def join(self, req: pb.JoinRequest, seen: str = "") -> pb.JoinReply:
+        """`seen`: the caller as its carrier saw it (context.peer()), which a ban holds (bans.ban_marks)."""
         if not req.node_id or not req.address:
             raise InvalidRequest("join needs a node id and an address")
         check_names(req)
         self.check(req, req.node_id, run_optional=True, bind=True)
-        banned = self.bans.left_any(ban_marks(req.node_id, req.seal.public_key, req.address))
+        banned = self.bans.left_any(ban_marks(req.node_id, req.seal.public_key, req.address, seen))
         if banned:
             raise Banned(f"node {req.node_id} (or its key or address) is banned for another {banned:.0f} s: its neighbours "
                          "kept refusing its micro-batches (malformed, non-finite or oversized)")
@@ -245,7 +246,7 @@ class SwarmRegistry:
         rejoin = req.node_id in self.nodes
         node = NodeRecord(req.node_id, req.address, stage, req.device, req.memory_bytes, req.compute_ms,
                           status=NodeStatus.ACTIVE if stage >= 0 else NodeStatus.JOINING, tls_cert=req.tls_cert,
-                          movable=req.movable or stage < 0, pipeline=pipeline)
+                          movable=req.movable or stage < 0, pipeline=pipeline, seen=seen)
         if stage >= 0:
             node.resume_step = self.resume_step(stage)
         self.nodes[req.node_id] = node
@@ -296,7 +297,7 @@ class SwarmRegistry:
         for sender in self.bans.report(reporter.node_id, {s: c for s, c in offences.items() if s in senders}):
             node = self.nodes[sender]
             node.status = NodeStatus.BANNED
-            marks = ban_marks(sender, self.identities.get(sender, b""), node.address)
+            marks = ban_marks(sender, self.identities.get(sender, b""), node.address, node.seen)
             self.bans.extend(marks, self.bans.until[sender])
             self.db.ban({m: self.bans.until[m] for m in marks})
             self.epoch += 1
@@ -372,14 +373,14 @@ class SwarmRegistry:
         return max(self.histories[pipeline].points, default=-1) + 1 if pipeline in self.histories else 0
 
     def prune(self) -> None:
-        """Forget nodes that left, failed or were banned DEAD_RECORD_S ago: their records, the links
-        others reported to them, and their ids' keys (a ban outlives the record: Bans keeps it)."""
+        """Forget nodes that left, failed or were banned DEAD_RECORD_S ago: their records and the links others
+        reported to them (a ban outlives the record: Bans keeps it; so does an id's key, up to MAX_IDENTITIES)."""
         now = time.monotonic()
         gone = [n.node_id for n in self.nodes.values() if not n.status.live and now - n.last_seen > DEAD_RECORD_S]
         for node_id in gone:
             del self.nodes[node_id]
-            if self.identities.pop(node_id, None) is not None:
-                self.db.forget(node_id)
+        for node_id in self.db.forget_oldest(self.identities, keep=self.nodes):
+            del self.identities[node_id]
         if gone:
             for n in self.nodes.values():
                 for node_id in gone:

@@ -80,7 +80,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"{request.address} is off loopback and the node offers no "
                                 "TLS certificate: its neighbours would send it the swarm's traffic in clear (this swarm runs "
                                 "TLS; start the node without --insecure)")
-        return await self._call(self.r.join, request, context)
+        return await self._call(lambda req: self.r.join(req, context.peer()), request, context)
 
     async def Heartbeat(self, request, context):
         return await self._call(self.r.heartbeat, request, context)

@@ -54,6 +54,7 @@ class NodeRecord:
     stats: pb.TrainingStats = field(default_factory=pb.TrainingStats)
     links: dict = field(default_factory=dict)  # dst node id -> (bytes, seconds)
     pipeline: int = 0                          # the pipeline whose stage it holds (0 while it holds none)
+    seen: str = ""                             # its join's caller as the carrier saw it (a ban holds its host)
     averager: str = ""                         # the p2p address of its stage's averager (pipelines in data parallel)
     averager_peer: str = ""                    # that address's peer id
     tls_cert: bytes = b""                      # its data plane's TLS certificate (PEM); b"": plain gRPC
