@@ -170,6 +170,46 @@ def test_idle_streams_of_one_peer_neither_block_others_nor_stay_open(monkeypatch
     assert nonce == b"through" and closed == 24
 
 
+def test_calls_that_name_a_neighbour_count_against_it_only_when_it_signed_them(monkeypatch):
+    """Issue 39, finding 10: p2p call quotas were charged to whatever sender a token MAC names, and
+    probes had no idle limit: a token holder held 16 probe calls open in its neighbour's name, and
+    the neighbour's own forward stream got RESOURCE_EXHAUSTED. A call counts against a node only
+    when that node's key signed it (else against the name and the libp2p peer together); a probe
+    sends a chunk every PROBE_IDLE_S."""
+    from tahnode.net import grpc_transport, p2p_rpc
+
+    monkeypatch.setattr(grpc_transport, "PROBE_IDLE_S", 2.0)
+
+    async def scenario():
+        sender, receiver, hosts = await pair()
+        host_a, _ = hosts
+        forger = Sealer(KEY, "a", identity=NodeKey.generate())  # the token, another key, the neighbour's name
+        held = []
+        for _ in range(p2p_rpc.CALLS_PER_PEER):
+            reader, writer = await host_a.open_stream(receiver.address, protocol_name("/tahnode.v1.StageService/Probe"))
+            chunk = forger.seal(pb.ProbeChunk(data=b"x" * 1024), "b")
+            await write_record(writer, RecordKind.MESSAGE, chunk.SerializeToString())
+            held.append((reader, writer))
+        await asyncio.sleep(0.5)
+        sender.set_peer(FORWARD, "b", receiver.address)
+        env = pb.Envelope(micro_batch=pb.MicroBatch(index=7, tensor=pb.EncodedTensor(payload=b"y" * 1000)))
+        sent = await sender.send(FORWARD, env, sender.generation(FORWARD))
+        item = await asyncio.wait_for(receiver.inbox.get(), 10)
+        while item.envelope is None:  # a stream's opening, before its envelopes
+            item = await asyncio.wait_for(receiver.inbox.get(), 10)
+        told = []
+        for reader, writer in held:  # each idle probe is ended with DEADLINE_EXCEEDED
+            kind, data = await asyncio.wait_for(read_record(reader), 10)
+            told.append(kind is RecordKind.STATUS and pb.RpcStatus.FromString(data).code)
+            writer.close()
+        await close(sender, receiver, *hosts)
+        return sent, item.sender, item.envelope.micro_batch.index, told
+
+    sent, who, index, told = asyncio.run(scenario())
+    assert sent and (who, index) == ("a", 7)
+    assert told == [grpc.StatusCode.DEADLINE_EXCEEDED.value[0]] * p2p_rpc.CALLS_PER_PEER
+
+
 def test_a_link_to_a_peer_that_went_away_fails_and_moves_its_generation_on():
     async def scenario():
         sender, receiver, hosts = await pair()

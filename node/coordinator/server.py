@@ -112,7 +112,7 @@ async def start_p2p(cfg: CoordinatorConfig, servicer: CoordinatorServicer) -> P2
     """The coordinator's p2p daemon and DHT (before any gRPC server: the DHT forks a process), with
     the control plane on it."""
     host = await P2PHost.start(cfg.p2p, identity=Path(cfg.store) / IDENTITY_FILE)
-    await serve_service(host, "Coordinator", servicer, servicer.r.sealer.key)
+    await serve_service(host, "Coordinator", servicer, servicer.r.sealer.key, servicer.r.identities)
     return host
 
 

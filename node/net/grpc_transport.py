@@ -30,6 +30,8 @@ log = logging.getLogger("tahnode.transport")
 MAX_MESSAGE_BYTES = 4 << 20      # explicit gRPC limit; frames stay far below it
 STREAMS_PER_PEER = 3             # incoming streams per direction one sender may hold open at once (reconnects overlap)
 PEER_WAIT_S = 3.0                # how long frames from an authentic sender wait for the assignment that names it
+PROBE_IDLE_S = 10.0              # a probe's next chunk comes within this, and the probe ends within PROBE_MAX_S
+PROBE_MAX_S = 120.0              # (the prober's own deadline): held open, probes filled a sender's call quota
 KEEPALIVE = [
     ("grpc.keepalive_time_ms", 2000),
     ("grpc.keepalive_timeout_ms", 3000),
@@ -144,7 +146,16 @@ class StageServicer(pb_grpc.StageServiceServicer):
     async def Probe(self, request_iterator, context):
         first = last = None
         total = 0
-        async for chunk in request_iterator:
+        chunks, ends = aiter(request_iterator), time.monotonic() + PROBE_MAX_S
+        while True:
+            wait = min(PROBE_IDLE_S, ends - time.monotonic())
+            try:
+                chunk = await asyncio.wait_for(anext(chunks), max(wait, 0.0))
+            except StopAsyncIteration:
+                break
+            except asyncio.TimeoutError:
+                await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"a probe sends a chunk every {PROBE_IDLE_S:.0f} s "
+                                    f"and ends within {PROBE_MAX_S:.0f} s")
             await self._check(chunk, context, "probe chunk")
             now = time.perf_counter()
             first = first if first is not None else now

@@ -23,7 +23,9 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from ..proto import tahnode_pb2 as pb
+from .auth import signed_bytes
 from .errors import P2PError
+from .identity import verify_signature
 from .framing import request_type
 from .wire_frame import ReceivedFrame
 from .p2p_host import process_host
@@ -46,6 +48,29 @@ def authentic_sender(message, key) -> str | None:
     if seal is None or not hasattr(message, "mac"):
         return None
     return (seal.sender or "?") if key.verify(message) else None
+
+
+def call_owner(message, key, keys, peer: str) -> str | None:
+    """Whom a call counts against: the node its first request names, where the token's MAC vouches
+    for the request and that node's bound key (`keys`: node id -> public key) signed it; a request
+    only the token vouches for (pings, probes, or a node whose key is not known here) counts against
+    the name and the libp2p peer it came on together, so that a token holder naming a neighbour fills
+    a quota of its own, never the neighbour's (issue 39, finding 10). None: the MAC fails."""
+    named = authentic_sender(message, key)
+    if named is None:
+        return None
+    public = keys.get(named) if keys is not None else None
+    if public is not None and signed_by(message, public):
+        return named
+    return f"{named}@{peer}"
+
+
+def signed_by(message, public: bytes) -> bool:
+    """Whether a frame or a sealed message carries `public`'s signature of what its MAC covers."""
+    if isinstance(message, (pb.Frame, ReceivedFrame)):
+        return verify_signature(public, message.signature, message.mac)
+    seal = message.seal
+    return seal.public_key == public and verify_signature(public, seal.signature, signed_bytes(message))
 
 
 class RpcAborted(Exception):
@@ -98,8 +123,8 @@ class CallLimits:
     """The streams each libp2p peer has waiting for a first request, and the calls each authenticated
     sender has open, over every method of a service."""
 
-    def __init__(self, key):
-        self.key, self.pending, self.calls = key, StreamsPerPeer(), StreamsPerPeer()
+    def __init__(self, key, keys=None):
+        self.key, self.keys, self.pending, self.calls = key, keys, StreamsPerPeer(), StreamsPerPeer()
 
 
 async def _first(reader: asyncio.StreamReader, input_type):
@@ -123,7 +148,7 @@ def _handler(behaviour: Callable, method, input_type, limits: CallLimits) -> Cal
                 if waiting > PENDING_PER_PEER:
                     raise RpcAborted(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{peer} has {PENDING_PER_PEER} calls starting here already")
                 first = await _first(reader, input_type)
-            sender = authentic_sender(first, limits.key) if first is not None and limits.key is not None else peer
+            sender = call_owner(first, limits.key, limits.keys, peer) if first is not None and limits.key is not None else peer
             if sender is None:
                 raise RpcAborted(grpc.StatusCode.UNAUTHENTICATED, "the call's first request failed authentication (wrong swarm token?)")
         except RpcAborted as exc:
@@ -192,12 +217,13 @@ async def _until_caller_closes(reader: asyncio.StreamReader, timeout: float = 5.
         pass
 
 
-async def serve_service(host, service_name: str, servicer, key=None) -> None:
+async def serve_service(host, service_name: str, servicer, key=None, keys=None) -> None:
     """Serve every method of the gRPC service `service_name` (as in tahnode.proto) of `servicer`
     on `host` (tahnode.net.p2p_host.P2PHost); `key` (the SwarmKey) counts calls per authenticated
-    sender (without it, per libp2p peer: tests of the carrier alone)."""
+    sender (`call_owner`, with `keys` the node keys known here; without a key, per libp2p peer:
+    tests of the carrier alone)."""
     service = pb.DESCRIPTOR.services_by_name[service_name]
-    limits = CallLimits(key)
+    limits = CallLimits(key, keys)
     for method in service.methods:
         input_type = request_type(getattr(pb, method.input_type.name))
         path = f"/{service.full_name}/{method.name}"

@@ -24,7 +24,7 @@ class P2PTransport(GrpcTransport):
         self.host = host
 
     async def start(self) -> str:
-        await serve_service(self.host, "StageService", StageServicer(self), self.sealer.key)
+        await serve_service(self.host, "StageService", StageServicer(self), self.sealer.key, self.peer_keys)
         self.address = await self.host.address()
         self.open_links()
         return self.address
