@@ -302,6 +302,42 @@ def test_the_coordinator_cannot_be_impersonated_through_the_dht():
     assert unpinned is not None and "--coordinator-fingerprint" in unpinned
 
 
+def test_a_node_that_trusted_a_coordinator_never_takes_an_insiders_entry(tmp_path, monkeypatch):
+    """Issue 39, finding 11: a joiner without --coordinator-fingerprint took an insider's signed
+    coordinator entry whenever it was the only one in the DHT. A node trusts the only entry on first
+    use and keeps its certificate (coordinator.crt, as for TLS); later it takes that one only."""
+    from tahnode.config import NodeConfig
+    from tahnode.daemon import p2p
+    from tahnode.net.errors import CoordinatorNotFound
+
+    monkeypatch.setattr(p2p, "FIND_WAIT_S", 2.0)
+    remembered, cfg = tmp_path / "coordinator.crt", NodeConfig(token="test-token")
+
+    async def scenario():
+        first = await P2PHost.start(LOOPBACK)
+        second = await P2PHost.start(P2PSettings(listen=["/ip4/127.0.0.1/tcp/0"], initial_peers=[(await first.maddrs())[0]]))
+        real, insider = TlsCertificate.generate(), TlsCertificate.generate()
+        await SwarmDirectory(first.dht, KEY).publish(COORDINATOR_KIND, "", {"grpc": "10.0.0.1:7000", "p2p": "",
+                                                                            "fingerprint": real.fingerprint}, ttl=3, signer=real)
+        trusted = await p2p.find_coordinator(cfg, second, KEY, remembered)  # the only one: trusted on first use
+        await asyncio.sleep(4)  # the real coordinator's entry expired (it is down); an insider's is the only one
+        await SwarmDirectory(first.dht, KEY).publish(COORDINATOR_KIND, "", {"grpc": "10.6.6.6:7000", "p2p": "",
+                                                                            "fingerprint": insider.fingerprint}, signer=insider)
+        try:
+            await p2p.find_coordinator(cfg, second, KEY, remembered)
+            refused = None
+        except CoordinatorNotFound as exc:
+            refused = str(exc)
+        taken = await p2p.find_coordinator(cfg, second, KEY, tmp_path / "elsewhere.crt")  # a node that never joined before
+        await close(second, first)
+        return trusted, refused, taken, real.fingerprint
+
+    trusted, refused, taken, real = asyncio.run(scenario())
+    assert trusted.address == "10.0.0.1:7000" and trusted.fingerprint == real
+    assert refused is not None and str(remembered) in refused and real in refused
+    assert taken.address == "10.6.6.6:7000"  # first use: what --coordinator-fingerprint is for
+
+
 def test_a_daemon_that_cannot_start_says_why_within_seconds():
     taken = socket.socket()
     taken.bind(("127.0.0.1", 0))

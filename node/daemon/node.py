@@ -107,7 +107,7 @@ class StageNode:
         use_swarm_key(key)  # for p2p relays, if it ever needs one
         host = await start_host(cfg, folder) if needs_p2p(cfg) else None  # first: its DHT forks a process
         try:
-            coordinator = await find_coordinator(cfg, host, key)
+            coordinator = await find_coordinator(cfg, host, key, folder / PINNED_COORDINATOR_FILE)
             device = resolve_device(cfg.device)
         except BaseException:
             if host is not None:

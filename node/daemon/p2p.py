@@ -12,7 +12,9 @@ from pathlib import Path
 from ..config import DEFAULT_COORDINATOR, NodeConfig, TransportKind
 from ..net.auth import SwarmKey
 from ..net.discovery import NODE_KIND, SwarmDirectory
+from ..net.errors import CoordinatorNotFound
 from ..net.p2p_host import DHT_JOIN_TIMEOUT_S, IDENTITY_FILE, P2PAddress, P2PHost, is_p2p_address
+from ..net.tls import fingerprint
 from ..net.transport import FORWARD, Transport
 
 log = logging.getLogger("tahnode.daemon")
@@ -60,14 +62,33 @@ class CoordinatorAddress:
     fingerprint: str = ""   # its TLS certificate, as the DHT entry (made with the swarm token) names it
 
 
-async def find_coordinator(cfg: NodeConfig, host: P2PHost | None, key: SwarmKey) -> CoordinatorAddress:
+async def find_coordinator(cfg: NodeConfig, host: P2PHost | None, key: SwarmKey,
+                           remembered: Path | None = None) -> CoordinatorAddress:
     """--coordinator if given; else the coordinator's entry in the DHT (its p2p address for a p2p
-    node, its gRPC one for a gRPC node, whichever it has); else DEFAULT_COORDINATOR."""
+    node, its gRPC one for a gRPC node, whichever it has); else DEFAULT_COORDINATOR. The entry is
+    the one --coordinator-fingerprint pins, else the one of the certificate this node trusted before
+    (`remembered`, its coordinator.crt), else the only one there is, trusted on first use and kept
+    in `remembered`: a node that had joined took an insider's entry when it was the only one
+    (issue 39, finding 11)."""
     if cfg.coordinator:
         return CoordinatorAddress(cfg.coordinator)
     if host is None or host.dht is None:
         return CoordinatorAddress(DEFAULT_COORDINATOR)
-    record = await SwarmDirectory(host.dht, key).coordinator(FIND_WAIT_S, pin=cfg.coordinator_fingerprint)
+    known = remembered is not None and remembered.exists()
+    pin = cfg.coordinator_fingerprint or (fingerprint(remembered.read_bytes()) if known else "")
+    try:
+        record = await SwarmDirectory(host.dht, key).coordinator(FIND_WAIT_S, pin=pin)
+    except CoordinatorNotFound as exc:
+        if known and not cfg.coordinator_fingerprint:
+            raise CoordinatorNotFound(f"{exc}; this node trusted that certificate before (kept in {remembered}): if the "
+                                      "coordinator really changed it, pin the new one with --coordinator-fingerprint or "
+                                      "delete that file") from None
+        raise
+    if not pin and remembered is not None and record.certificate:
+        log.warning("trusting the coordinator entry signed by %s on first use (kept in %s; pin it with "
+                    "--coordinator-fingerprint, which the coordinator prints)", record.fingerprint, remembered)
+        remembered.parent.mkdir(parents=True, exist_ok=True)
+        remembered.write_bytes(record.certificate)
     address = record.address_for(p2p=cfg.transport is TransportKind.P2P)
     log.info("found the coordinator through the DHT at %s", address)
     return CoordinatorAddress(address, "" if is_p2p_address(address) else record.fingerprint)

@@ -40,6 +40,7 @@ class CoordinatorRecord:
     grpc: str = ""
     p2p: str = ""
     fingerprint: str = ""
+    certificate: bytes = b""  # the PEM that signed the entry (a node that trusts it on first use keeps it)
 
     def address_for(self, p2p: bool) -> str:
         """The address a node of the given transport dials (the other kind if it is the only one)."""
@@ -109,7 +110,8 @@ class SwarmDirectory:
             if name != seen or fields.get("fingerprint", "") != seen:
                 log.warning("dropped a coordinator entry in the DHT filed under another certificate's name")
                 continue
-            out[seen] = CoordinatorRecord(**{k: fields.get(k, "") for k in ("grpc", "p2p", "fingerprint")})
+            out[seen] = CoordinatorRecord(**{k: fields.get(k, "") for k in ("grpc", "p2p", "fingerprint")},
+                                          certificate=record.certificate)
         return out
 
     async def coordinator(self, timeout: float, pin: str = "") -> CoordinatorRecord:
