@@ -1,9 +1,10 @@
 """`tahnode bench abuse`: does one token holder's abuse grow the coordinator or slow its status page?
 A fresh `tahnode coordinator` (a subprocess on loopback) with three stage holders; then one client
-with the token (a process of its own) sends --heartbeats oversized heartbeats (--links made-up
-links each) as a member, and --joins joins under fresh ids and keys. The coordinator's memory (RSS)
-and GET /api/v1/state latency are measured before, during and after; a row per phase goes to
-docs/benchmarks.md."""
+with the token (a process of its own) sends, as a member, --heartbeats oversized heartbeats (--links
+made-up links each) and --fat-heartbeats with --stats made-up entries in each of their stats' maps;
+--joins joins under fresh ids and keys, and --senders heartbeats sealed under made-up sender names
+(the replay guard's growth). The coordinator's memory (RSS) and GET /api/v1/state latency are measured before, during
+and after; a row per phase goes to docs/benchmarks.md."""
 
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ from .bench_report import markdown_table, write_section
 __all__ = ["main", "PhaseRow"]
 
 COLUMNS = ("phase", "seconds", "coordinator RSS MB (peak)", "vs before", "state ms p50 / p99", "p50 vs before", "state KB",
-           "nodes in state", "heartbeats sent / refused", "joins sent / refused")
+           "nodes in state", "heartbeats sent / refused", "joins sent / refused", "made-up senders sent / refused")
 
 
 @dataclass
@@ -38,6 +39,7 @@ class PhaseRow:
     nodes: int
     heartbeats: tuple[int, int] = (0, 0)
     joins: tuple[int, int] = (0, 0)
+    senders: tuple[int, int] = (0, 0)
 
 
 async def _join(stub, key, name: str, stage: int, identity=None):
@@ -57,10 +59,22 @@ async def _join(stub, key, name: str, stage: int, identity=None):
     return sealer
 
 
-async def _abuse(address: str, token: str, heartbeats: int, links: int, joins: int, in_flight: int = 8) -> dict:
+def _stats(entries: int):
+    """Heartbeat stats whose free maps hold `entries` made-up keys each (issue 39, finding 4)."""
+    from ..proto import tahnode_pb2 as pb
+
+    stats = pb.TrainingStats()
+    for k in range(entries):
+        name = f"made-up-{k:07d}"
+        stats.refused[name], stats.offences[name], stats.outer[name], stats.outer_offences[name] = k, 1, 1.0, 1
+    return stats
+
+
+async def _abuse(address: str, token: str, heartbeats: int, links: int, joins: int, fat: tuple[int, int] = (0, 0),
+                 senders: int = 0, in_flight: int = 8) -> dict:
     import grpc
 
-    from ..net.auth import SwarmKey
+    from ..net.auth import Sealer, SwarmKey
     from ..net.freshness import COORDINATOR
     from ..proto import tahnode_pb2 as pb
     from ..proto import tahnode_pb2_grpc as pb_grpc
@@ -70,26 +84,37 @@ async def _abuse(address: str, token: str, heartbeats: int, links: int, joins: i
         stub = pb_grpc.CoordinatorStub(channel)
         member = await _join(stub, key, "evil", -1)
         fake = [pb.LinkStats(dst=f"ghost-{k}", bytes=k, seconds=1.0) for k in range(links)]
-        refused, gate = {"heartbeats": 0, "joins": 0}, asyncio.Semaphore(in_flight)
+        padded = _stats(fat[1])
+        refused, gate = {"heartbeats": 0, "joins": 0, "senders": 0}, asyncio.Semaphore(in_flight)
 
-        async def beat():
+        async def beat(**fields):
             async with gate:
                 try:
-                    await stub.Heartbeat(member.seal(pb.HeartbeatRequest(node_id="evil", links=fake), COORDINATOR))
+                    await stub.Heartbeat(member.seal(pb.HeartbeatRequest(node_id="evil", **fields), COORDINATOR))
                 except grpc.aio.AioRpcError:
                     refused["heartbeats"] += 1
+
+        async def stranger(k: int):
+            async with gate:
+                sealer = Sealer(key, f"stranger-{k:07d}", run=member.guard.run)
+                try:
+                    await stub.Heartbeat(sealer.seal(pb.HeartbeatRequest(node_id=sealer.me), COORDINATOR))
+                except grpc.aio.AioRpcError:
+                    refused["senders"] += 1
 
         async def sybil(k: int):
             async with gate:
                 refused["joins"] += await _join(stub, key, f"sybil-{k}", -1) is None
 
-        await asyncio.gather(*(beat() for _ in range(heartbeats)), *(sybil(k) for k in range(joins)))
+        await asyncio.gather(*(beat(links=fake) for _ in range(heartbeats)), *(beat(stats=padded) for _ in range(fat[0])),
+                             *(sybil(k) for k in range(joins)), *(stranger(k) for k in range(senders)))
     return refused
 
 
-def abuse(address: str, token: str, heartbeats: int, links: int, joins: int) -> dict:
+def abuse(address: str, token: str, heartbeats: int, links: int, joins: int, fat: tuple[int, int] = (0, 0),
+          senders: int = 0) -> dict:
     """The abuser, in a process of its own: what the coordinator refused of what it sent."""
-    return asyncio.run(_abuse(address, token, heartbeats, links, joins))
+    return asyncio.run(_abuse(address, token, heartbeats, links, joins, fat, senders))
 
 
 def observe(coord: CoordinatorProcess, phase: str, done) -> PhaseRow:
@@ -131,10 +156,13 @@ def run(args, workdir: Path) -> list[PhaseRow]:
 
         rows = [observe(coord, "before", after(args.settle))]
         with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
-            attack = pool.submit(abuse, coord.address, coord.token, args.heartbeats, args.links, args.joins)
+            attack = pool.submit(abuse, coord.address, coord.token, args.heartbeats, args.links, args.joins,
+                                 (args.fat_heartbeats, args.stats), args.senders)
             during = observe(coord, "during", attack.done)
             refused = attack.result()
-        during.heartbeats, during.joins = (args.heartbeats, refused["heartbeats"]), (args.joins, refused["joins"])
+        during.heartbeats = (args.heartbeats + args.fat_heartbeats, refused["heartbeats"])
+        during.joins = (args.joins, refused["joins"])
+        during.senders = (args.senders, refused["senders"])
         rows += [during, observe(coord, "after", after(args.settle))]
         return rows
     finally:
@@ -147,14 +175,21 @@ def cells(r: PhaseRow, before: PhaseRow) -> list[str]:
 
     return [r.phase, f"{r.seconds:.0f}", f"{r.rss_mb:.0f}", rel(r.rss_mb, before.rss_mb), str(r.state),
             rel(r.state.p50_ms, before.state.p50_ms), f"{r.state_kb:.0f}", str(r.nodes), f"{r.heartbeats[0]} / {r.heartbeats[1]}",
-            f"{r.joins[0]} / {r.joins[1]}"]
+            f"{r.joins[0]} / {r.joins[1]}", f"{r.senders[0]} / {r.senders[1]}"]
 
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="tahnode bench abuse", description=__doc__)
     ap.add_argument("--heartbeats", type=int, default=10_000, help="oversized heartbeats the abuser sends (default 10000)")
     ap.add_argument("--links", type=int, default=5_000, help="made-up links in each (default 5000: about 120 KB)")
+    ap.add_argument("--fat-heartbeats", type=int, default=200,
+                    help="heartbeats whose stats maps are full of made-up entries (default 200)")
+    ap.add_argument("--stats", type=int, default=20_000,
+                    help="made-up entries in each stats map of those (refused, offences, outer, outer_offences; "
+                         "default 20000: about 1.9 MB a heartbeat)")
     ap.add_argument("--joins", type=int, default=2_000, help="joins under fresh ids and keys (default 2000)")
+    ap.add_argument("--senders", type=int, default=50_000,
+                    help="heartbeats sealed under made-up sender names, each refused as no member (default 50000)")
     ap.add_argument("--settle", type=float, default=10.0, help="seconds measured before and after the abuse (default 10)")
     ap.add_argument("--out", default="docs/benchmarks.md", help="where the rows go (default docs/benchmarks.md)")
     ap.add_argument("--no-write", action="store_true", help="do not write the rows to --out")
@@ -175,8 +210,9 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_write:
         write_section(Path(args.out), "abuse", "Coordinator under one token holder's abuse", [
             text, "", f"A real coordinator (`tahnode coordinator`, plain gRPC on loopback, 3 stages held); one client with the "
-            f"token, in a process of its own, sends {args.heartbeats} heartbeats of {args.links} made-up links each as a "
-            f"member, and {args.joins} joins under fresh ids and keys, 8 requests in flight. RSS: the coordinator's peak in "
+            f"token, in a process of its own, sends as a member {args.heartbeats} heartbeats of {args.links} made-up links "
+            f"each and {args.fat_heartbeats} of {args.stats} made-up entries in each stats map, {args.joins} joins under "
+            f"fresh ids and keys, and {args.senders} heartbeats sealed under made-up sender names, 8 requests in flight. RSS: the coordinator's peak in "
             f"the phase; state: GET /api/v1/state every {POLL_S} s.", "", f"Command: `{command}`"], [])
     print(json.dumps([asdict(r) for r in rows]) if args.json else text)
     return 0
