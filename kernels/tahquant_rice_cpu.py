@@ -13,7 +13,7 @@ from .quant_ref import check_finite
 from .symtiles_cpu import dequantize, quantize, rotate, unrotate
 from .symtiles_ref import check_scales, tile_scales
 from .tahquant_ref import TahQuantParams
-from .tahquant_rice_ref import shape_of, split
+from .tahquant_rice_ref import shape_of, slices, split, tiling
 from .wire import as_bytes
 
 __all__ = ["encode", "decode"]
@@ -22,17 +22,23 @@ __all__ = ["encode", "decode"]
 def encode(x: torch.Tensor, params: TahQuantParams) -> torch.Tensor:
     params.validate()
     check_finite(x, "tahquant")
-    n, c, _, g = shape_of(tuple(x.shape), params)
-    qmax = int(params.qmax)
-    y = rotate(x.reshape(n, c).float(), g)
-    scale = tile_scales(y, g, qmax)
-    return rice_cpu.encode(quantize(y, scale, g, qmax), qmax, as_bytes(scale.reshape(-1)))
+    n, c, _, _ = shape_of(tuple(x.shape), params)
+    qmax, x2 = int(params.qmax), x.reshape(n, c).float()
+    scales, codes = [], []
+    for start, width, tile in tiling(c, int(params.group_size)):
+        y = rotate(x2[:, start:start + width], tile)
+        scale = tile_scales(y, tile, qmax)
+        scales.append(scale.reshape(-1))
+        codes.append(quantize(y, scale, tile, qmax).reshape(-1))
+    return rice_cpu.encode(torch.cat(codes), qmax, as_bytes(torch.cat(scales)))
 
 
 def decode(payload: torch.Tensor, shape, params: TahQuantParams, dtype: torch.dtype) -> torch.Tensor:
     k, scale, low, unary = split(payload, shape, params)
-    n, c, t, g = shape_of(shape, params)
+    n, c, _, width = shape_of(shape, params)
     qmax = int(params.qmax)
-    codes = rice_cpu.decode(low, unary, n * t * g, k, qmax, "tahquant")
+    codes = rice_cpu.decode(low, unary, n * width, k, qmax, "tahquant")
     check_scales(scale, "tahquant")
-    return unrotate(dequantize(codes.reshape(n, t * g), scale, g, qmax), g, c).reshape(shape).to(dtype)
+    parts = [unrotate(dequantize(q, s, tile, qmax), tile, w)
+             for _, w, tile, s, q in slices(scale, codes, n, c, int(params.group_size))]
+    return torch.cat(parts, dim=1).reshape(shape).to(dtype)

@@ -120,7 +120,8 @@ def test_layout_3_zero_tokens_and_tiny_values():
 
 
 CASES = [((3, 20), torch.bfloat16, 8, 12), ((2, 5, 40), torch.float32, 32, 7), ((4, 7, 128), torch.float16, 128, 12),
-         ((1, 3, 264), torch.bfloat16, 128, 31), ((2, 64, 768), torch.bfloat16, 128, 127), ((2, 9, 24), torch.float32, 16, 1)]
+         ((1, 3, 264), torch.bfloat16, 128, 31), ((2, 64, 768), torch.bfloat16, 128, 127), ((2, 9, 24), torch.float32, 16, 1),
+         ((3, 5, 96), torch.bfloat16, 128, 12), ((2, 3, 100), torch.float32, 128, 31), ((1, 4, 1600), torch.bfloat16, 128, 12)]
 
 
 @pytest.mark.parametrize("shape,dtype,g,qmax", CASES, ids=[f"{c[0]}-{c[1]}-G{c[2]}-q{c[3]}" for c in CASES])
@@ -319,3 +320,27 @@ def test_the_registry_serves_cpu_tensors_with_the_cpu_path(monkeypatch):
     assert dispatch.implementation("tahquant_rice", torch.zeros(1)) is tahquant_rice_cpu
     monkeypatch.setenv("TAHNODE_REFERENCE", "1")
     assert dispatch.implementation("tahquant_rice", torch.zeros(1)) is tahquant_rice_ref
+
+
+WIDTHS = (64, 96, 192, 576, 768, 1600, 2048, 4096)
+
+
+def test_layout_3_sends_no_padded_tiles_at_any_width():
+    """Issue 43: a width that is not a multiple of the tile was padded to whole tiles of 128 and the
+    padding sent (64 channels: 9.1 bits per element). Now the rest of a token's channels goes in
+    tiles of descending powers of two (tahquant_rice_ref.tiling): at most 7 padded values a token,
+    the error per element no worse than at 768, and bits per element (the whole message) at most
+    4.6 from 192 channels on. 64 and 96 take 4.7 and 4.8 (a bf16 scale per 64 or 32 values, on a
+    finer grid than a tile of 128 has): the issue's 4.6 is not met there yet."""
+    codec = codecs.get_codec("tahquant", layout=3, group_size=128, qmax=12)
+    bits, errors = {}, {}
+    for c in WIDTHS:
+        x = torch.randn(8, 128, c, generator=torch.Generator().manual_seed(c))
+        _, _, _, codes = tahquant_rice_ref.shape_of(x.shape, codec.params)
+        assert codes - c < tahquant_rice_ref.MIN_TILE
+        msg = codec.encode(x)
+        bits[c] = codecs.bits_per_element(msg)
+        errors[c] = float(((codecs.decode(msg) - x) ** 2).mean())
+    assert all(errors[c] <= errors[768] * 1.01 for c in WIDTHS), errors
+    assert all(bits[c] <= 4.6 for c in WIDTHS if c >= 192), bits
+    assert bits[64] <= 4.7 and bits[96] <= 4.85, bits  # 9.1 and 5.9 before

@@ -36,7 +36,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="tahnode bench convergence", description=__doc__.split("\n\n")[0])
     ap.add_argument("--pairs", default=None, help="codec pairs FWD[:k=v,...]/BWD[:k=v,...], comma-separated; the first "
                     f"is the reference unless none/none is among them (default {DEFAULT_PAIRS}; with --pipelines, the last "
-                    "of them, the product's default). Separate pairs with ';' when their parameters have commas")
+                    "of them, the product's default: tahquant's layout 3 with its schedule; tahquant written bare is "
+                    "the paper's algorithm, layout 1). Separate pairs with ';' when their parameters have commas")
     ap.add_argument("--seeds", type=int, default=3, metavar="N", help="train every pair with seeds 0..N-1: weights and data "
                     "order (default 3)")
     ap.add_argument("--first-seed", type=int, default=0, help="start the seeds here (default 0)")

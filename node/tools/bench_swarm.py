@@ -18,6 +18,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from ..config import RunConfig, TransportKind
+from ..config.run import CodecConfig
 from ..config.toml import toml_table
 from . import netns
 from .bench_report import markdown_table, plot_losses, plot_throughput, write_section
@@ -25,9 +26,11 @@ from .swarm import LocalSwarm, Shaper, SwarmError, SwarmSpec
 
 __all__ = ["CodecPair", "Row", "Cell", "BenchConfig", "main"]
 
-DEFAULT_PAIRS = "none/none,group/naive,aqsgd/naive,aqsgd/naive:bits=8,amaq/naive,tahquant/naive,tahquant/tahquant"
+# `default`: the pair a run sends by default (its [codec] table unset: tahquant's layout 3 with its
+# precision schedule forward, pertoken backward); `tahquant` written bare is the paper's layout 1
+DEFAULT_PAIRS = "none/none,default,group/naive,aqsgd/naive,aqsgd/naive:bits=8,amaq/naive,tahquant/naive,tahquant/tahquant"
 NO_SCHEDULE = {"forward_high_params": {}}  # the [codec] settings of a pair written without '@': no precision schedule
-MAIN_PAIRS = ("none/none", "tahquant/naive", "tahquant/tahquant")
+MAIN_PAIRS = ("none/none", "default", "tahquant/naive", "tahquant/tahquant")
 COLUMNS = ("link Mbit/s", "RTT ms", "stages", "codec fwd/bwd", "transport", "tokens/s", "limit tokens/s", "limit", "share of limit",
            "bits/elem fwd/bwd", "busiest direction bytes/step", "final loss", "peak RSS MB")
 CONVERGENCE_COLUMNS = ("codec fwd/bwd", "steps", "seeds", "final loss (mean of last 10, mean over seeds)",
@@ -54,8 +57,14 @@ class CodecPair:
 
     @classmethod
     def parse(cls, text: str) -> "CodecPair":
+        """`text` as above, or `default`: the pair a run sends when its [codec] table is unset."""
         from ..codecs import get_codec, parse_param_args
 
+        if text.strip() == "default":
+            c = CodecConfig()
+            schedule = {"forward_high_params": c.high_params, "forward_high_start": c.forward_high_start,
+                        "forward_high_end": c.forward_high_end}
+            return cls("default", c.forward, c.forward_codec_params, c.backward, c.backward_params, schedule)
         halves = text.strip().split("/")
         if len(halves) != 2:
             raise ValueError(f"a codec pair is FORWARD/BACKWARD (e.g. tahquant/naive), got {text!r}")
@@ -240,7 +249,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--rtts", default="0,50", help="round-trip times in ms, comma-separated (default 0,50)")
     ap.add_argument("--stages", default="3,4", help="stage counts, comma-separated (default 3,4)")
     ap.add_argument("--pairs", default=DEFAULT_PAIRS, help=f"codec pairs FWD[:k=v]/BWD[:k=v], comma-separated (default {DEFAULT_PAIRS}; "
-                    "backward naive means 6 bits)")
+                    "backward naive means 6 bits; `default` is the pair a run sends by default, tahquant's layout 3 "
+                    "with its precision schedule forward and pertoken backward; tahquant written bare is the paper's "
+                    "algorithm, layout 1)")
     ap.add_argument("--all-pairs-at-4-stages", action="store_true", help="run every pair with 4 stages too (default: only "
                     + ", ".join(MAIN_PAIRS) + ")")
     ap.add_argument("--steps", type=int, default=4, help="measured steps per row (default 4)")
@@ -267,7 +278,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--prefix", default="tnb-", help="namespace prefix of the swarms it starts (default tnb-)")
     ap.add_argument("--convergence", type=int, nargs="?", const=300, default=0, metavar="STEPS",
                     help="instead of the matrix: train llama-tiny (or --model) for STEPS steps (default 300; 1024 tokens per step, 3 stages, "
-                    "unshaped) with none/none, tahquant/naive and tahquant/tahquant, --seeds times each, and compare "
+                    "unshaped) with " + ", ".join(MAIN_PAIRS) + ", --seeds times each, and compare "
                     "their final losses")
     ap.add_argument("--seeds", type=int, default=3, metavar="N", help="with --convergence: train every pair with seeds "
                     "0..N-1 (weights and data order) and compare each with none/none of the same seed (default 3; "

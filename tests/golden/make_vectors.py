@@ -44,6 +44,8 @@ CASES = [
          shape=[1, 4, 12], dtype="float16", seed=12, outlier=12.0),
     dict(name="tahquant-rice-g32-bf16-k0", codec="tahquant", params={"group_size": 32, "layout": 3, "qmax": 1},
          shape=[2, 3, 64], dtype="bfloat16", seed=13, outlier=12.0),
+    dict(name="tahquant-rice-g128-w96-bf16-slices", codec="tahquant", params={"group_size": 128, "layout": 3, "qmax": 12},
+         shape=[2, 3, 96], dtype="bfloat16", seed=14, outlier=12.0),
     dict(name="amaq-learned", codec="amaq", params={"anneal_steps": 0}, shape=[2, 4, 8], dtype="float32", seed=6, outlier=1.0,
          gates=[-6.0, -2.0, 0.0, 0.5, 1.0, 2.0, 4.0, 6.0]),
     dict(name="aqsgd-two-visits", codec="aqsgd", params={"bits": 4, "group_size": 8}, shape=[2, 2, 8], dtype="float32", seed=7, outlier=1.0,
