@@ -165,3 +165,30 @@ def test_the_frame_mac_is_as_docs_wire_format_gives_it():
     run 0 sender 0 recipient, 0, seq u64, index u32, count u32 and the data."""
     frame = Sealer(SwarmKey("t"), "alice", "run-a").frame("bob", 7, 0, 1, [b"some data"])
     assert frame.mac.hex() == "1d91a8f49d289f2a39ea17752add6ea8bf547abbb852afe060e431f04aa1f7dd"
+
+
+def test_a_token_only_message_sealed_as_a_node_never_raises_that_nodes_floor(tmp_path):
+    """Issue 39 (low): a token holder's ping sealed as V with a counter 59 s ahead raised V's highest
+    counter, kept on disk; after the receiver restarted, V's own frames were refused as replays for
+    those 59 s. Messages no node key signed (pings, probes) keep counters of their own."""
+    from tahnode.net.identity import NodeKey
+
+    import time
+
+    clock, key, store = Clock(time.time()), SwarmKey("t"), tmp_path / "seen-counters.json"
+    victim = Sealer(key, "v", "run", identity=NodeKey.generate())
+    forger = Sealer(key, "v", "run")
+    forger.counter = SealCounter(lambda: clock.t + 59)  # its clock 59 s ahead
+    receiver = Sealer(key, "b", "run", seen_file=store)
+    receiver.guard.clock = clock
+    ping = forger.seal(pb.PingRequest(nonce=b"x"), "b")
+    assert receiver.check(ping) == "v"  # token only: accepted, and counted apart
+    with pytest.raises(SealRefused):
+        receiver.check(ping)  # a replay of it still is refused
+    receiver.guard.save()
+    again = Sealer(key, "b", "run", seen_file=store)  # b restarts
+    again.guard.clock = clock
+    clock.t += 5  # b is back 5 s later; v's next frame carries its own clock
+    frame = victim.frame("b", victim.counter.next(), 0, 1, [b"data"]).head
+    frame.data = b"data"
+    again.check_frame(frame, first=True, signed_by=victim.identity.public)  # before: refused as replayed

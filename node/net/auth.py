@@ -102,6 +102,9 @@ class SwarmKey:
             return False
 
 
+TOKEN_ONLY = "\x00token-only:"  # the replay guard's name for a sender of messages no node key signed (pings, probes)
+
+
 class Sealer:
     """One process's signing identity: it seals and signs what it sends (`seal`, `frame`) and checks
     what it receives (`check`, `check_frame`: the MAC, then the seal with its ReplayGuard). `run`
@@ -142,7 +145,11 @@ class Sealer:
             self._refuse(RefusalReason.WRONG_KEY, f"{type(msg).__name__} carries no node key (every node needs one)")
         if signed_by is not None and (s.public_key != signed_by or not verify_signature(signed_by, s.signature, signed_bytes(msg))):
             self._refuse(RefusalReason.WRONG_KEY, f"not signed by the key node {s.sender!r} is bound to")
-        self.guard.check(s.run, s.sender, s.recipient, s.counter, run_optional=run_optional)
+        # only a message its sender's key signed counts against that sender's counters: a token
+        # holder's ping sealed as V with a counter 59 s ahead raised V's floor, and after a restart
+        # the receiver refused V's own frames for that long (issue 39, low); token-only ones keep theirs apart
+        counted = s.sender if signed_by is not None else TOKEN_ONLY + s.sender
+        self.guard.check(s.run, counted, s.recipient, s.counter, run_optional=run_optional)
         return s.sender
 
     def _refuse(self, reason: RefusalReason, detail: str):
