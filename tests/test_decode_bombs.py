@@ -1,7 +1,8 @@
 """Issue 39 finding 3, the Rice decode bomb: a receiver decodes only what its run sends (the codec,
 wire version and parameters of its direction, the precision schedule's included), so a peer cannot
 pick the grid that sizes a decode; and a unary stream whose zero-bits are not one per value is
-refused before it is unpacked (8 bits to a byte, then an index per zero-bit)."""
+refused before it is unpacked (8 bits to a byte, then an index per zero-bit). And the data plane
+takes only the fast MAC and checksum, not the ones an older sender (or a token holder) picks."""
 
 from __future__ import annotations
 
@@ -64,3 +65,25 @@ def test_a_unary_stream_with_other_than_one_zero_bit_a_value_is_refused_before_i
     honest = np.full(count // 8, 0b10101010, np.uint8)  # one zero-bit and one one-bit a value: still decodes
     assert rice_cpu.decode(torch.empty(0, dtype=torch.uint8), torch.from_numpy(honest), count // 2, 0, qmax,
                            "tahquant").numel() == count // 2
+
+
+def test_the_data_plane_takes_the_fast_checks_only():
+    """Issue 39 (low): the sender picked its MAC and checksum, and HMAC-SHA256 and zlib's CRC-32 cost
+    the receiver several times the CPU of keyed BLAKE3 and CRC-32C: a stage refuses them."""
+    from tahnode.codecs.host import checksum
+    from tahnode.net.auth import BadMac, Sealer, SwarmKey
+    from tahnode.net.identity import NodeKey
+
+    run = build_run(4)
+    msg = get_codec("none").encode(X)
+    msg.checksum = pb.CRC32
+    msg.crc32 = checksum(msg)
+    with pytest.raises(CodecError, match="CRC-32C"):
+        codec_streams(run, 1).decode(FORWARD, 1, micro_batch(msg), torch.float32)
+    key, identity = SwarmKey("t"), NodeKey.generate()
+    frame = Sealer(key, "a", "run", identity=identity).frame("b", 1, 0, 1, [b"data"]).head
+    frame.data = b"data"
+    frame.mac_kind, frame.mac = pb.HMAC_SHA256, key.frame_mac(frame, kind=pb.HMAC_SHA256)
+    assert key.verify_frame(frame)  # a valid MAC of the other kind
+    with pytest.raises(BadMac, match="HMAC-SHA256"):
+        Sealer(key, "b", "run").check_frame(frame, first=True, signed_by=identity.public)

@@ -172,6 +172,9 @@ class Sealer:
         bound key (None: the sender is no neighbour of this node, refused); the first frame of an
         envelope carries its seal (`seq`), the later ones are held to it by the reassembler.
         `data`: the frame's data, if the caller read it already."""
+        if frame.mac_kind != pb.BLAKE3_KEYED:  # HMAC-SHA256 (older senders) costs a receiver 5x the CPU: not the sender's pick
+            self.guard.refused[RefusalReason.BAD_MAC] += 1
+            raise BadMac(f"frame from {frame.sender or '?'} carries an HMAC-SHA256 MAC; this swarm's frames carry keyed BLAKE3")
         if not self.key.verify_frame(frame, data):
             self.guard.refused[RefusalReason.BAD_MAC] += 1
             raise BadMac(f"frame from {frame.sender or '?'} failed authentication (wrong swarm token?)")

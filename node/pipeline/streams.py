@@ -100,6 +100,8 @@ class CodecStreams:
         run sends (a message of another codec or of other parameters is refused: its codec's state,
         e.g. AQ-SGD's cache, is not the peer's to grow, nor its decoder's memory the peer's to size).
         `payload`: the tensor's payload where it travelled apart (tahnode.net.body)."""
+        if mb.tensor.checksum != pb.CRC32C:  # zlib's CRC-32 (older senders) costs a receiver 5x the CPU: not the sender's pick
+            raise codecs.CodecError(f"{direction} message checked with CRC-32; this swarm's messages carry CRC-32C")
         own = [self.codecs[direction]] + ([self.high] if direction is FORWARD and self.high is not None else [])
         if not any(codec.sent(mb.tensor) for codec in own):
             sent = ", ".join(f"{k}={v:g}" for k, v in sorted(mb.tensor.params.items())[:8])
