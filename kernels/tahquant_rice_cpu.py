@@ -11,9 +11,9 @@ import torch
 from . import rice_cpu
 from .quant_ref import check_finite
 from .symtiles_cpu import dequantize, quantize, rotate, unrotate
-from .symtiles_ref import check_scales, tile_scales
+from .symtiles_ref import check_scales
 from .tahquant_ref import TahQuantParams
-from .tahquant_rice_ref import shape_of, slices, split, tiling
+from .tahquant_rice_ref import shape_of, slice_codes, slices, split
 from .wire import as_bytes
 
 __all__ = ["encode", "decode"]
@@ -23,14 +23,9 @@ def encode(x: torch.Tensor, params: TahQuantParams) -> torch.Tensor:
     params.validate()
     check_finite(x, "tahquant")
     n, c, _, _ = shape_of(tuple(x.shape), params)
-    qmax, x2 = int(params.qmax), x.reshape(n, c).float()
-    scales, codes = [], []
-    for start, width, tile in tiling(c, int(params.group_size)):
-        y = rotate(x2[:, start:start + width], tile)
-        scale = tile_scales(y, tile, qmax)
-        scales.append(scale.reshape(-1))
-        codes.append(quantize(y, scale, tile, qmax).reshape(-1))
-    return rice_cpu.encode(torch.cat(codes), qmax, as_bytes(torch.cat(scales)))
+    qmax = int(params.qmax)
+    scales, codes = slice_codes(x.reshape(n, c).float(), int(params.group_size), qmax, rotate, quantize)
+    return rice_cpu.encode(codes, qmax, as_bytes(scales))
 
 
 def decode(payload: torch.Tensor, shape, params: TahQuantParams, dtype: torch.dtype) -> torch.Tensor:

@@ -22,7 +22,7 @@ from .symtiles_ref import check_scales, dequantize, quantize, rotate, tile_scale
 from .tahquant_ref import TahQuantParams
 from .wire import CodecError, PayloadReader, as_bytes
 
-__all__ = ["encode", "decode", "split", "sections", "slices", "shape_of", "tiling", "zigzag", "unzigzag", "pack",
+__all__ = ["encode", "decode", "split", "sections", "slices", "slice_codes", "shape_of", "tiling", "zigzag", "unzigzag", "pack",
            "min_payload_nbytes", "MIN_TILE"]
 
 MIN_TILE = 8  # the smallest tile of a token's last channels (fewer than this are padded to it)
@@ -85,20 +85,26 @@ def pack(scale: torch.Tensor, codes: torch.Tensor, qmax: int) -> torch.Tensor:
     return torch.cat([head, as_bytes(scale.reshape(-1)), low, unary])
 
 
-def encode(x: torch.Tensor, params: TahQuantParams) -> torch.Tensor:
-    """x (..., C) -> payload (pack): each slice of `tiling` rotated, scaled per tile and quantized with
-    symtiles_ref at qmax."""
-    params.validate()
-    check_finite(x, "tahquant")
-    n, c, _, _ = shape_of(tuple(x.shape), params)
-    qmax, x2 = int(params.qmax), x.reshape(n, c).float()
+def slice_codes(x2: torch.Tensor, g: int, qmax: int, rotate=rotate, quantize=quantize) -> tuple[torch.Tensor, torch.Tensor]:
+    """x2 (N, C) float32 -> (scales bf16 (N*T,), codes uint8 (N*W,)) in pack's order: each slice of
+    `tiling` rotated, scaled per tile and quantized at qmax (symtiles_ref's `rotate` and `quantize`,
+    or a fast path's that give their results bit for bit)."""
     scales, codes = [], []
-    for start, width, tile in tiling(c, int(params.group_size)):
+    for start, width, tile in tiling(x2.shape[1], g):
         y = rotate(x2[:, start:start + width], tile)
         scale = tile_scales(y, tile, qmax)
         scales.append(scale.reshape(-1))
         codes.append(quantize(y, scale, tile, qmax).reshape(-1))
-    return pack(torch.cat(scales), torch.cat(codes), qmax)
+    return torch.cat(scales), torch.cat(codes)
+
+
+def encode(x: torch.Tensor, params: TahQuantParams) -> torch.Tensor:
+    """x (..., C) -> payload (pack): slice_codes with symtiles_ref."""
+    params.validate()
+    check_finite(x, "tahquant")
+    n, c, _, _ = shape_of(tuple(x.shape), params)
+    qmax = int(params.qmax)
+    return pack(*slice_codes(x.reshape(n, c).float(), int(params.group_size), qmax), qmax)
 
 
 def split(payload: torch.Tensor, shape, params: TahQuantParams) -> tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]:

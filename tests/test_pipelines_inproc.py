@@ -75,6 +75,16 @@ class LocalAverager:
         return await self.group.load_state(self.stage, self.pipeline)
 
 
+class MissesFirstRound(LocalAverager):
+    """A replica that comes to the first outer step after its deadline: no group, its own weights."""
+
+    async def average(self, vector, round, expected, timeout):
+        if round == 1:
+            await asyncio.sleep(timeout)
+            return SimpleNamespace(mean=None, group=0, refused={}, bytes_sent=0, bytes_received=0, seconds=timeout)
+        return await super().average(vector, round, expected, timeout)
+
+
 class Pipelines:
     """`pipelines` chains of the run's stages as StageWorkers on one in-process network."""
 
@@ -187,17 +197,10 @@ def test_a_replica_that_misses_an_outer_step_the_others_took_takes_their_outer_w
                                       "swarm.outer_timeout_s": 0.5})
     swarm = Pipelines(run, dataset, 3)
 
-    class Late(LocalAverager):
-        async def average(self, vector, round, expected, timeout):
-            if round == 1:
-                await asyncio.sleep(timeout)
-                return SimpleNamespace(mean=None, group=0, refused={}, bytes_sent=0, bytes_received=0, seconds=timeout)
-            return await super().average(vector, round, expected, timeout)
-
     async def go():
         try:
             workers = [w for p in range(3) for w in await swarm.start(p)]
-            swarm.workers[2][1].outer.use(Late(swarm.group, 1, 2))
+            swarm.workers[2][1].outer.use(MissesFirstRound(swarm.group, 1, 2))
             await asyncio.wait_for(asyncio.gather(*(w.run(steps) for w in workers)), 120)
         finally:
             await swarm.close()
@@ -226,18 +229,11 @@ def test_replicas_that_all_miss_an_outer_step_end_with_the_lowest_pipelines_weig
                                       "swarm.outer_timeout_s": 2.0})
     swarm = Pipelines(run, dataset, 2)
 
-    class Alone(LocalAverager):
-        async def average(self, vector, round, expected, timeout):
-            if round == 1:
-                await asyncio.sleep(timeout)
-                return SimpleNamespace(mean=None, group=0, refused={}, bytes_sent=0, bytes_received=0, seconds=timeout)
-            return await super().average(vector, round, expected, timeout)
-
     async def go():
         try:
             workers = [w for p in range(2) for w in await swarm.start(p)]
             for p in range(2):
-                swarm.workers[p][1].outer.use(Alone(swarm.group, 1, p))
+                swarm.workers[p][1].outer.use(MissesFirstRound(swarm.group, 1, p))
             await asyncio.wait_for(asyncio.gather(*(w.run(steps) for w in workers)), 120)
         finally:
             await swarm.close()
