@@ -246,6 +246,39 @@ def test_replicas_that_all_miss_an_outer_step_end_with_the_lowest_pipelines_weig
         assert float((a - b).abs().max()) < 1e-5, k
 
 
+def test_a_later_stage_that_cannot_catch_up_has_its_pipeline_regroup(dataset, monkeypatch):
+    """The stage-1 replica of pipeline 2 misses the first outer step and finds nothing to catch up on
+    (CATCH_UP_S 0 here): it asks, on its next backward micro-batches, for a regroup; stage 0 of its
+    pipeline regroups after the next step, the stage takes the others' outer weights of step 4, and
+    every replica ends with one model. Before, only stage 0's own misses made a pipeline regroup, and
+    the stage kept its own weights for the rest of the run."""
+    from tahnode.pipeline import outer_sync
+
+    monkeypatch.setattr(outer_sync, "CATCH_UP_S", 0.0)
+    steps = 8
+    run = build_run(steps, **NONE, **{"swarm.pipelines": 3, "swarm.outer_every": 4, "swarm.outer_bits": 32,
+                                      "swarm.outer_timeout_s": 0.5})
+    swarm = Pipelines(run, dataset, 3)
+
+    async def go():
+        try:
+            workers = [w for p in range(3) for w in await swarm.start(p)]
+            swarm.workers[2][1].outer.use(MissesFirstRound(swarm.group, 1, 2))
+            await asyncio.wait_for(asyncio.gather(*(w.run(steps) for w in workers)), 120)
+        finally:
+            await swarm.close()
+
+    asyncio.run(go())
+    late = swarm.workers[2][1].outer.stats
+    assert late.alone == 1 and late.adopted == 1
+    assert list(swarm.losses(2)) == list(range(steps))  # step 4 trained again, each step's loss once
+    for k in range(run.stages):
+        first = torch.cat([x.detach().reshape(-1) for x in swarm.workers[0][k].model.parameters()])
+        for p in (1, 2):
+            other = torch.cat([x.detach().reshape(-1) for x in swarm.workers[p][k].model.parameters()])
+            assert float((first - other).abs().max()) < 1e-5, (k, p)
+
+
 def test_an_averager_that_fails_leaves_its_replica_training_on_its_own_weights(dataset):
     """A replica whose averager raises (its process ended, or its own pseudo-gradient is not finite)
     keeps its weights at the outer step; the others go ahead without it at the deadline."""

@@ -23,8 +23,9 @@ if TYPE_CHECKING:
 log = logging.getLogger("tahnode.pipeline")
 
 CATCH_UP_S = 10.0  # after a boundary without a group, how long a replica looks for the others' outer weights of it
+REGROUP = "regroup"  # a backward micro-batch's extra: a later stage of the pipeline needs its pipeline to regroup
 
-__all__ = ["OuterSync", "OuterStats", "Averager", "outer_round"]
+__all__ = ["OuterSync", "OuterStats", "Averager", "outer_round", "REGROUP", "CATCH_UP_S"]
 
 
 class Averager(Protocol):
@@ -200,6 +201,17 @@ class OuterSync:
             self.anchor_step, self.source = committed, self.w.pipeline
             self.alone_at = committed if mean is None and self.active else None
 
+    def regroup_asked(self, by_later_stage: bool) -> bool:
+        """(A backward micro-batch went through this stage.) Whether to ask the stage before it for a
+        regroup: this replica missed an outer step it could not catch up on, or a later stage asked.
+        Stage 0 drives the regroup, once an outer period at most (a neighbour could ask every step),
+        right after a boundary; before, a stage other than 0 that needed one never got it."""
+        if self.w.first:
+            if by_later_stage and self.active and self.due(self.w.committed):
+                self.needs_regroup = True
+            return False
+        return self.active and (self.needs_regroup or by_later_stage)
+
     # -- checkpoints --------------------------------------------------------------------------------
     def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
         """The outer weights and momentum a checkpoint keeps."""
@@ -234,6 +246,7 @@ class OuterSync:
 
     def _regroup(self, peer: tuple[dict, list[torch.Tensor]] | None) -> int:
         w = self.w
+        self.needs_regroup = False
         with self._lock:
             if peer is not None and self.outranked_by(peer[0]) and self._fits(peer[1]):
                 self._take_peer(peer, peer[0]["step"])

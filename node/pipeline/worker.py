@@ -27,7 +27,7 @@ from .checkpoint import CheckpointStore, StageSaver, has_outer
 from .checkpoint_meta import kept_unreported
 from .driver import StepDriver
 from .inbox import Inbox
-from .outer_sync import Averager, OuterSync
+from .outer_sync import REGROUP, Averager, OuterSync
 from .resync import Resync
 from .schedule import Split
 from .state import DivergedStep, Pending, PipelineError, Stats, StepRecord, StepState, Stopping, StopRequest
@@ -283,9 +283,10 @@ class StageWorker:
         st.done_backward += 1
         if partial is not None:
             st.partial_sumsq = partial
+        regroup = self.outer is not None and self.outer.regroup_asked(REGROUP in mb.extras)
         if self.first:
             return None
-        extras = {}
+        extras = {REGROUP: 1.0} if regroup else {}
         if st.all_backward:
             extras["grad_sumsq"] = st.sent_sumsq = st.partial_sumsq + grad_sumsq(self.opt.params)
         return self._message(BACKWARD, p.inp.grad, p.sample_ids, mb, extras=extras)
