@@ -279,6 +279,40 @@ def test_a_later_stage_that_cannot_catch_up_has_its_pipeline_regroup(dataset, mo
             assert float((first - other).abs().max()) < 1e-5, (k, p)
 
 
+def test_at_the_last_boundary_a_replica_waits_for_one_that_outranks_it(dataset, monkeypatch):
+    """The run's last outer step: pipeline 0's stage-1 replica comes 1.5 deadlines late, so both are
+    alone; pipeline 1's looks for a peer's state long enough to take pipeline 0's (the lower), and
+    the run ends with one model. Before, its 10 s (0.5 s here) ran out before the late one's state
+    existed, and no regroup follows the last step."""
+    from tahnode.pipeline import outer_sync
+
+    monkeypatch.setattr(outer_sync, "CATCH_UP_S", 0.5)
+    steps = 8
+    run = build_run(steps, **NONE, **{"swarm.pipelines": 2, "swarm.outer_every": 4, "swarm.outer_bits": 32,
+                                      "swarm.outer_timeout_s": 0.5})
+    swarm = Pipelines(run, dataset, 2)
+
+    class LateToTheLast(LocalAverager):
+        async def average(self, vector, round, expected, timeout):
+            if round == 2:
+                await asyncio.sleep(1.5 * timeout)
+            return await super().average(vector, round, expected, timeout)
+
+    async def go():
+        try:
+            workers = [w for p in range(2) for w in await swarm.start(p)]
+            swarm.workers[0][1].outer.use(LateToTheLast(swarm.group, 1, 0))
+            await asyncio.wait_for(asyncio.gather(*(w.run(steps) for w in workers)), 120)
+        finally:
+            await swarm.close()
+
+    asyncio.run(go())
+    late, other = swarm.workers[0][1].outer.stats, swarm.workers[1][1].outer.stats
+    assert (late.alone, late.adopted, other.alone, other.adopted) == (1, 0, 1, 1)
+    a, b = (torch.cat([x.detach().reshape(-1) for x in swarm.workers[p][1].model.parameters()]) for p in range(2))
+    assert float((a - b).abs().max()) < 1e-5
+
+
 def test_an_averager_that_fails_leaves_its_replica_training_on_its_own_weights(dataset):
     """A replica whose averager raises (its process ended, or its own pseudo-gradient is not finite)
     keeps its weights at the outer step; the others go ahead without it at the deadline."""

@@ -139,8 +139,11 @@ class OuterSync:
         step without it (they formed their group at the deadline), or been alone at it too. Take a
         peer's outer weights of this step that outrank its own (`outranked_by`) if a peer serves them
         within CATCH_UP_S, as if it had been in their group (this stage alone, no step trained again);
-        else the replica keeps its own, and its pipeline regroups."""
-        deadline = time.monotonic() + CATCH_UP_S
+        else the replica keeps its own, and its pipeline regroups. At the run's last boundary, where
+        no regroup follows, it looks for twice outer_timeout_s longer: a replica that comes that much
+        later, alone too, may outrank it."""
+        last = committed >= self.w.train.steps
+        deadline = time.monotonic() + CATCH_UP_S + (2 * self.swarm.outer_timeout_s if last else 0.0)
         while time.monotonic() < deadline:
             try:
                 peer = await self.averager.load_state(max(1.0, deadline - time.monotonic()))
