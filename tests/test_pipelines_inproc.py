@@ -133,6 +133,34 @@ def reference_losses(run, dataset, steps: int) -> list[list[float]]:
     return out
 
 
+def run_with_a_late_stage_1(dataset, steps: int) -> Pipelines:
+    """Three pipelines trained `steps` steps, an outer step every 4, whose pipeline-2 stage-1 replica
+    comes to the first outer step after its deadline."""
+    run = build_run(steps, **NONE, **{"swarm.pipelines": 3, "swarm.outer_every": 4, "swarm.outer_bits": 32,
+                                      "swarm.outer_timeout_s": 0.5})
+    swarm = Pipelines(run, dataset, 3)
+
+    async def go():
+        try:
+            workers = [w for p in range(3) for w in await swarm.start(p)]
+            swarm.workers[2][1].outer.use(MissesFirstRound(swarm.group, 1, 2))
+            await asyncio.wait_for(asyncio.gather(*(w.run(steps) for w in workers)), 120)
+        finally:
+            await swarm.close()
+
+    asyncio.run(go())
+    return swarm
+
+
+def assert_one_model(swarm: Pipelines, pipelines: int) -> None:
+    """Every stage's replicas hold the same weights (to float rounding)."""
+    for k in range(swarm.run.stages):
+        first = torch.cat([x.detach().reshape(-1) for x in swarm.workers[0][k].model.parameters()])
+        for p in range(1, pipelines):
+            other = torch.cat([x.detach().reshape(-1) for x in swarm.workers[p][k].model.parameters()])
+            assert float((first - other).abs().max()) < 1e-5, (k, p)
+
+
 @pytest.mark.parametrize("codecs", [NONE, {}], ids=["none", "default pair"])
 def test_two_pipelines_train_exactly_as_the_replica_group(dataset, codecs):
     steps = 6
@@ -181,9 +209,7 @@ def test_a_late_pipeline_takes_the_latest_outer_step_and_trains_in_step_from_the
     assert min(one) in (4, 8) and list(one) == list(range(min(one), steps))  # it started at an outer step of pipeline 0
     assert swarm.workers[1][0].outer.stats.adopted == 1 and swarm.workers[0][0].outer.stats.alone >= 1
     assert all(w.outer.stats.last_group == 2 for ws in swarm.workers.values() for w in ws)  # the last outer step: together
-    for k in range(run.stages):
-        a, b = (torch.cat([x.detach().reshape(-1) for x in swarm.workers[p][k].model.parameters()]) for p in range(2))
-        assert float((a - b).abs().max()) < 1e-5
+    assert_one_model(swarm, 2)
 
 
 def test_a_replica_that_misses_an_outer_step_the_others_took_takes_their_outer_weights_of_it(dataset):
@@ -193,27 +219,11 @@ def test_a_replica_that_misses_an_outer_step_the_others_took_takes_their_outer_w
     its own weights as its outer weights of that step, never took theirs (a regroup takes only a
     newer step, and its stage 0 saw nothing wrong), and ended 1e-2 apart (tests/test_pipelines_swarm.py)."""
     steps = 8
-    run = build_run(steps, **NONE, **{"swarm.pipelines": 3, "swarm.outer_every": 4, "swarm.outer_bits": 32,
-                                      "swarm.outer_timeout_s": 0.5})
-    swarm = Pipelines(run, dataset, 3)
-
-    async def go():
-        try:
-            workers = [w for p in range(3) for w in await swarm.start(p)]
-            swarm.workers[2][1].outer.use(MissesFirstRound(swarm.group, 1, 2))
-            await asyncio.wait_for(asyncio.gather(*(w.run(steps) for w in workers)), 120)
-        finally:
-            await swarm.close()
-
-    asyncio.run(go())
+    swarm = run_with_a_late_stage_1(dataset, steps)
     late = swarm.workers[2][1].outer.stats
     assert late.alone == 1 and late.adopted == 1 and late.steps == 1
     assert all(list(swarm.losses(p)) == list(range(steps)) for p in range(3))  # nothing trained again
-    for k in range(run.stages):
-        first = torch.cat([x.detach().reshape(-1) for x in swarm.workers[0][k].model.parameters()])
-        for p in (1, 2):
-            other = torch.cat([x.detach().reshape(-1) for x in swarm.workers[p][k].model.parameters()])
-            assert float((first - other).abs().max()) < 1e-5, (k, p)
+    assert_one_model(swarm, 3)
 
 
 def test_replicas_that_all_miss_an_outer_step_end_with_the_lowest_pipelines_weights(dataset, monkeypatch):
@@ -241,9 +251,7 @@ def test_replicas_that_all_miss_an_outer_step_end_with_the_lowest_pipelines_weig
     asyncio.run(go())
     first, second = (swarm.workers[p][1].outer.stats for p in range(2))
     assert (first.alone, first.adopted, second.alone, second.adopted) == (1, 0, 1, 1)
-    for k in range(run.stages):
-        a, b = (torch.cat([x.detach().reshape(-1) for x in swarm.workers[p][k].model.parameters()]) for p in range(2))
-        assert float((a - b).abs().max()) < 1e-5, k
+    assert_one_model(swarm, 2)
 
 
 def test_a_later_stage_that_cannot_catch_up_has_its_pipeline_regroup(dataset, monkeypatch):
@@ -256,27 +264,11 @@ def test_a_later_stage_that_cannot_catch_up_has_its_pipeline_regroup(dataset, mo
 
     monkeypatch.setattr(outer_sync, "CATCH_UP_S", 0.0)
     steps = 8
-    run = build_run(steps, **NONE, **{"swarm.pipelines": 3, "swarm.outer_every": 4, "swarm.outer_bits": 32,
-                                      "swarm.outer_timeout_s": 0.5})
-    swarm = Pipelines(run, dataset, 3)
-
-    async def go():
-        try:
-            workers = [w for p in range(3) for w in await swarm.start(p)]
-            swarm.workers[2][1].outer.use(MissesFirstRound(swarm.group, 1, 2))
-            await asyncio.wait_for(asyncio.gather(*(w.run(steps) for w in workers)), 120)
-        finally:
-            await swarm.close()
-
-    asyncio.run(go())
+    swarm = run_with_a_late_stage_1(dataset, steps)
     late = swarm.workers[2][1].outer.stats
     assert late.alone == 1 and late.adopted == 1
     assert list(swarm.losses(2)) == list(range(steps))  # step 4 trained again, each step's loss once
-    for k in range(run.stages):
-        first = torch.cat([x.detach().reshape(-1) for x in swarm.workers[0][k].model.parameters()])
-        for p in (1, 2):
-            other = torch.cat([x.detach().reshape(-1) for x in swarm.workers[p][k].model.parameters()])
-            assert float((first - other).abs().max()) < 1e-5, (k, p)
+    assert_one_model(swarm, 3)
 
 
 def test_at_the_last_boundary_a_replica_waits_for_one_that_outranks_it(dataset, monkeypatch):
