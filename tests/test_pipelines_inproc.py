@@ -29,32 +29,40 @@ class LocalGroup:
         self.bits, self.ratio = bits, ratio
         self.rounds: dict[tuple[int, int], dict[int, tuple[torch.Tensor, asyncio.Future]]] = {}
         self.syncs: dict[tuple[int, int], object] = {}  # (stage, pipeline) -> its OuterSync
+        self.closed: set[tuple[int, int]] = set()  # (stage, round) already averaged
 
     def averager(self, stage: int, pipeline: int) -> "LocalAverager":
         return LocalAverager(self, stage, pipeline)
 
     async def average(self, stage: int, pipeline: int, vector: torch.Tensor, round: int, expected: int, timeout: float):
         started = time.perf_counter()
-        arrived = self.rounds.setdefault((stage, round), {})
+        key = (stage, round)
+        if key in self.closed:  # the round averaged without this replica: it comes too late, alone
+            return self._outcome(None, 0, 0, started)
+        arrived = self.rounds.setdefault(key, {})
         arrived[pipeline] = (vector, asyncio.get_running_loop().create_future())
         if len(arrived) == expected:
-            order = sorted(arrived)
-            result = butterfly_mean([arrived[p][0] for p in order], self.bits, self.ratio)
-            for p, mean, sent in zip(order, result.means, result.bytes_sent):
-                arrived[p][1].set_result((mean, len(order), sent))
+            self._close(key, arrived)
         try:
             mean, group, sent = await asyncio.wait_for(asyncio.shield(arrived[pipeline][1]), timeout)
         except asyncio.TimeoutError:  # at the deadline, those that came average (two at least)
-            if len(arrived) >= 2 and not arrived[pipeline][1].done():
-                order = sorted(arrived)
-                result = butterfly_mean([arrived[p][0] for p in order], self.bits, self.ratio)
-                for p, mean, sent in zip(order, result.means, result.bytes_sent):
-                    arrived[p][1].set_result((mean, len(order), sent))
-            if arrived[pipeline][1].done():
-                mean, group, sent = arrived[pipeline][1].result()
-            else:
+            if len(arrived) >= 2 and key not in self.closed:
+                self._close(key, arrived)
+            if not arrived[pipeline][1].done():
                 del arrived[pipeline]
-                mean, group, sent = None, 0, 0
+                return self._outcome(None, 0, 0, started)
+            mean, group, sent = arrived[pipeline][1].result()
+        return self._outcome(mean, group, sent, started)
+
+    def _close(self, key: tuple[int, int], arrived: dict) -> None:
+        self.closed.add(key)
+        order = sorted(arrived)
+        result = butterfly_mean([arrived[p][0] for p in order], self.bits, self.ratio)
+        for p, mean, sent in zip(order, result.means, result.bytes_sent):
+            arrived[p][1].set_result((mean, len(order), sent))
+
+    @staticmethod
+    def _outcome(mean, group: int, sent: int, started: float) -> SimpleNamespace:
         return SimpleNamespace(mean=mean, group=group, refused={}, bytes_sent=sent, bytes_received=sent,
                                seconds=time.perf_counter() - started)
 
@@ -333,3 +341,24 @@ def test_an_averager_that_fails_leaves_its_replica_training_on_its_own_weights(d
     assert all(w.outer.stats.alone == 2 and w.outer.stats.steps == 0 for w in swarm.workers[1])
     # pipeline 0 waited for it until the deadline, then took its newer outer step (a late pipeline's rule)
     assert list(swarm.losses(0)) in ([0, 1, 2, 3], list(range(steps)))
+
+
+def test_a_peers_served_state_is_parsed_once_and_garbage_outranks_nothing():
+    """What a peer serves as its state's metadata (its step, `alone`, `source`) is a peer's word: it
+    is parsed into a ServedState where it enters, and anything but a whole step >= 0 is no state; a
+    source that is not a whole number >= 0 is none, and such a replica's own weights outrank no one's."""
+    from tahnode.pipeline.outer_sync import OuterSync, ServedState
+
+    for meta in ({}, {"step": "4"}, {"step": True}, {"step": 4.0}, {"step": -1}, {"step": None}):
+        assert ServedState.parse(meta) is None, meta
+    assert ServedState.parse({"step": 4, "alone": False, "source": 0}) == ServedState(4, False, 0)
+    for source in (-1, True, 1.5, "0", None, [0]):
+        assert ServedState.parse({"step": 4, "alone": True, "source": source}) == ServedState(4, True, None), source
+    assert ServedState.parse({"step": 4, "alone": "no"}).alone  # only False says "a group's"
+    me = SimpleNamespace(anchor_step=4, alone_at=4, source=1)  # alone at step 4, of pipeline 1
+    outranks = [OuterSync.outranked_by(me, ServedState.parse(m)) for m in (
+        {"step": 4, "alone": True, "source": -1}, {"step": 4, "alone": True, "source": "0"}, {"step": 4, "alone": True},
+        {"step": 3, "alone": False}, {"step": 4, "alone": True, "source": 2})]
+    assert outranks == [False] * 5
+    assert OuterSync.outranked_by(me, ServedState(4, True, 0)) and OuterSync.outranked_by(me, ServedState(4, False, None))
+    assert OuterSync.outranked_by(me, ServedState(8, True, None))  # a newer step: any replica's

@@ -14,6 +14,8 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Callable, Mapping
 
+from ..net.tls import host_of
+
 __all__ = ["BanPolicy", "Bans", "ban_marks"]
 
 
@@ -26,7 +28,7 @@ def ban_marks(node_id: str, public_key: bytes, address: str, seen: str = "") -> 
     ban locked the victim out (issue 39, finding 7)."""
     marks = [f"id:{node_id}"] + ([f"key:{public_key.hex()}"] if public_key else [])
     kind, _, caller = seen.partition(":")
-    host = caller.rsplit(":", 1)[0].strip("[]") if kind in ("ipv4", "ipv6") else ""
+    host = host_of(caller) if kind in ("ipv4", "ipv6") else ""
     if address and (not seen or _claimed(address) in (host or None, caller if kind == "p2p" else None)):
         marks.append(f"addr:{address}")
     try:
@@ -40,7 +42,7 @@ def _claimed(address: str) -> str:
     """The host of a host:port address, the peer id of a p2p one."""
     if address.startswith("/"):
         return address.rsplit("/p2p/", 1)[-1] if "/p2p/" in address else ""
-    return address.rsplit(":", 1)[0].strip("[]")
+    return host_of(address)
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,7 @@ from .p2p_host import is_p2p_address
 
 log = logging.getLogger("tahnode.tls")
 
-__all__ = ["TlsCertificate", "CoordinatorTrust", "fingerprint", "signed_by", "is_loopback", "wants_tls", "open_grpc_channel", "add_port",
+__all__ = ["TlsCertificate", "CoordinatorTrust", "fingerprint", "signed_by", "is_loopback", "host_of", "wants_tls", "open_grpc_channel", "add_port",
            "fetch_certificate", "NotTls", "TLS_NAME", "CERT_FILE", "KEY_FILE", "PINNED_COORDINATOR_FILE"]
 
 TLS_NAME = "tahnode"                          # the name in every certificate; channels check it, not the address
@@ -44,9 +44,14 @@ def fingerprint(cert_pem: bytes) -> str:
     return "sha256:" + hashlib.sha256(der).hexdigest()
 
 
+def host_of(address: str) -> str:
+    """The host of a HOST:PORT address (an IPv6 host without its brackets)."""
+    return address.rsplit(":", 1)[0].strip("[]")
+
+
 def is_loopback(address: str) -> bool:
     """True for HOST:PORT addresses on this machine only (127.0.0.0/8, ::1, localhost)."""
-    host = address.rsplit(":", 1)[0].strip("[]")
+    host = host_of(address)
     if host == "localhost":
         return True
     try:

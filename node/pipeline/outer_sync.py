@@ -25,7 +25,7 @@ log = logging.getLogger("tahnode.pipeline")
 CATCH_UP_S = 10.0  # after a boundary without a group, how long a replica looks for the others' outer weights of it
 REGROUP = "regroup"  # a backward micro-batch's extra: a later stage of the pipeline needs its pipeline to regroup
 
-__all__ = ["OuterSync", "OuterStats", "Averager", "outer_round", "REGROUP", "CATCH_UP_S"]
+__all__ = ["OuterSync", "OuterStats", "ServedState", "Averager", "outer_round", "REGROUP", "CATCH_UP_S"]
 
 
 class Averager(Protocol):
@@ -54,6 +54,25 @@ class OuterStats:
     seconds: float = 0.0       # wall time of the averaging, all outer steps together
     adopted: int = 0           # times it took a newer replica's outer weights (a regroup)
     refused: dict[str, int] = field(default_factory=dict)  # replica (p2p peer id) -> parts refused
+
+
+@dataclass(frozen=True)
+class ServedState:
+    """A peer's served state's metadata (`OuterSync.state()`), parsed once where it enters: the step its
+    outer weights are of, whether they are a replica's own (no group at that step) rather than a
+    group's, and for its own the pipeline whose outer step made them (None: not given as one)."""
+
+    step: int
+    alone: bool
+    source: int | None
+
+    @classmethod
+    def parse(cls, meta: dict) -> "ServedState | None":
+        """None unless `step` is a whole number >= 0; `alone` unless it says False; `source` a whole number >= 0."""
+        step, source = meta.get("step"), meta.get("source")
+        if type(step) is not int or step < 0:
+            return None
+        return cls(step, meta.get("alone") is not False, source if type(source) is int and source >= 0 else None)
 
 
 class OuterSync:
@@ -149,38 +168,35 @@ class OuterSync:
                 peer = await self.averager.load_state(max(1.0, deadline - time.monotonic()))
             except AveragingError:  # its averager's process ended
                 return False
-            step = peer[0].get("step") if peer else None
-            if isinstance(step, int) and step > committed:  # a newer step: the pipeline regroups instead
+            served = ServedState.parse(peer[0]) if peer else None
+            if served is not None and served.step > committed:  # a newer step: the pipeline regroups instead
                 return False
-            if step == committed and self.outranked_by(peer[0]):
-                return await self.w.compute(self._adopt, peer, committed)
+            if served is not None and served.step == committed and self.outranked_by(served):
+                return await self.w.compute(self._adopt, peer[1], served)
             await asyncio.sleep(0.5)
         return False
 
-    def outranked_by(self, meta: dict) -> bool:
-        """Whether a peer's state (its `state()` metadata) is to replace this replica's outer weights:
-        a newer step; of the same step, a group's over one's own; and where both are a replica's own,
-        that of the lowest pipeline, so that replicas which all missed a step still end with one model."""
-        step = meta.get("step")
-        if not isinstance(step, int) or step < self.anchor_step:
-            return False
-        if step > self.anchor_step:
-            return True
-        own_alone, peer_alone = self.alone_at == self.anchor_step, meta.get("alone") is not False
-        if own_alone != peer_alone:
+    def outranked_by(self, served: ServedState) -> bool:
+        """Whether a peer's state is to replace this replica's outer weights: a newer step; of the same
+        step, a group's over one's own; and where both are a replica's own, that of the lowest
+        pipeline, so that replicas which all missed a step still end with one model."""
+        if served.step != self.anchor_step:
+            return served.step > self.anchor_step
+        own_alone = self.alone_at == self.anchor_step
+        if own_alone != served.alone:
             return own_alone
-        source = meta.get("source")
-        return own_alone and type(source) is int and 0 <= source < self.source
+        return own_alone and served.source is not None and served.source < self.source
 
-    def _adopt(self, peer: tuple[dict, list[torch.Tensor]], committed: int) -> bool:
-        """(compute thread) A peer's outer weights of step `committed` become this replica's, and its weights."""
+    def _adopt(self, tensors: list[torch.Tensor], served: ServedState) -> bool:
+        """(compute thread) A peer's outer weights of the step this replica just committed become its
+        own, and its weights."""
         with self._lock:
-            if self.w.committed != committed or not self._fits(peer[1]):
+            if self.w.committed != served.step or not self._fits(tensors):
                 return False
-            self._take_peer(peer, committed)
+            self._take_peer(tensors, served)
             self._weights_to_anchor()
         log.warning("stage %d missed outer step %d; it takes another replica's outer weights of it", self.w.stage,
-                    outer_round(committed, self.swarm.outer_every))
+                    outer_round(served.step, self.swarm.outer_every))
         return True
 
     def _count(self, result) -> None:
@@ -251,8 +267,9 @@ class OuterSync:
         w = self.w
         self.needs_regroup = False
         with self._lock:
-            if peer is not None and self.outranked_by(peer[0]) and self._fits(peer[1]):
-                self._take_peer(peer, peer[0]["step"])
+            served = ServedState.parse(peer[0]) if peer is not None else None
+            if served is not None and self.outranked_by(served) and self._fits(peer[1]):
+                self._take_peer(peer[1], served)
                 log.warning("stage %d takes the outer weights of step %d from a replica in another pipeline", w.stage,
                             self.anchor_step)
             self._weights_to_anchor()
@@ -263,15 +280,13 @@ class OuterSync:
             w.codecs.drop_streams()
         return step
 
-    def _take_peer(self, peer: tuple[dict, list[torch.Tensor]], step: int) -> None:
-        """(holding the lock) A peer's outer weights and momentum of `step` become this replica's (a
+    def _take_peer(self, tensors: list[torch.Tensor], served: ServedState) -> None:
+        """(holding the lock) A peer's outer weights and momentum become this replica's, of its step (a
         replica's own, not a group's, if the peer's were: their source comes with them)."""
-        meta, tensors = peer
         self.outer.load(dict(zip(list(self.outer.tensors()), tensors)))
-        self.anchor_step = step
-        alone = meta.get("alone") is not False
-        self.alone_at = step if alone else None
-        self.source = meta["source"] if alone and isinstance(meta.get("source"), int) else self.w.pipeline
+        self.anchor_step = served.step
+        self.alone_at = served.step if served.alone else None
+        self.source = served.source if served.alone and served.source is not None else self.w.pipeline
         self.stats.adopted += 1
 
     def _weights_to_anchor(self) -> None:
