@@ -3,8 +3,11 @@ A fresh `tahnode coordinator` (a subprocess on loopback) with three stage holder
 with the token (a process of its own) sends, as a member, --heartbeats oversized heartbeats (--links
 made-up links each) and --fat-heartbeats with --stats made-up entries in each of their stats' maps;
 --joins joins under fresh ids and keys, and --senders heartbeats sealed under made-up sender names
-(the replay guard's growth). The coordinator's memory (RSS) and GET /api/v1/state latency are measured before, during
-and after; a row per phase goes to docs/benchmarks.md."""
+(the replay guard's growth). Before that, a stage holder sends a real stage daemon envelopes that
+never complete (--padded-frames streams of frames padded to 4 MiB, --endless-frames of frames naming
+10^9 frames; tahnode.tools.abuse_frames). The coordinator's and the daemon's memory (RSS) and GET
+/api/v1/state latency are measured before, during each attack and after; a row per phase goes to
+docs/benchmarks.md."""
 
 from __future__ import annotations
 
@@ -19,14 +22,17 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from ..net.grpc_transport import STREAMS_PER_PEER
+from .abuse_frames import PAD_TO, StageDaemon, send_frames
 from .bench_coordinator import BenchError, CoordinatorProcess, Spread
 from .bench_probes import POLL_S, fetch, memory_mb, process_tree
 from .bench_report import markdown_table, write_section
 
 __all__ = ["main", "PhaseRow"]
 
-COLUMNS = ("phase", "seconds", "coordinator RSS MB (peak)", "vs before", "state ms p50 / p99", "p50 vs before", "state KB",
-           "nodes in state", "heartbeats sent / refused", "joins sent / refused", "made-up senders sent / refused")
+COLUMNS = ("phase", "seconds", "coordinator RSS MB (peak)", "vs before", "stage daemon RSS MB (peak)", "vs before",
+           "state ms p50 / p99", "p50 vs before", "state KB", "nodes in state", "heartbeats sent / refused", "joins sent / refused",
+           "made-up senders sent / refused", "attack streams sent / refused")
 
 
 @dataclass
@@ -34,12 +40,15 @@ class PhaseRow:
     phase: str
     seconds: float
     rss_mb: float
+    daemon_rss_mb: float
     state: Spread
     state_kb: float
     nodes: int
     heartbeats: tuple[int, int] = (0, 0)
     joins: tuple[int, int] = (0, 0)
     senders: tuple[int, int] = (0, 0)
+    streams: tuple[int, int] = (0, 0)
+    refused_as: str = ""  # the attack streams' gRPC statuses but OK
 
 
 async def _join(stub, key, name: str, stage: int, identity=None):
@@ -117,55 +126,68 @@ def abuse(address: str, token: str, heartbeats: int, links: int, joins: int, fat
     return asyncio.run(_abuse(address, token, heartbeats, links, joins, fat, senders))
 
 
-def observe(coord: CoordinatorProcess, phase: str, done) -> PhaseRow:
-    """GET /api/v1/state and sample the coordinator's RSS every POLL_S until `done()`."""
-    started, latencies, sizes, peak, nodes = time.monotonic(), [], [], 0.0, 0
+def observe(coord: CoordinatorProcess, daemon: StageDaemon, phase: str, done) -> PhaseRow:
+    """GET /api/v1/state and sample the coordinator's and the daemon's RSS every POLL_S until `done()`."""
+    started, latencies, sizes, peak, daemon_peak, nodes = time.monotonic(), [], [], 0.0, 0.0, 0
     while True:
         coord.alive()
+        daemon.alive()
         peak = max(peak, memory_mb(process_tree(coord.proc.pid), "VmRSS"))
+        daemon_peak = max(daemon_peak, memory_mb(process_tree(daemon.proc.pid), "VmRSS"))
         got = fetch(f"{coord.http}/api/v1/state")
         if got is not None:
             latencies.append(got[0] * 1e3)
             sizes.append(len(got[1]) / 1024)
             nodes = len(json.loads(got[1]).get("nodes", []))
         if done():
-            return PhaseRow(phase, time.monotonic() - started, peak, Spread.of(latencies), max(sizes, default=0.0), nodes)
+            return PhaseRow(phase, time.monotonic() - started, peak, daemon_peak, Spread.of(latencies), max(sizes, default=0.0), nodes)
         time.sleep(POLL_S)
 
 
 def run(args, workdir: Path) -> list[PhaseRow]:
     coord = CoordinatorProcess(workdir, stages=3)
+    daemon = StageDaemon(workdir, coord.address, workdir / "token", stage=1)
     coord.start()
     try:
         coord.wait_ready()
+        daemon.start()
+        target = daemon.wait_held(f"{coord.http}/api/v1/state")
         import grpc
 
         from ..net.auth import SwarmKey
         from ..proto import tahnode_pb2_grpc as pb_grpc
 
-        async def holders():
+        async def holder():  # stage 2; the attacking neighbour takes stage 0
             async with grpc.aio.insecure_channel(coord.address) as channel:
-                for stage in range(3):
-                    await _join(pb_grpc.CoordinatorStub(channel), SwarmKey(coord.token), f"holder-{stage}", stage)
+                await _join(pb_grpc.CoordinatorStub(channel), SwarmKey(coord.token), "holder-2", 2)
 
-        asyncio.run(holders())
+        asyncio.run(holder())
 
         def after(seconds: float):
             end = time.monotonic() + seconds
             return lambda: time.monotonic() >= end
 
-        rows = [observe(coord, "before", after(args.settle))]
+        rows = [observe(coord, daemon, "before", after(args.settle))]
         with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+            for kind, streams in (("padded", args.padded_frames), ("endless", args.endless_frames)):
+                attack = pool.submit(send_frames, coord.address, coord.token, workdir / "neighbour.key", target, daemon.node_id,
+                                     {kind: streams})
+                row = observe(coord, daemon, f"{kind} frames", attack.done)
+                outcomes = attack.result()[kind]
+                row.streams = (streams, streams - outcomes.get("OK", 0))
+                row.refused_as = ", ".join(f"{code} {n}" for code, n in sorted(outcomes.items()) if code != "OK")
+                rows.append(row)
             attack = pool.submit(abuse, coord.address, coord.token, args.heartbeats, args.links, args.joins,
                                  (args.fat_heartbeats, args.stats), args.senders)
-            during = observe(coord, "during", attack.done)
+            during = observe(coord, daemon, "coordinator abuse", attack.done)
             refused = attack.result()
         during.heartbeats = (args.heartbeats + args.fat_heartbeats, refused["heartbeats"])
         during.joins = (args.joins, refused["joins"])
         during.senders = (args.senders, refused["senders"])
-        rows += [during, observe(coord, "after", after(args.settle))]
+        rows += [during, observe(coord, daemon, "after", after(args.settle))]
         return rows
     finally:
+        daemon.stop()
         coord.stop()
 
 
@@ -173,9 +195,10 @@ def cells(r: PhaseRow, before: PhaseRow) -> list[str]:
     def rel(a, b):
         return f"{100 * (a / b - 1):+.0f}%" if a and b else "—"
 
-    return [r.phase, f"{r.seconds:.0f}", f"{r.rss_mb:.0f}", rel(r.rss_mb, before.rss_mb), str(r.state),
-            rel(r.state.p50_ms, before.state.p50_ms), f"{r.state_kb:.0f}", str(r.nodes), f"{r.heartbeats[0]} / {r.heartbeats[1]}",
-            f"{r.joins[0]} / {r.joins[1]}", f"{r.senders[0]} / {r.senders[1]}"]
+    return [r.phase, f"{r.seconds:.0f}", f"{r.rss_mb:.0f}", rel(r.rss_mb, before.rss_mb), f"{r.daemon_rss_mb:.0f}",
+            rel(r.daemon_rss_mb, before.daemon_rss_mb), str(r.state), rel(r.state.p50_ms, before.state.p50_ms), f"{r.state_kb:.0f}",
+            str(r.nodes), f"{r.heartbeats[0]} / {r.heartbeats[1]}", f"{r.joins[0]} / {r.joins[1]}", f"{r.senders[0]} / {r.senders[1]}",
+            f"{r.streams[0]} / {r.streams[1]}" + (f" ({r.refused_as})" if r.refused_as else "")]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -190,6 +213,12 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--joins", type=int, default=2_000, help="joins under fresh ids and keys (default 2000)")
     ap.add_argument("--senders", type=int, default=50_000,
                     help="heartbeats sealed under made-up sender names, each refused as no member (default 50000)")
+    ap.add_argument("--padded-frames", type=int, default=300,
+                    help=f"streams to the stage daemon, each frame 0 of an envelope, then a frame of 1 byte of data padded "
+                         f"to {PAD_TO >> 10} KiB (default 300: 1.2 GB)")
+    ap.add_argument("--endless-frames", type=int, default=2_000,
+                    help="streams to the stage daemon, each frame 0 of a 2-frame envelope, then a frame naming 10^9 frames "
+                         "(default 2000)")
     ap.add_argument("--settle", type=float, default=10.0, help="seconds measured before and after the abuse (default 10)")
     ap.add_argument("--out", default="docs/benchmarks.md", help="where the rows go (default docs/benchmarks.md)")
     ap.add_argument("--no-write", action="store_true", help="do not write the rows to --out")
@@ -209,10 +238,14 @@ def main(argv: list[str] | None = None) -> int:
     command = ("tahnode bench abuse " + " ".join(sys.argv[3:] if argv is None else argv)).strip()
     if not args.no_write:
         write_section(Path(args.out), "abuse", "Coordinator under one token holder's abuse", [
-            text, "", f"A real coordinator (`tahnode coordinator`, plain gRPC on loopback, 3 stages held); one client with the "
-            f"token, in a process of its own, sends as a member {args.heartbeats} heartbeats of {args.links} made-up links "
-            f"each and {args.fat_heartbeats} of {args.stats} made-up entries in each stats map, {args.joins} joins under "
-            f"fresh ids and keys, and {args.senders} heartbeats sealed under made-up sender names, 8 requests in flight. RSS: the coordinator's peak in "
-            f"the phase; state: GET /api/v1/state every {POLL_S} s.", "", f"Command: `{command}`"], [])
+            text, "", f"A real coordinator (`tahnode coordinator`, plain gRPC on loopback) and a real stage daemon (`tahnode join "
+            f"--stage 1`, its data plane plain gRPC); stage 0 is held by the attacking neighbour, stage 2 by a client. First the "
+            f"neighbour (a process of its own, with the token and its bound key) opens {args.padded_frames} Forward streams to the "
+            f"daemon, each frame 0 of a 2-frame envelope then a frame of 1 byte of data padded to {PAD_TO} bytes with a field "
+            f"Frame does not have, and {args.endless_frames} streams whose second frame names 10^9 frames (issue 39, finding 2; "
+            f"{STREAMS_PER_PEER} streams at once, what a receiver lets one sender hold open). Then one client with the token sends as a member {args.heartbeats} heartbeats of {args.links} "
+            f"made-up links each and {args.fat_heartbeats} of {args.stats} made-up entries in each stats map, {args.joins} joins "
+            f"under fresh ids and keys, and {args.senders} heartbeats sealed under made-up sender names, 8 requests in flight. "
+            f"RSS: each process's peak in the phase; state: GET /api/v1/state every {POLL_S} s.", "", "", f"Command: `{command}`"], [])
     print(json.dumps([asdict(r) for r in rows]) if args.json else text)
     return 0
