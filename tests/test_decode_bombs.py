@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from tahnode.codecs import CodecError, get_codec
+from tahnode.codecs import CodecContext, CodecError, get_codec
 from tahnode.kernels import rice, rice_cpu
 from tahnode.net.transport import BACKWARD, FORWARD
 from tahnode.proto import tahnode_pb2 as pb
@@ -87,3 +87,34 @@ def test_the_data_plane_takes_the_fast_checks_only():
     assert key.verify_frame(frame)  # a valid MAC of the other kind
     with pytest.raises(BadMac, match="HMAC-SHA256"):
         Sealer(key, "b", "run").check_frame(frame, first=True, signed_by=identity.public)
+
+
+
+def test_an_aqsgd_stream_caches_no_more_samples_than_its_sender_can_have_sent():
+    """Issue 39, low: a receiver's AQ-SGD cache grew by every made-up sample id a neighbour sent, for
+    good and with no offence. A stream now caches at most the samples of the steps up to the
+    message's (a whole run's at most); a message beyond that is refused (a CodecError: the worker
+    refuses the micro-batch and counts it against its sender) and caches nothing."""
+    run = build_run(4, **{"codec.forward": "aqsgd"})
+    per_step = run.train.batch_size * run.train.micro_batches
+    codec, receiver = get_codec("aqsgd"), codec_streams(run, 1)
+    x = torch.randn(per_step, 8, run.model.dim, generator=torch.Generator().manual_seed(1))
+
+    def send(first_id: int, step: int) -> None:
+        ids = list(range(first_id, first_id + per_step))
+        mb = pb.MicroBatch(tensor=codec.encode(x, CodecContext(sample_ids=ids)), sample_ids=ids, step=step)
+        assert receiver.decode(FORWARD, 1, mb, torch.float32).shape == x.shape
+
+    send(0, step=0)
+    cache = receiver.receiving[FORWARD][1].aqsgd_cache
+    with pytest.raises(CodecError, match=f"its sender can have sent {per_step}$"):
+        send(1000, step=0)  # a second step's worth of samples in step 0
+    assert len(cache) == per_step  # nothing of the refused message was cached
+    send(1000, step=1)
+    send(2000, step=3)
+    send(3000, step=10**6)  # a step beyond the run's: room for a whole run's samples, no more
+    assert len(cache) == 4 * per_step == run.train.steps * per_step
+    with pytest.raises(CodecError, match=f"its sender can have sent {4 * per_step}$"):
+        send(4000, step=10**6)
+    send(0, step=10**6)  # samples it has cached already: deltas, no new rows
+    assert len(cache) == 4 * per_step

@@ -91,7 +91,7 @@ class PipelineReplica:
     def _cross_forward(self, sender: int, out: torch.Tensor, ids: list[int], step: int) -> torch.Tensor:
         """`out` of stage `sender` as the next stage decodes it, ready for its backward pass."""
         receiver = (sender + 1) % self.run.stages
-        mb = pb.MicroBatch(sample_ids=ids)
+        mb = pb.MicroBatch(sample_ids=ids, step=step)
         payload, _ = self.streams[sender].encode(FORWARD, out, ids, step, out=mb.tensor)
         x = self.streams[receiver].decode(FORWARD, 0, mb, self.dtype, self._received(payload))
         self.errors.add(FORWARD, out, x)

@@ -110,11 +110,25 @@ class CodecStreams:
                                     f"({', '.join(f'{k}={v:g}' for k, v in own[0].header_params().items())})")
         ctx = self._context(self.receiving, direction, stream, CodecContext)
         ctx.sample_ids = list(mb.sample_ids)
+        if self.codecs[direction].keeps_stream_state:
+            self._bound_cache(ctx, mb.step)
         started = self._clock()
         x = codecs.decode(mb.tensor, ctx, self.device, payload)
         x = (x * 2.0 ** -mb.scale_log2 if mb.scale_log2 else x).to(dtype)
         self.stats.codec_seconds += self._clock() - started
         return x
+
+    def _bound_cache(self, ctx: CodecContext, step: int) -> None:
+        """A stream's per-sample cache (AQ-SGD's) holds at most the samples its sender can have sent
+        by `step` (the step's samples, and as many for each step before, up to a whole run's):
+        made-up sample ids would grow it without bound, and stale ones would stay there for good
+        (issue 39, low). A message that would grow it further is refused, not cached."""
+        t = self.run_cfg.train
+        most = min(step + 1, t.steps) * t.batch_size * t.micro_batches
+        new = len(set(ctx.sample_ids) - ctx.aqsgd_cache.rows.keys())
+        if len(ctx.aqsgd_cache) + new > most:
+            raise codecs.CodecError(f"a message of step {step} with {new} new sample ids would cache "
+                                    f"{len(ctx.aqsgd_cache) + new} samples on this stream; its sender can have sent {most}")
 
     def _clock(self) -> float:
         """time.perf_counter() once the compute stream's queued work is done: on a GPU, codec_seconds
