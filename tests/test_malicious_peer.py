@@ -142,6 +142,47 @@ def test_a_stage_whose_own_output_overflows_replays_instead_of_exiting(dataset):
     assert swarm.losses() == pytest.approx(train_local(run, dataset), abs=1e-5)
 
 
+@pytest.mark.parametrize("forward", [{"codec.forward": "group"}, {"codec.forward": "tahquant", "codec.forward_params": {"layout": 1}}],
+                         ids=["group", "tahquant layout 1"])
+def test_an_output_past_fp16_but_within_the_admitted_range_is_sent_not_replayed_for_ever(dataset, forward):
+    """Issue 39, low: inputs a neighbour may send (within train.max_abs_value) can make a stage's own
+    output exceed fp16, where a codec's fp16 zero-points and scales overflow (group's, AMAQ's, the
+    paper's TAH-Quant layout; the default layout 3 keeps its scales under 65504 * qmax): the stage
+    could not encode it, replayed the step, and the next attempt did the same, for ever, nobody
+    blamed. Such an output is now moved down by a power of two before it is encoded (`scale_log2`,
+    as gradients), and the next stage gets it back at its size. Here stage 1's output is 9e5 at its
+    largest on every step."""
+    run = build_run(3, **forward)
+    assert run.train.max_abs_value > 9e5
+    swarm = Swarm(run, dataset)
+    received = []
+
+    async def scenario():
+        await swarm.start()
+        stage1, stage2 = swarm.workers[1], swarm.workers[2]
+        forward, decode = stage1.model.forward, stage2.codecs.decode
+
+        def large(x):
+            out = forward(x)
+            return out * (9e5 / float(out.detach().abs().max()))
+
+        def seen(direction, stream, mb, dtype, payload=None):
+            x = decode(direction, stream, mb, dtype, payload)
+            received.append((mb.scale_log2, float(x.abs().max())))
+            return x
+
+        stage1.model.forward, stage2.codecs.decode = large, seen
+        try:
+            await asyncio.wait_for(asyncio.gather(*(w.run(3) for w in swarm.workers)), 120)
+        finally:
+            await swarm.close()
+
+    asyncio.run(scenario())
+    assert swarm.steps() == [0, 1, 2] and swarm.workers[0].stats.replays == 0
+    assert not any(w.stats.offences for w in swarm.workers)
+    assert received and all(k < 0 and 8.5e5 < top < 9.5e5 for k, top in received), received  # moved down, back at its size
+
+
 def test_a_message_in_another_codec_or_with_a_forged_stale_header_is_refused(dataset):
     """Finding 7: the decoder was the message's choice (aqsgd messages with fresh sample ids grew a
     receiver's cache for ever) and a stale micro-batch was decoded before any header check."""

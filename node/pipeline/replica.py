@@ -92,7 +92,7 @@ class PipelineReplica:
         """`out` of stage `sender` as the next stage decodes it, ready for its backward pass."""
         receiver = (sender + 1) % self.run.stages
         mb = pb.MicroBatch(sample_ids=ids, step=step)
-        payload, _ = self.streams[sender].encode(FORWARD, out, ids, step, out=mb.tensor)
+        payload, _, mb.scale_log2 = self.streams[sender].encode_output(out, ids, step, out=mb.tensor)
         x = self.streams[receiver].decode(FORWARD, 0, mb, self.dtype, self._received(payload))
         self.errors.add(FORWARD, out, x)
         return x.requires_grad_(True)

@@ -22,6 +22,7 @@ __all__ = ["CodecStreams", "prescale_exponent"]
 
 PRESCALE_TOP = 8     # a prescaled tensor's largest magnitude lands in [2^7, 2^8): far from fp16's both ends
 PRESCALE_LIMIT = 100  # |k| at most this: 2^k stays a normal float32
+OUTPUT_TOP = 14       # a forward output with a magnitude of 2^14 or more is moved down: fp16 (max 65504) is near
 
 
 def prescale_exponent(tensor: torch.Tensor) -> int:
@@ -85,6 +86,20 @@ class CodecStreams:
         self.stats.codec_seconds += self._clock() - started
         self.stats.counted(direction, size, tensor)
         return result, gen
+
+    def encode_output(self, tensor: torch.Tensor, sample_ids, step: int,
+                      out: pb.EncodedTensor | None = None) -> tuple[pb.EncodedTensor | memoryview | PendingPayload, int, int]:
+        """A forward output to send: encoded, its generation, and the power of two it was multiplied
+        by first: 0 unless its largest magnitude reaches 2^OUTPUT_TOP, where fp16 zero-points and
+        scales near their overflow; such an output is moved down exactly, so that any finite output
+        encodes. Before, inputs a neighbour sent within the admitted range could make a stage's own
+        output overflow its encode, and the step was replayed for ever, nobody blamed (issue 39, low).
+        A codec with per-stream state (AQ-SGD's cache of what it sent) encodes as it is."""
+        top = float(tensor.detach().abs().max()) if tensor.numel() else 0.0
+        movable = not self.codec_for(FORWARD, step).keeps_stream_state and math.isfinite(top)
+        k = prescale_exponent(tensor) if movable and top >= 2.0 ** OUTPUT_TOP else 0
+        msg, gen = self.encode(FORWARD, tensor * 2.0 ** k if k else tensor, sample_ids, step, out=out)
+        return msg, gen, k
 
     def encode_gradient(self, tensor: torch.Tensor, sample_ids,
                         out: pb.EncodedTensor | None = None) -> tuple[pb.EncodedTensor | memoryview, int, int]:

@@ -163,7 +163,7 @@ class StageWorker:
             if gradient:
                 payload, gen, mb.scale_log2 = self.codecs.encode_gradient(tensor, ids, out=mb.tensor)
             else:
-                payload, gen = self.codecs.encode(direction, tensor, ids, self.state.step, out=mb.tensor)
+                payload, gen, mb.scale_log2 = self.codecs.encode_output(tensor, ids, self.state.step, out=mb.tensor)
         except CodecError as exc:
             raise DivergedStep(f"stage {self.stage} cannot encode its own {'gradient' if gradient else 'output'} of step "
                                f"{self.state.step}: {exc}") from None
