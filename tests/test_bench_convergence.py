@@ -100,3 +100,37 @@ def test_pairs_split_on_semicolons_else_commas_and_one_pair_keeps_its_commas():
     one = parse("tahquant:layout=3,qmax=11/pertoken")
     assert len(one) == 1 and one[0].forward_params == {"layout": 3, "qmax": 11}
     assert len(parse("tahquant:layout=3,qmax=11/pertoken;none/none")) == 2
+
+
+def test_a_swarm_with_a_shorter_schedule_is_compared_with_its_reference_and_timed_against_one_pipeline():
+    """--swarm-steps: the P pipelines and their reference with P× the batch train N steps (their
+    schedule over N), one pipeline alone --steps; the row pairs each swarm run with the reference of
+    its seed and length, and the wall-clock column is the swarm's steps to that pipeline's final
+    loss over that pipeline's steps."""
+    from types import SimpleNamespace
+
+    from tahnode.tools.convergence_pipelines import pipeline_report, pipeline_specs
+    from tahnode.tools.convergence_runs import RunSpec
+
+    base = [RunSpec("none/none", "none", {}, "none", {}, seed, "llama-tiny", 3, 20, 32, 8, 2) for seed in (0, 1)]
+    args = SimpleNamespace(pipelines="4", outer_every="2", outer_bits=4, outer_lr=1.0, outer_momentum=0.0, swarm_steps=10)
+    specs = pipeline_specs(base, args)
+    assert [(s.pair, s.steps) for s in specs if s.seed == 0] == [
+        ("none/none", 20), ("none/none 1×4 batch 10 steps", 10), ("none/none 4 pipelines H=2 10 steps", 10)]
+    assert next(s for s in specs if s.swarm).messages_per_step == 2 and specs[1].messages_per_step == 8
+    with pytest.raises(ValueError, match="--swarm-steps"):
+        pipeline_specs(base, SimpleNamespace(**{**vars(args), "swarm_steps": -1}))
+
+    def result(pair, seed, evals, steps, **kw):
+        return RunResult(pair, seed, tokens_per_step=1000, losses=[1.0] * steps, evals=[list(e) for e in evals],
+                         bits_fwd=32, bits_bwd=32, dim=128, **kw)
+
+    swarm = {"pipelines": 4, "activation_bytes": 1000, "averaging_bytes": 0, "outer_steps": 0}
+    results = [result("none/none", s, [(0, 5.0), (10, 2.0), (20, 1.0)], 20) for s in (0, 1)]
+    results += [result("none/none 1×4 batch 10 steps", s, [(0, 5.0), (10, 1.0)], 10) for s in (0, 1)]
+    results += [result("none/none 4 pipelines H=2 10 steps", 0, [(0, 5.0), (5, 1.0), (10, 1.01)], 10, **swarm),
+                result("none/none 4 pipelines H=2 10 steps", 1, [(0, 5.0), (5, 3.0), (10, 1.0)], 10, **swarm)]
+    row = [c.strip() for c in pipeline_report(results, specs, 10).splitlines()[2].strip("|").split("|")]
+    assert row[:3] == ["4", "every 2 steps, 4-bit, lr 1", "2"]
+    assert row[4].startswith("+0.50% ± 0.50")  # +1% and 0% against the reference of their own seed and length
+    assert row[7] == "8 of 10" and row[8] == "0.38×"  # steps 5 and 10 (7.5) to one pipeline's 1.0; over its 20 steps

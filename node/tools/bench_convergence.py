@@ -189,7 +189,7 @@ def report(results: list[RunResult], specs: list[RunSpec], args, command: str) -
                f"({run.train.warmup_steps} warm-up steps, cosine to {run.train.min_lr:g}); "
                + (f"fine-tuning {spec.init_from}; " if spec.init_from else "from scratch; ")
                + f"held-out loss over the last {spec.eval_samples} samples of the data, never trained on, every "
-               f"{spec.eval_every} steps. " + (_pipelines_note(rates[0]) if args.pipelines else
+               f"{spec.eval_every} steps. " + (_pipelines_note(rates[0], args.swarm_steps) if args.pipelines else
                f"Gaps compare each seed with the reference ({reference}) of the same seed. Link time = tokens × width × "
                "bits per element of a link's busier direction / rate: what the link alone needs."))
     write_section(Path(args.doc), f"bench-convergence-{args.name}", f"Convergence: {args.name}",
@@ -197,8 +197,10 @@ def report(results: list[RunResult], specs: list[RunSpec], args, command: str) -
     return text
 
 
-def _pipelines_note(rate: float) -> str:
-    return ("P pipelines train steps of the messages above each, on samples of their own; the reference is one pipeline "
+def _pipelines_note(rate: float, swarm_steps: int) -> str:
+    shorter = (f"P pipelines and their reference train {swarm_steps} steps, the learning-rate schedule over those; one "
+               "pipeline alone the steps above. " if swarm_steps else "")
+    return (shorter + "P pipelines train steps of the messages above each, on samples of their own; the reference is one pipeline "
             "with P times the messages per step (over the run, the same samples; one synchronous step), of the same seed. Averaging "
             "bytes: what the replicas sent each other for their outer steps (butterfly all-reduce of blockwise-coded "
             "pseudo-gradients), over the activations and gradients every pipeline sent. Replica spread: the largest "

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import statistics
 
 from .bench_report import markdown_table
@@ -19,6 +20,9 @@ COLUMNS = ("pipelines", "outer step", "seeds", "held-out loss (mean)", "vs 1 pip
            "wall-clock to it vs 1 pipeline at {rate} Mbit/s")
 
 
+SWARM_LABEL = re.compile(r"(.*) \d+ pipelines H=\d+( \d+ steps)?")  # a swarm run's label: its pair's, then what pipeline_specs adds
+
+
 def add_pipeline_args(ap) -> None:
     g = ap.add_argument_group("pipelines in data parallel (the [swarm] table)")
     g.add_argument("--pipelines", default="", metavar="P,...", help="train P pipelines kept in step by outer steps, for each "
@@ -28,6 +32,11 @@ def add_pipeline_args(ap) -> None:
     g.add_argument("--outer-bits", type=int, default=8, help="bits of a pseudo-gradient value on the wire (default 8)")
     g.add_argument("--outer-lr", type=float, default=1.0, help="the outer step's learning rate (default 1)")
     g.add_argument("--outer-momentum", type=float, default=0.0, help="the outer step's Nesterov momentum (default 0)")
+    g.add_argument("--swarm-steps", type=int, default=0, metavar="N",
+                   help="steps of the P pipelines and of their reference with P× the batch, the learning-rate schedule "
+                        "over those (default: --steps); one pipeline alone trains --steps: with P× the samples a step, "
+                        "a swarm may train a shorter schedule, and the wall-clock column says when it reaches that "
+                        "pipeline's final loss")
 
 
 def _numbers(text: str, flag: str) -> list[int]:
@@ -45,15 +54,20 @@ def pipeline_specs(base: list[RunSpec], args) -> list[RunSpec]:
     with P× the messages per step and P pipelines at each H."""
     counts = _numbers(args.pipelines, "--pipelines")
     everies = _numbers(args.outer_every, "--outer-every")
+    if args.swarm_steps < 0:
+        raise ValueError(f"--swarm-steps takes a whole number >= 1 (0: --steps), got {args.swarm_steps}")
     out = []
     for spec in base:
         out.append(spec)
+        steps = args.swarm_steps or spec.steps
+        shorter = f" {steps} steps" if steps != spec.steps else ""
         for p in counts:
-            out.append(dataclasses.replace(spec, pair=f"{spec.pair} 1×{p} batch", messages_per_step=spec.messages_per_step * p))
+            out.append(dataclasses.replace(spec, pair=f"{spec.pair} 1×{p} batch{shorter}", steps=steps,
+                                           messages_per_step=spec.messages_per_step * p))
             for h in everies:
                 swarm = {"pipelines": p, "outer_every": h, "outer_bits": args.outer_bits, "outer_lr": args.outer_lr,
                          "outer_momentum": args.outer_momentum}
-                out.append(dataclasses.replace(spec, pair=f"{spec.pair} {p} pipelines H={h}", swarm=swarm))
+                out.append(dataclasses.replace(spec, pair=f"{spec.pair} {p} pipelines H={h}{shorter}", steps=steps, swarm=swarm))
     return out
 
 
@@ -84,8 +98,8 @@ def pipeline_report(results: list[RunResult], specs: list[RunSpec], rate_mbps: f
     by_key = {(r.pair, r.seed): r for r in results}
     rows = []
     for spec in [s for s in specs if s.swarm and s.seed == specs[0].seed]:
-        pair = spec.pair.rsplit(" ", 3)[0]
-        reference = f"{pair} 1×{spec.pipelines} batch"
+        pair, shorter = SWARM_LABEL.fullmatch(spec.pair).group(1, 2)
+        reference = f"{pair} 1×{spec.pipelines} batch{shorter or ''}"
         runs = [r for r in results if r.pair in (reference, spec.pair)]
         summary = next((s for s in summarize(runs, reference) if s.pair == spec.pair), None)
         if summary is None:
