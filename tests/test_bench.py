@@ -25,7 +25,7 @@ def run(*args: str) -> subprocess.CompletedProcess:
 def test_flags_reach_the_bench_parser():
     r = run("bench", "kernels", "--help")
     assert r.returncode == 0
-    for flag in ("--shape", "--dtype", "--iters", "--out", "--profile", "--sweep"):
+    for flag in ("--shape", "--dtype", "--iters", "--doc", "--profile", "--sweep"):
         assert flag in r.stdout
     r = run("bench", "kernels", "--shape", "4,x,8")
     assert r.returncode == 2 and "--shape must be B,S,C or 'all', got '4,x,8'" in r.stderr
@@ -36,7 +36,7 @@ def test_flags_reach_the_bench_parser():
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU: the bench would run")
 def test_without_a_gpu_it_says_so(tmp_path):
     out = tmp_path / "bench.md"
-    r = run("bench", "kernels", "--shape", "all", "--out", str(out))
+    r = run("bench", "kernels", "--shape", "all", "--doc", str(out))
     assert r.returncode == 2 and "no CUDA GPU" in r.stderr
     assert not out.exists()
 

@@ -16,7 +16,7 @@ pytestmark = pytest.mark.slow
 
 def test_a_short_abuse_bench_reports_its_phases(capsys):
     argv = ["--heartbeats", "20", "--links", "50", "--fat-heartbeats", "5", "--stats", "500", "--joins", "10",
-            "--senders", "100", "--settle", "1", "--padded-frames", "6", "--endless-frames", "6", "--no-write", "--json"]
+            "--senders", "100", "--settle", "1", "--padded-frames", "6", "--endless-frames", "6", "--no-doc", "--json"]
     assert bench_abuse.main(argv) == 0
     rows = json.loads(capsys.readouterr().out)
     assert [r["phase"] for r in rows] == ["before", "padded frames", "endless frames", "coordinator abuse", "after"]

@@ -15,7 +15,7 @@ pytestmark = pytest.mark.slow
 
 def test_two_hundred_simulated_volunteers_are_placed_and_sigterm_ends_the_coordinator(tmp_path):
     out = subprocess.run([sys.executable, "-m", "tahnode.cli", "bench", "coordinator", "--nodes", "200", "--stages", "4",
-                          "--window", "5", "--place-timeout", "45", "--no-write", "--json"],
+                          "--window", "5", "--place-timeout", "45", "--no-doc", "--json"],
                          capture_output=True, text=True, timeout=150, cwd=tmp_path)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     [row] = json.loads(out.stdout.strip().splitlines()[-1])
@@ -27,4 +27,4 @@ def test_two_hundred_simulated_volunteers_are_placed_and_sigterm_ends_the_coordi
     assert row["probes_per_node_max"] == 1
     assert row["state_kb"] > 0 and row["metrics_kb"] > 0
     assert row["sigterm_exit_s"] is not None and row["sigterm_exit_s"] < 2
-    assert not (tmp_path / "docs").exists()  # --no-write
+    assert not (tmp_path / "docs").exists()  # --no-doc

@@ -220,8 +220,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="streams to the stage daemon, each frame 0 of a 2-frame envelope, then a frame naming 10^9 frames "
                          "(default 2000)")
     ap.add_argument("--settle", type=float, default=10.0, help="seconds measured before and after the abuse (default 10)")
-    ap.add_argument("--out", default="docs/benchmarks.md", help="where the rows go (default docs/benchmarks.md)")
-    ap.add_argument("--no-write", action="store_true", help="do not write the rows to --out")
+    ap.add_argument("--doc", default="docs/benchmarks.md", help="where the rows go (default docs/benchmarks.md)")
+    ap.add_argument("--no-doc", action="store_true", help="print the rows only; leave the doc alone")
     ap.add_argument("--json", action="store_true", help="print the rows as JSON")
     return ap
 
@@ -236,8 +236,8 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     text = markdown_table(COLUMNS, [cells(r, rows[0]) for r in rows])
     command = ("tahnode bench abuse " + " ".join(sys.argv[3:] if argv is None else argv)).strip()
-    if not args.no_write:
-        write_section(Path(args.out), "abuse", "Coordinator under one token holder's abuse", [
+    if not args.no_doc:
+        write_section(Path(args.doc), "abuse", "A token holder's abuse: the coordinator and a stage daemon", [
             text, "", f"A real coordinator (`tahnode coordinator`, plain gRPC on loopback) and a real stage daemon (`tahnode join "
             f"--stage 1`, its data plane plain gRPC); stage 0 is held by the attacking neighbour, stage 2 by a client. First the "
             f"neighbour (a process of its own, with the token and its bound key) opens {args.padded_frames} Forward streams to the "

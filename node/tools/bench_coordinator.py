@@ -302,16 +302,16 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--place-timeout", type=float, default=180.0, help="seconds to wait for every volunteer to be placed; "
                     "then it is reported as not placed and the window runs anyway (default 180)")
     ap.add_argument("--seed", type=int, default=0, help="seed of the volunteers' link speeds and compute speeds (default 0)")
-    ap.add_argument("--out", default="docs/benchmarks.md", help="where the rows go (default docs/benchmarks.md)")
-    ap.add_argument("--no-write", action="store_true", help="do not write the rows to --out")
+    ap.add_argument("--doc", default="docs/benchmarks.md", help="where the rows go (default docs/benchmarks.md)")
+    ap.add_argument("--no-doc", action="store_true", help="print the rows only; leave the doc alone")
     ap.add_argument("--json", action="store_true", help="print the rows as a JSON list on stdout (instead of the table)")
     return ap
 
 
 def report(rows: list[CoordinatorRow], args, command: str) -> str:
     text = markdown_table(COLUMNS, [cells(r) for r in rows])
-    if not args.no_write:
-        write_section(Path(args.out), "coordinator", "Coordinator at scale", [
+    if not args.no_doc:
+        write_section(Path(args.doc), "coordinator", "Coordinator at scale", [
             text, "", f"A real coordinator (`tahnode coordinator`, plain gRPC on loopback, {args.stages} stages) against N "
             "simulated volunteers in one process that join with --stage auto, heartbeat, and answer its link probes over "
             "emulated links (up and down 10-1000 Mbit/s, log-uniform; RTT 5-80 ms); the window lasted "
@@ -338,6 +338,6 @@ def main(argv: list[str] | None = None) -> int:
     command = ("tahnode bench coordinator " + " ".join(sys.argv[3:] if argv is None else argv)).strip()
     text = report(rows, args, command)
     print(json.dumps([asdict(r) for r in rows]) if args.json else text)
-    if not args.no_write:
-        say(f"written to {args.out}")
+    if not args.no_doc:
+        say(f"written to {args.doc}")
     return 0

@@ -68,7 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
                     + " (default 4,2048,4096)")
     ap.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="input dtype (default bf16)")
     ap.add_argument("--iters", type=int, default=50, help="timed runs per op after warm-up; the median is reported (default 50)")
-    ap.add_argument("--out", default="docs/benchmarks.md", help="markdown file the rows are appended to (default docs/benchmarks.md)")
+    ap.add_argument("--doc", default="docs/benchmarks.md", help="markdown file the rows are appended to (default docs/benchmarks.md)")
     ap.add_argument("--profile", action="store_true",
                     help="also print the GPU time of each kernel of one encode and one decode (torch.profiler), per shape")
     ap.add_argument("--sweep", action="store_true",
@@ -307,8 +307,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.profile:
             print(profile_codecs(shape, DTYPES[args.dtype]))
         torch.cuda.empty_cache()
-    append_rows(args.out, lines)
-    print(f"appended {len(lines)} rows to {args.out}")
+    append_rows(args.doc, lines)
+    print(f"appended {len(lines)} rows to {args.doc}")
     return 0
 
 
