@@ -47,7 +47,7 @@ __all__ = ["encode", "decode", "entropies", "rank_low", "entropy_slack", "SEQ_MA
 
 SEQ_MAX = 8192  # longest sequence the in-kernel allocation ranks (one program holds all its entropies)
 # values per program (ROWS x G) and warps per program of the encode and decode kernels on a GPU:
-# measured on an H100 (docs/benchmarks.md, "Kernel block sizes"); 2048 values in 4 warps spilled registers
+# measured on an H100 (docs/benchmarks-log.md, "Kernel block sizes"); 2048 values in 4 warps spilled registers
 GPU_ENCODE_BLOCK = (1024, 8)
 GPU_DECODE_BLOCK = (1024, 4)
 NSLOT = 64      # uncertain tokens per sequence the refine kernel recomputes in float64

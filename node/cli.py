@@ -238,7 +238,7 @@ def _add_swarm_commands(sub) -> None:
     pr.add_argument("--tokenizer", help="a Hugging Face tokenizer.json (default: bytes)")
     pr.add_argument("--limit-mb", type=float, help="stop after this many MB of text")
 
-    be = sub.add_parser("bench", help="benchmarks (results appended to docs/benchmarks.md)")
+    be = sub.add_parser("bench", help="benchmarks (results appended to docs/benchmarks-log.md)")
     bsub = be.add_subparsers(dest="bench_cmd", required=True)
     for name, text in BENCHES.items():  # each parses its own flags (`tahnode bench NAME --help`)
         bsub.add_parser(name, help=text, add_help=False).add_argument("rest", nargs=argparse.REMAINDER)

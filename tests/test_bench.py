@@ -1,5 +1,5 @@
 """`tahnode bench kernels` as users call it: its flags reach its own parser, bad input and a machine
-without a GPU get clear errors, the rows it appends to docs/benchmarks.md keep one table header, and
+without a GPU get clear errors, the rows it appends to docs/benchmarks-log.md keep one table header, and
 its host-path rows carry a whole message there and back."""
 
 from __future__ import annotations

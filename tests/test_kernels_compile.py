@@ -5,7 +5,7 @@ The interpreter (TRITON_INTERPRET=1, set for the rest of the suite) replaces tri
 Python executor, so the compilation runs in a subprocess with TRITON_INTERPRET removed; run this
 file directly (python tests/test_kernels_compile.py) to compile without pytest, with --resources to
 print every kernel's registers, spills and instructions as launched on aligned tensors (docs/
-benchmarks.md, "Kernel resources on sm_90"), with --settings beside it for the default pair at the
+benchmarks-log.md, "Kernel resources on sm_90"), with --settings beside it for the default pair at the
 sweep's launch settings, with --shard i/n to compile every n-th case from case i (the test runs a
 shard per core)."""
 

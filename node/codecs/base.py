@@ -213,7 +213,7 @@ class Codec:
 def pinned_buffer(n: int):
     """n bytes of page-locked host memory as a writable buffer (a numpy view): where a received
     payload waits for its copy to the GPU, which then runs at PCIe speed, while one from pageable
-    memory is staged by the driver (on the H100 of docs/benchmarks.md a 64 MiB pageable copy took
+    memory is staged by the driver (on the H100 of docs/benchmarks-log.md a 64 MiB pageable copy took
     42 ms, a pinned one 1.2 ms). torch's caching host allocator takes the block back for the next
     message once nothing refers to it. Needs CUDA."""
     return torch.empty(n, dtype=torch.uint8, pin_memory=True).numpy()

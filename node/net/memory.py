@@ -28,7 +28,7 @@ def reuse_message_buffers() -> bool:
     """Keep freed buffers of up to 32 MiB in the heap, and up to 256 MiB of free heap, instead of
     giving them back to the system at once. Without it glibc maps each frame (1 MiB) and each
     reassembled envelope afresh and faults every page in again: serializing a 64 MiB message's
-    frames took 35 ms instead of 4 (docs/benchmarks.md, "The host path's heap"). True if set."""
+    frames took 35 ms instead of 4 (docs/benchmarks-log.md, "The host path's heap"). True if set."""
     mallopt = _libc_function("mallopt")
     if mallopt is None:
         return False

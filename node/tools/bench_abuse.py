@@ -7,7 +7,7 @@ made-up links each) and --fat-heartbeats with --stats made-up entries in each of
 never complete (--padded-frames streams of frames padded to 4 MiB, --endless-frames of frames naming
 10^9 frames; tahnode.tools.abuse_frames). The coordinator's and the daemon's memory (RSS) and GET
 /api/v1/state latency are measured before, during each attack and after; a row per phase goes to
-docs/benchmarks.md."""
+docs/benchmarks-log.md."""
 
 from __future__ import annotations
 
@@ -220,7 +220,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="streams to the stage daemon, each frame 0 of a 2-frame envelope, then a frame naming 10^9 frames "
                          "(default 2000)")
     ap.add_argument("--settle", type=float, default=10.0, help="seconds measured before and after the abuse (default 10)")
-    ap.add_argument("--doc", default="docs/benchmarks.md", help="where the rows go (default docs/benchmarks.md)")
+    ap.add_argument("--doc", default="docs/benchmarks-log.md", help="where the rows go (default docs/benchmarks-log.md)")
     ap.add_argument("--no-doc", action="store_true", help="print the rows only; leave the doc alone")
     ap.add_argument("--json", action="store_true", help="print the rows as JSON")
     return ap

@@ -4,7 +4,7 @@ codec work in one process) and is compared with the reference pair (none/none) o
 
 It reports held-out loss (samples at the end of the data that no run trains on), bits per element,
 relative error per boundary crossing, and the tokens and link time each pair needs to reach the
-reference's final held-out loss; the table goes to docs/benchmarks.md, the plot beside it. Each
+reference's final held-out loss; the table goes to docs/benchmarks-log.md, the plot beside it. Each
 run's result is kept in --workdir, so a bench that was stopped picks up where it was."""
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--workdir", default="bench-convergence", help="each run's result as JSON; runs already there with the "
                     "same settings are not trained again (default bench-convergence)")
     ap.add_argument("--name", default="convergence", help="the doc section and plot name (default convergence)")
-    ap.add_argument("--doc", default="docs/benchmarks.md", help="where the table goes (default docs/benchmarks.md)")
+    ap.add_argument("--doc", default="docs/benchmarks-log.md", help="where the table goes (default docs/benchmarks-log.md)")
     ap.add_argument("--plots", default="docs/plots", help="where the PNG plot goes (default docs/plots)")
     ap.add_argument("--no-doc", action="store_true", help="print the table only; leave the doc and plots alone")
     ap.add_argument("--json", action="store_true", help="print every run's result as one JSON list on the last line")

@@ -4,7 +4,7 @@ faces N volunteers simulated in this process (tahnode.tools.sim_volunteers) that
 auto, heartbeat, and answer its link probes over emulated 10-1000 Mbit/s links. Measured: the time
 to place them all (active or standby in /api/v1/state); then, over --window seconds, heartbeat
 latency, the coordinator's CPU and memory, /api/v1/state and /metrics, the probe traffic; and how
-long it takes to exit on SIGTERM. Rows go to docs/benchmarks.md ("Coordinator at scale")."""
+long it takes to exit on SIGTERM. Rows go to docs/benchmarks-log.md ("Coordinator at scale")."""
 
 from __future__ import annotations
 
@@ -302,7 +302,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--place-timeout", type=float, default=180.0, help="seconds to wait for every volunteer to be placed; "
                     "then it is reported as not placed and the window runs anyway (default 180)")
     ap.add_argument("--seed", type=int, default=0, help="seed of the volunteers' link speeds and compute speeds (default 0)")
-    ap.add_argument("--doc", default="docs/benchmarks.md", help="where the rows go (default docs/benchmarks.md)")
+    ap.add_argument("--doc", default="docs/benchmarks-log.md", help="where the rows go (default docs/benchmarks-log.md)")
     ap.add_argument("--no-doc", action="store_true", help="print the rows only; leave the doc alone")
     ap.add_argument("--json", action="store_true", help="print the rows as a JSON list on stdout (instead of the table)")
     return ap

@@ -1,6 +1,6 @@
 """`tahnode bench kernels`: time the Triton codec kernels on a GPU next to x.clone() of the same
 tensor (the memory-bandwidth yardstick) and the pure-torch reference on the same GPU; append the
-results, dated and naming the GPU, to docs/benchmarks.md. With --sweep, a run's default pair of
+results, dated and naming the GPU, to docs/benchmarks-log.md. With --sweep, a run's default pair of
 kernels at other launch settings instead (values and warps per program), to choose the defaults.
 
 Timing: CUDA events around each call after warm-up (the first calls compile the kernels), the
@@ -68,7 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
                     + " (default 4,2048,4096)")
     ap.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="input dtype (default bf16)")
     ap.add_argument("--iters", type=int, default=50, help="timed runs per op after warm-up; the median is reported (default 50)")
-    ap.add_argument("--doc", default="docs/benchmarks.md", help="markdown file the rows are appended to (default docs/benchmarks.md)")
+    ap.add_argument("--doc", default="docs/benchmarks-log.md", help="markdown file the rows are appended to (default docs/benchmarks-log.md)")
     ap.add_argument("--profile", action="store_true",
                     help="also print the GPU time of each kernel of one encode and one decode (torch.profiler), per shape")
     ap.add_argument("--sweep", action="store_true",

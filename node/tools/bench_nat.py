@@ -1,7 +1,7 @@
 """`tahnode bench nat`: what reaching a volunteer behind NAT costs. Two home nodes behind their own
 MASQUERADE routers and one public node (tahnode.tools.natns) join a p2p swarm with --stage auto; the
 coordinator probes every ordered pair before placing them, and the probed Mbit/s and RTT of each
-link, home to home through the relay and home to public directly, go into docs/benchmarks.md."""
+link, home to home through the relay and home to public directly, go into docs/benchmarks-log.md."""
 
 from __future__ import annotations
 
@@ -65,7 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--timeout", type=float, default=300, help="seconds to wait for every probe of one row (default 300)")
     ap.add_argument("--workdir", default="bench-nat", help="logs of every process (default bench-nat)")
     ap.add_argument("--name", default="nat", help="the doc section's name (default nat)")
-    ap.add_argument("--doc", default="docs/benchmarks.md", help="where the table goes (default docs/benchmarks.md)")
+    ap.add_argument("--doc", default="docs/benchmarks-log.md", help="where the table goes (default docs/benchmarks-log.md)")
     ap.add_argument("--json", action="store_true", help="print the links as one JSON list on the last line")
     return ap
 

@@ -5,7 +5,7 @@ Link limit (design.md sections 3 and 9), per pipeline: tokens per step x rate / 
 of its busiest node: its busiest data-plane direction over the measured steps (tc's counters) plus
 what its averager sent per step (its own count); the swarm's is the pipelines' sum. Compute
 limit: the same swarm on unshaped links. tokens/s: every pipeline's tokens over the wall time of its
-measured steps, outer steps included. Table and plot into docs/benchmarks.md."""
+measured steps, outer steps included. Table and plot into docs/benchmarks-log.md."""
 
 from __future__ import annotations
 

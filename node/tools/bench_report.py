@@ -1,5 +1,5 @@
 """How `tahnode bench swarm` reports: the machine it ran on, the markdown tables, the section it
-owns in docs/benchmarks.md (replaced on every run, the rest of the page kept), and the PNG plots."""
+owns in docs/benchmarks-log.md (replaced on every run, the rest of the page kept), and the PNG plots."""
 
 from __future__ import annotations
 

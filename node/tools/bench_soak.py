@@ -1,6 +1,6 @@
 """`tahnode bench soak`: a local swarm (coordinator, one node per stage and a standby) trains for
 --minutes while the resident memory and open file descriptors of every process are sampled from
-/proc; the growth after warm-up per process goes into docs/benchmarks.md with a plot."""
+/proc; the growth after warm-up per process goes into docs/benchmarks-log.md with a plot."""
 
 from __future__ import annotations
 
@@ -66,7 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--standbys", type=int, default=1, help="spare nodes that wait as standbys (default 1)")
     ap.add_argument("--model", default="llama-tiny", help="model preset or TOML (default llama-tiny)")
     ap.add_argument("--bandwidth", default="0", help="link rate in Mbit/s, userspace-shaped (default 0: unshaped)")
-    ap.add_argument("--doc", default="docs/benchmarks.md", help="where the report goes (default docs/benchmarks.md)")
+    ap.add_argument("--doc", default="docs/benchmarks-log.md", help="where the report goes (default docs/benchmarks-log.md)")
     ap.add_argument("--plots", default="docs/plots", help="where the PNG plot goes (default docs/plots)")
     ap.add_argument("--workdir", default="bench-soak", help="logs of the swarm (default bench-soak)")
     ap.add_argument("--prefix", default="tnk-", help="name prefix of the swarm (default tnk-)")

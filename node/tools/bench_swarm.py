@@ -5,7 +5,7 @@ Limit (design.md section 3): min(link limit, compute limit). Link limit = tokens
 rate / bytes per step on the busiest link direction (tc's counters: IP packets, headers included;
 with --shaper userspace the envelopes' bytes); compute limit = tokens/s of the same stages and codec
 pair on unshaped links. tokens/s = tokens per step / the median wall time of the measured steps on
-the last stage. The table, the machine, the model and the command go into docs/benchmarks.md, the
+the last stage. The table, the machine, the model and the command go into docs/benchmarks-log.md, the
 plots beside it (PNG, matplotlib)."""
 
 from __future__ import annotations
@@ -272,7 +272,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--shaper", default=Shaper.TC.value, choices=[s.value for s in Shaper], help="tc (root; default) or userspace")
     ap.add_argument("--device", default="cpu", help="where the stages compute: cpu (default) or cuda[:N] (they share the GPU)")
     ap.add_argument("--name", default="swarm", help="the doc section and plot names (default swarm)")
-    ap.add_argument("--doc", default="docs/benchmarks.md", help="where the table goes (default docs/benchmarks.md)")
+    ap.add_argument("--doc", default="docs/benchmarks-log.md", help="where the table goes (default docs/benchmarks-log.md)")
     ap.add_argument("--plots", default="docs/plots", help="where the PNG plots go (default docs/plots)")
     ap.add_argument("--workdir", default="bench-swarm", help="logs and run files of every row (default bench-swarm)")
     ap.add_argument("--prefix", default="tnb-", help="namespace prefix of the swarms it starts (default tnb-)")

@@ -1,6 +1,6 @@
 """How `tahnode bench convergence` reports: per codec pair, held-out loss against the reference pair
 of the same seed, bits per element, error per crossing, and tokens and link time to reach the
-reference's final held-out loss; a markdown table for docs/benchmarks.md and a PNG plot."""
+reference's final held-out loss; a markdown table for docs/benchmarks-log.md and a PNG plot."""
 
 from __future__ import annotations
 
