@@ -19,14 +19,14 @@ import triton.language as tl
 from .bitpack import packed_nbytes, padded_count, plane_widths
 from .quant_ref import check_finite
 from .rice_sums_triton import add_block_sums, zigzag
-from .symtiles_ref import corrupt_codes, rotation_signs
+from .symtiles_ref import MIN_SCALE, corrupt_codes, rotation_signs
 from .triton_util import interpreting, on_device, quotient, round_half_even, to_bf16_rne
 from .wire import CodecError
 
 __all__ = ["encode", "decode", "launch_encode", "raise_for_encode", "launch_decode", "raise_for_decode", "store_planes",
            "plane_shifts"]
 
-MIN_NORMAL = 2.0 ** -126  # symtiles_ref.MIN_SCALE
+MIN_SCALE_C = tl.constexpr(MIN_SCALE)  # the reference's smallest tile scale sent, as the kernels read it
 # (values, warps) per program of the encode and decode kernels on a GPU: a block is values // G
 # tokens of one tile. The interpreter's blocks are larger (its cost is per program). `tahnode bench
 # kernels --sweep` times others (the references' bytes at each: tests/test_bench.py)
@@ -144,7 +144,7 @@ def _encode_kernel(x_ptr, stride_x, signs_ptr, n_rows, n_chan, n_tpt, width, sca
     if bad != 0:
         tl.atomic_or(status_ptr, bad)
     ratio = tl.math.div_rn(tl.max(tl.abs(x), axis=1), tl.full([BR], QMAX, tl.float32))
-    s16 = tl.where(ratio >= 1.1754943508222875e-38, to_bf16_rne(ratio), tl.zeros([BR], dtype=tl.bfloat16))
+    s16 = tl.where(ratio >= MIN_SCALE_C, to_bf16_rne(ratio), tl.zeros([BR], dtype=tl.bfloat16))
     tl.store(scale_ptr + rows.to(tl.int64) * n_tpt + t, s16, mask=rows_ok)
     s = s16.to(tl.float32)[:, None]
     pos = s > 0
