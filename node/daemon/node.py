@@ -31,6 +31,7 @@ from ..net.tls import PINNED_COORDINATOR_FILE, CoordinatorTrust, TlsCertificate,
 from ..net.transport import Transport
 from ..pipeline.admission import envelope_cap
 from ..pipeline.checkpoint import CheckpointStore
+from ..pipeline.outer_sync import CATCH_UP_S
 from ..pipeline.state import PipelineError
 from ..pipeline.worker import StageWorker
 from ..proto import tahnode_pb2 as pb
@@ -275,9 +276,18 @@ class StageNode:
             if self.worker is not None and self.worker.stats.finished:
                 # the last stage may report the end after this stage finished: until then, the
                 # coordinator would give the stage this node leaves to a standby
-                await self.beats.until_run_finished(RUN_FINISHED_WAIT_S)
+                await self._until_stop(self.beats.until_run_finished(self._finish_wait_s()))  # SIGTERM ends the wait
         await self.coord.leave(self.node_id)
         await self._close()
+
+    def _finish_wait_s(self) -> float:
+        """How long a node whose pipeline finished waits for the run's end (every pipeline's). With
+        replicas, as long as another pipeline's replica, late to the last outer step and alone at it,
+        may look for this one's outer weights of it (outer_sync: the last boundary's catch-up):
+        leaving sooner took its averager away, and that replica ended the run with a model of its own."""
+        averaging = self.averaging is not None and self.averaging.averager is not None
+        swarm = self.run_cfg.swarm
+        return RUN_FINISHED_WAIT_S + (CATCH_UP_S + 3 * swarm.outer_timeout_s if averaging else 0.0)  # its round, then the catch-up
 
     async def _stop_averaging(self) -> None:
         if self.averaging is not None:
