@@ -14,7 +14,6 @@ import torch
 
 from tahnode import codecs
 from tahnode.codecs import CodecContext, CodecError
-from tahnode.codecs.host import CRC_FIELD_BYTES
 from tahnode.proto import tahnode_pb2 as pb
 from tahnode.tools.codec_eval import sqnr_db
 from helpers import bits_lsb_first, outlier_activations
@@ -302,25 +301,26 @@ def test_same_input_same_bytes_across_runs():
 
 
 @pytest.mark.parametrize("name", ["none", "naive", "group", "tahquant", "amaq", "pertoken"])
-def test_an_overlapped_encode_finishes_as_the_message_encode_apart_writes(name):
-    """train.host_copy "overlap" (issue 27): encode_overlapped leaves the payload's copy and its
-    checksum to finish(), on another thread as a link does; the message and the payload's bytes are
-    then encode_apart's, and the size the stage counts before finishing is the finished message's."""
+def test_an_overlapped_encode_finishes_as_the_message_an_inline_one_writes(name):
+    """train.host_copy "overlap" (issue 27): encode_apart(overlap=True) leaves the payload's copy and
+    its checksum to finish(), on another thread as a link does; the message and the payload's bytes
+    are then an inline encode's, and the wire size the stage counts before finishing
+    (PendingPayload.wire_bytes) is the finished message's."""
     import threading
 
     x = outlier_activations((2, 9, 256), seed=8).to(torch.bfloat16)
     codec = codecs.get_codec(name)
     want = pb.EncodedTensor()
-    want_payload = bytes(codec.encode_apart(x, want))
+    want_payload = bytes(codec.encode_apart(x, want).finish())
     got = pb.EncodedTensor()
-    pending = codec.encode_overlapped(x, got)
+    pending = codec.encode_apart(x, got, overlap=True)
     assert got.crc32 == 0 and pending.nbytes == len(want_payload)  # nothing checksummed yet
-    size = got.ByteSize() + CRC_FIELD_BYTES  # what the stage counts before the checksum is written
+    size = pending.wire_bytes  # what the stage counts before the checksum is written
     finished = []
     thread = threading.Thread(target=lambda: finished.append(bytes(pending.finish())))
     thread.start()
     thread.join()
     assert finished == [want_payload] and got == want
-    assert size == got.ByteSize() or want.crc32 == 0  # a zero checksum is left out of the wire
     got.payload = want_payload
+    assert size == got.ByteSize() or want.crc32 == 0  # a zero checksum is left out of the wire
     assert torch.equal(codecs.decode(got), codecs.decode(codecs.get_codec(name).encode(x)))

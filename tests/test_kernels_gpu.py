@@ -95,9 +95,9 @@ def test_an_overlapped_encode_copies_on_the_side_stream_and_finishes_as_encode_a
     codec = codecs.get_codec(name, **params)
     x = activations((4, 2048, 4096), torch.bfloat16, seed=9).cuda()
     want = pb.EncodedTensor()
-    want_payload = bytes(codec.encode_apart(x, want))
+    want_payload = bytes(codec.encode_apart(x, want).finish())
     got = pb.EncodedTensor()
-    pending = codec.encode_overlapped(x * 1, got)  # a temporary: freed at once, its memory up for reuse
+    pending = codec.encode_apart(x * 1, got, overlap=True)  # a temporary: freed at once, its memory up for reuse
     assert isinstance(pending.done, torch.cuda.Event) and pending.host.is_pinned()
     noise = [torch.full_like(x, float(k)) for k in range(4)]  # the compute stream goes on
     finished = []

@@ -15,7 +15,7 @@ import torch
 from ..kernels.wire import CodecError
 from ..proto import tahnode_pb2 as pb
 from ..proto.parse import parse
-from .host import PendingPayload, checksum, copy_to_host, host_bytes
+from .host import PendingPayload, checksum, copy_to_host
 from .state import CodecContext, CodecState
 
 __all__ = [
@@ -117,52 +117,40 @@ class Codec:
         return int(getattr(self.params, self.version_param)) if self.version_param else self.version
 
     def encode(self, x: torch.Tensor, ctx: CodecContext | None = None, out: pb.EncodedTensor | None = None) -> pb.EncodedTensor:
-        """`x` encoded, into `out` if given (e.g. the tensor field of the envelope that will carry
-        it: nesting a finished message in another copies its payload)."""
+        """`x` encoded as one whole message, into `out` if given (e.g. the tensor field of the
+        envelope that will carry it: nesting a finished message in another copies its payload)."""
         msg = out if out is not None else pb.EncodedTensor()
-        msg.payload = self.encode_apart(x, msg, ctx).tobytes()
+        msg.payload = self.encode_apart(x, msg, ctx).finish().tobytes()
         return msg
 
-    def encode_apart(self, x: torch.Tensor, out: pb.EncodedTensor, ctx: CodecContext | None = None) -> memoryview:
-        """`x` encoded into `out` but for its payload, which is returned as a view of its bytes on
-        the host: the transport writes it to the wire from there (tahnode.net.body)."""
+    def encode_apart(self, x: torch.Tensor, out: pb.EncodedTensor, ctx: CodecContext | None = None,
+                     overlap: bool = False) -> PendingPayload:
+        """`x` encoded into `out` but for its payload, which comes back pending: its finish() gives
+        the payload's bytes on the host, where the transport writes them to the wire from
+        (tahnode.net.body), and writes the checksum. With `overlap`, the payload's copy to the host
+        runs on a side stream beside the next compute (finish() on a thread that may wait)."""
         payload, extra = self._payload(x, ctx)
-        return self.header(x, payload, extra, out)
-
-    def encode_overlapped(self, x: torch.Tensor, out: pb.EncodedTensor, ctx: CodecContext | None = None) -> PendingPayload:
-        """encode_apart with the payload's copy to the host started on a side stream, not waited
-        for: its finish() (on a thread that may wait) checksums it and gives its bytes."""
-        payload, extra = self._payload(x, ctx)
-        self._fields(x, extra, out)
-        return PendingPayload(out, *copy_to_host(payload))
+        return self.pending(x, payload, extra, out, overlap)
 
     def _payload(self, x: torch.Tensor, ctx: CodecContext | None) -> tuple[torch.Tensor, dict[str, float]]:
         _check_input(x, self.name)
         return self.encode_payload(x.cpu() if self.on_cpu else x, ctx if ctx is not None else CodecContext())
 
-    def header(self, x: torch.Tensor, payload: torch.Tensor, extra: dict[str, float], out: pb.EncodedTensor) -> memoryview:
-        """Everything of `x`'s message but the payload, written into `out` (its checksum covers the
-        payload); the payload's bytes on the host, uncopied where they are there already. Where a
-        message's host path starts (tahnode.tools.bench_copies counts what follows)."""
-        self._fields(x, extra, out)
-        data = host_bytes(payload)
-        out.crc32 = checksum(out, data)
-        return data
-
-    def _fields(self, x: torch.Tensor, extra: dict[str, float], out: pb.EncodedTensor) -> None:
-        """Every field of `x`'s message but the payload and its checksum, into `out`."""
+    def pending(self, x: torch.Tensor, payload: torch.Tensor, extra: dict[str, float], out: pb.EncodedTensor,
+                overlap: bool = False) -> PendingPayload:
+        """Every field of `x`'s message but the payload and its checksum, written into `out`, and the
+        payload on its way to the host (a CPU payload uncopied; a CUDA payload's one copy, waited for
+        unless `overlap`). Where a message's host path starts (tahnode.tools.bench_copies counts what follows)."""
         out.codec, out.version, out.dtype = self.name, self.wire_version(), DTYPES[x.dtype]
         out.shape[:] = list(x.shape)
         out.checksum = pb.CRC32C
         for key, value in {**self.header_params(), **extra}.items():
             out.params[key] = value
-
-    def message(self, x: torch.Tensor, payload: torch.Tensor, extra: dict[str, float],
-                out: pb.EncodedTensor | None = None) -> pb.EncodedTensor:
-        """The whole wire message of `x`'s encoded payload (written into `out` if given)."""
-        msg = out if out is not None else pb.EncodedTensor()
-        msg.payload = self.header(x, payload, extra, msg).tobytes()
-        return msg
+        host, done = copy_to_host(payload)
+        if done is not None and not overlap:
+            done.synchronize()
+            done = None
+        return PendingPayload(out, host, done)
 
     def decode(self, msg: pb.EncodedTensor, ctx: CodecContext | None = None, device: torch.device | str = "cpu",
                payload=None) -> torch.Tensor:

@@ -1,6 +1,6 @@
-"""A message's bytes on the host: its payload's one copy out of the device, either waited for
-(host_bytes) or on a side stream beside the next compute (copy_to_host, PendingPayload:
-train.host_copy "overlap"), and the checksum over its header and payload."""
+"""A message's bytes on the host: its payload's one copy out of the device, on a side stream
+(copy_to_host), waited for at once or beside the next compute (PendingPayload: train.host_copy
+"inline" or "overlap"); the message's wire size, and the checksum over its header and payload."""
 
 from __future__ import annotations
 
@@ -16,23 +16,13 @@ import torch
 from ..kernels.wire import CodecError
 from ..proto import tahnode_pb2 as pb
 
-__all__ = ["host_bytes", "copy_to_host", "PendingPayload", "checksum", "CRC_FIELD_BYTES"]
+__all__ = ["copy_to_host", "PendingPayload", "checksum", "payload_field_bytes", "CRC_FIELD_BYTES"]
 
 
 def _bytes_of(payload: torch.Tensor) -> torch.Tensor:
     """A payload as flat uint8, on the GPU where it is on one, else on the host (uncopied there)."""
     flat = payload.detach().contiguous().reshape(-1).view(torch.uint8)
     return flat if flat.device.type in ("cuda", "cpu") else flat.cpu()
-
-
-def host_bytes(payload: torch.Tensor) -> memoryview:
-    """A payload's bytes on the host, waited for: a view of a CPU payload, and a CUDA payload's one
-    copy (copy_to_host's, into pinned memory: torch's caching host allocator keeps those blocks
-    for the next message)."""
-    host, done = copy_to_host(payload)
-    if done is not None:
-        done.synchronize()
-    return memoryview(host.numpy())
 
 
 @functools.cache
@@ -60,13 +50,25 @@ def copy_to_host(payload: torch.Tensor) -> tuple[torch.Tensor, Any]:
 
 
 CRC_FIELD_BYTES = 5  # EncodedTensor.crc32 serialized (fixed32: key, 4 bytes), which PendingPayload.finish() adds
+PAYLOAD_KEY_BYTES = 1  # EncodedTensor.payload's field key (number and wire type) in one varint byte
+
+
+def _varint_bytes(n: int) -> int:
+    return max(1, (n.bit_length() + 6) // 7)
+
+
+def payload_field_bytes(n: int) -> int:
+    """What an `n`-byte payload adds to its EncodedTensor's serialized size (key, length, bytes;
+    nothing for an empty one, which protobuf leaves out)."""
+    return 0 if n == 0 else PAYLOAD_KEY_BYTES + _varint_bytes(n) + n
 
 
 @dataclasses.dataclass
 class PendingPayload:
-    """A message (`msg`) whose payload is on its way to the host (copy_to_host): finish() waits for
-    the copy, writes the checksum into `msg` and returns the payload's bytes (tahnode.net.body's
-    PendingBody does so on the link's thread)."""
+    """A message (`msg`, every field but its payload and checksum) and its payload on its way to
+    the host (copy_to_host): finish() waits for the copy, writes the checksum into `msg` and returns
+    the payload's bytes, at once (train.host_copy "inline") or on the link's thread
+    (tahnode.net.body's PendingBody, "overlap"). `wire_bytes`: the whole message's serialized size."""
 
     msg: pb.EncodedTensor
     host: torch.Tensor
@@ -75,6 +77,10 @@ class PendingPayload:
     @property
     def nbytes(self) -> int:
         return self.host.numel()
+
+    @property
+    def wire_bytes(self) -> int:
+        return self.msg.ByteSize() + CRC_FIELD_BYTES * (not self.msg.crc32) + payload_field_bytes(self.nbytes)
 
     def finish(self) -> memoryview:
         if self.done is not None:

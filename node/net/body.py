@@ -12,6 +12,7 @@ from typing import Any, Callable
 
 from google.protobuf.message import DecodeError
 
+from ..codecs.host import payload_field_bytes
 from ..proto import tahnode_pb2 as pb
 
 __all__ = ["Body", "PendingBody", "UnusualField", "body_of", "fields", "open_body", "payload_field_bytes", "tail_prefix",
@@ -21,7 +22,7 @@ WIRE_LEN = 2  # protobuf wire type of a length-delimited field
 # fields scanned in Python at one level of a message at most: ours have a handful; bytes made of
 # many tiny fields (a neighbour's way to stall the scan) go to protobuf's own parser instead
 MAX_FIELDS = 64
-# Envelope.micro_batch -> MicroBatch.tensor -> EncodedTensor.payload
+# Envelope.micro_batch -> MicroBatch.tensor -> EncodedTensor.payload (its key one byte: codecs.host.payload_field_bytes)
 PAYLOAD_PATH = (pb.Envelope.DESCRIPTOR.fields_by_name["micro_batch"].number,
                 pb.MicroBatch.DESCRIPTOR.fields_by_name["tensor"].number,
                 pb.EncodedTensor.DESCRIPTOR.fields_by_name["payload"].number)
@@ -56,12 +57,6 @@ def tail_prefix(n: int) -> bytes:
         head = varint(number << 3 | WIRE_LEN) + varint(inner)
         out, inner = head + out, inner + len(head)
     return out
-
-
-def payload_field_bytes(n: int) -> int:
-    """What an `n`-byte payload adds to its EncodedTensor's serialized size (key, length, bytes;
-    nothing for an empty one, which protobuf leaves out)."""
-    return 0 if n == 0 else len(varint(PAYLOAD_PATH[-1] << 3 | WIRE_LEN)) + len(varint(n)) + n
 
 
 @dataclass(frozen=True)

@@ -10,9 +10,7 @@ import torch
 
 from .. import codecs
 from ..codecs import CodecContext, CodecState, PendingPayload
-from ..codecs.host import CRC_FIELD_BYTES
 from ..config import RunConfig
-from ..net.body import payload_field_bytes
 from ..net.transport import BACKWARD, FORWARD, Direction, Transport
 from ..proto import tahnode_pb2 as pb
 from .state import Stats
@@ -77,12 +75,10 @@ class CodecStreams:
         if out is None:
             result = msg = codec.encode(tensor.detach(), ctx)  # ends with the payload's bytes on the host
             size = msg.ByteSize()
-        elif self.overlap:
-            result = codec.encode_overlapped(tensor.detach(), out, ctx)
-            size = out.ByteSize() + CRC_FIELD_BYTES + payload_field_bytes(result.nbytes)  # finish() writes the checksum
         else:
-            result = codec.encode_apart(tensor.detach(), out, ctx)
-            size = out.ByteSize() + payload_field_bytes(result.nbytes)  # the whole message's size
+            pending = codec.encode_apart(tensor.detach(), out, ctx, overlap=self.overlap)
+            size = pending.wire_bytes  # the whole message's, its checksum included
+            result = pending if self.overlap else pending.finish()
         self.stats.codec_seconds += self._clock() - started
         self.stats.counted(direction, size, tensor)
         return result, gen

@@ -110,7 +110,7 @@ def _measure(shape: tuple[int, ...], codecs: tuple[str, ...]) -> list[CopyCount]
         before = allocated()
         env = pb.Envelope()
         env.micro_batch.step = 1
-        data = codec.header(x, payload, extra, out=env.micro_batch.tensor)  # as Worker._message does
+        data = codec.pending(x, payload, extra, env.micro_batch.tensor).finish()  # as Worker._message does
         wire = path.frames(body_of(env, data))
         sent = allocated() - before
         del env, data
