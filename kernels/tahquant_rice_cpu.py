@@ -13,7 +13,7 @@ from .quant_ref import check_finite
 from .symtiles_cpu import dequantize, quantize, rotate, unrotate
 from .symtiles_ref import check_scales
 from .tahquant_ref import TahQuantParams
-from .tahquant_rice_ref import shape_of, slice_codes, slices, split
+from .tahquant_rice_ref import assemble, shape_of, slice_codes, slices, split
 from .wire import as_bytes
 
 __all__ = ["encode", "decode"]
@@ -30,10 +30,9 @@ def encode(x: torch.Tensor, params: TahQuantParams) -> torch.Tensor:
 
 def decode(payload: torch.Tensor, shape, params: TahQuantParams, dtype: torch.dtype) -> torch.Tensor:
     k, scale, low, unary = split(payload, shape, params)
-    n, c, _, width = shape_of(shape, params)
-    qmax = int(params.qmax)
-    codes = rice_cpu.decode(low, unary, n * width, k, qmax, "tahquant")
+    n, c, _, codes_n = shape_of(shape, params)
+    qmax, g = int(params.qmax), int(params.group_size)
+    codes = rice_cpu.decode(low, unary, codes_n, k, qmax, "tahquant")
     check_scales(scale, "tahquant")
-    parts = [unrotate(dequantize(q, s, tile, qmax), tile, w)
-             for _, w, tile, s, q in slices(scale, codes, n, c, int(params.group_size))]
-    return torch.cat(parts, dim=1).reshape(shape).to(dtype)
+    parts = [unrotate(dequantize(q, s, b.tile, qmax), b.tile, b.width) for b, s, q in slices(scale, codes, n, c, g)]
+    return assemble(parts, n, c, g).reshape(shape).to(dtype)

@@ -5,13 +5,17 @@ A tile's step is its absmax / qmax (one bf16 scale per tile, tahnode.kernels.sym
 grid is finer than INT4's at the same bits on the wire: most values are small and take short codes
 (tahnode.kernels.rice), the few large ones long codes. The size of a payload depends on its values.
 
-A width that is not a multiple of G is cut into slices (`tiling`): whole tiles of G, then what is left
-in tiles of descending powers of two, at least MIN_TILE (the last one padded); before, the rest was
-padded to a whole tile of G and sent (a width of 64 took 9.1 bits per element, issue 43)."""
+A width that is not a multiple of G is cut into blocks (`blocks`): each token's whole tiles of G, then
+the channels left over (C mod G of every token, token after token) as one stream, cut into tiles of
+G and its last fewer than G values into tiles of descending powers of two, at least MIN_TILE (the
+last one padded). Before, each token's rest was padded to a whole tile of G (a width of 64 took 9.1
+bits per element, issue 43), then cut into smaller tiles of its own (4.67 at 64: a bf16 scale per 64
+values, and the smaller tiles' finer steps)."""
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -22,16 +26,16 @@ from .symtiles_ref import check_scales, dequantize, quantize, rotate, tile_scale
 from .tahquant_ref import TahQuantParams
 from .wire import CodecError, PayloadReader, as_bytes
 
-__all__ = ["encode", "decode", "split", "sections", "slices", "slice_codes", "shape_of", "tiling", "zigzag", "unzigzag", "pack",
-           "min_payload_nbytes", "MIN_TILE"]
+__all__ = ["encode", "decode", "split", "sections", "Block", "blocks", "gather", "assemble", "slices", "slice_codes", "shape_of",
+           "tiling", "zigzag", "unzigzag", "pack", "min_payload_nbytes", "MIN_TILE"]
 
-MIN_TILE = 8  # the smallest tile of a token's last channels (fewer than this are padded to it)
+MIN_TILE = 8  # the smallest tile of the left-over stream's last values (fewer than this are padded to it)
 
 
 def tiling(c: int, g: int) -> list[tuple[int, int, int]]:
-    """A token's C channels as slices of whole tiles, (first channel, channels, tile) each: tiles of G,
-    then what is left in tiles of descending powers of two down to MIN_TILE (or G, if smaller), the
-    last tile padded. A width that is a multiple of G is one slice, as it always was."""
+    """C values of a row as slices of whole tiles, (first value, values, tile) each: tiles of G, then
+    what is left in tiles of descending powers of two down to MIN_TILE (or G, if smaller), the last
+    tile padded."""
     smallest, out, start, tile = min(g, MIN_TILE), [], 0, g
     while start < c:
         rest = c - start
@@ -46,12 +50,67 @@ def tiling(c: int, g: int) -> list[tuple[int, int, int]]:
     return out
 
 
+@dataclass(frozen=True)
+class Block:
+    """Rows of `width` values cut into tiles of `tile` (the last padded): the first `width` channels
+    of every token (`stream` False), or `rows * width` values of the left-over stream from position
+    `start` on (every token's channels past the whole tiles of G, token after token)."""
+
+    rows: int
+    width: int
+    tile: int
+    stream: bool = False
+    start: int = 0
+
+    @property
+    def tiles(self) -> int:
+        return self.rows * -(-self.width // self.tile)
+
+    @property
+    def codes(self) -> int:
+        return self.tiles * self.tile
+
+
+def blocks(n: int, c: int, g: int) -> list[Block]:
+    """The blocks of N tokens of C channels, in the payload's order: the tokens' whole tiles of G (one
+    block, as a width that is a multiple of G always was), then the left-over stream's tiles of G,
+    then its tail's smaller tiles (`tiling`)."""
+    whole = c // g * g
+    out = [Block(n, whole, g)] if whole else []
+    length = n * (c - whole)
+    full = length // g * g
+    if full:
+        out.append(Block(full // g, g, g, stream=True))
+    out += [Block(1, w, tile, stream=True, start=full + at) for at, w, tile in tiling(length - full, g)]
+    return out
+
+
+def gather(x2: torch.Tensor, block: Block, g: int) -> torch.Tensor:
+    """The values of `block` from x2 (N, C) as (rows, width)."""
+    whole = x2.shape[1] // g * g
+    if not block.stream:
+        return x2[:, :block.width]
+    stream = x2[:, whole:].reshape(-1)
+    return stream[block.start:block.start + block.rows * block.width].reshape(block.rows, block.width)
+
+
+def assemble(parts: list[torch.Tensor], n: int, c: int, g: int) -> torch.Tensor:
+    """Inverse of gather over every block: the decoded blocks' values (rows, width each, in `blocks`'
+    order) -> (N, C)."""
+    whole = c // g * g
+    columns = [p for p, b in zip(parts, blocks(n, c, g)) if not b.stream]
+    stream = [p.reshape(-1) for p, b in zip(parts, blocks(n, c, g)) if b.stream]
+    rest = [torch.cat(stream).reshape(n, c - whole)] if stream else []
+    return torch.cat(columns + rest, dim=1) if len(columns + rest) > 1 else (columns + rest)[0]
+
+
 def shape_of(shape, params: TahQuantParams) -> tuple[int, int, int, int]:
-    """(tokens N, channels C, tiles T and codes of a token) of a tensor of `shape` (..., C): the
-    codes are its channels padded to whole tiles of each slice."""
+    """(tokens N, channels C, tiles and codes) of a tensor of `shape` (..., C): every block's tiles,
+    and its codes (its values padded to whole tiles)."""
     c, g = shape[-1], int(params.group_size)
-    slices = tiling(c, g)
-    return (math.prod(shape) // c, c, sum(-(-w // t) for _, w, t in slices), sum(-(-w // t) * t for _, w, t in slices))
+    n = math.prod(shape) // c if c else 0
+    cut = blocks(n, c, g)
+    return n, c, sum(b.tiles for b in cut), sum(b.codes for b in cut)
 
 
 def zigzag(codes: torch.Tensor, qmax: int) -> torch.Tensor:
@@ -69,15 +128,15 @@ def unzigzag(z: torch.Tensor, qmax: int) -> torch.Tensor:
 
 def min_payload_nbytes(shape, params: TahQuantParams) -> int:
     """The bytes every payload of `shape` has at least: k, the scales, one unary bit per value."""
-    n, _, t, width = shape_of(shape, params)
-    return 1 + 2 * n * t + -(-n * width // 8)
+    _, _, tiles, codes = shape_of(shape, params)
+    return 1 + 2 * tiles + -(-codes // 8)
 
 
 def pack(scale: torch.Tensor, codes: torch.Tensor, qmax: int) -> torch.Tensor:
     """Payload: k u8 (the Rice parameter that makes it shortest, rice.best_k), the scales (bf16, each
-    slice's (N, tiles) row-major, slice after slice), then the zigzagged codes of the rotated values
-    (padded channels included; each slice's (N, its codes) row-major, slice after slice), Rice-coded
-    at k: their low bits (k > 0), then the unary stream to the payload's end."""
+    block's (rows, tiles) row-major, block after block), then the zigzagged codes of the rotated
+    values (padded values included; each block's (rows, its codes) row-major, block after block),
+    Rice-coded at k: their low bits (k > 0), then the unary stream to the payload's end."""
     z = zigzag(codes.reshape(-1), qmax)
     k = rice.best_k(z, 2 * qmax)
     low, unary = rice.encode(z, k)
@@ -86,15 +145,15 @@ def pack(scale: torch.Tensor, codes: torch.Tensor, qmax: int) -> torch.Tensor:
 
 
 def slice_codes(x2: torch.Tensor, g: int, qmax: int, rotate=rotate, quantize=quantize) -> tuple[torch.Tensor, torch.Tensor]:
-    """x2 (N, C) float32 -> (scales bf16 (N*T,), codes uint8 (N*W,)) in pack's order: each slice of
-    `tiling` rotated, scaled per tile and quantized at qmax (symtiles_ref's `rotate` and `quantize`,
-    or a fast path's that give their results bit for bit)."""
+    """x2 (N, C) float32 -> (scales bf16, codes uint8) in pack's order: each block of `blocks`
+    rotated, scaled per tile and quantized at qmax (symtiles_ref's `rotate` and `quantize`, or a
+    fast path's that give their results bit for bit)."""
     scales, codes = [], []
-    for start, width, tile in tiling(x2.shape[1], g):
-        y = rotate(x2[:, start:start + width], tile)
-        scale = tile_scales(y, tile, qmax)
+    for block in blocks(*x2.shape, g):
+        y = rotate(gather(x2, block, g), block.tile)
+        scale = tile_scales(y, block.tile, qmax)
         scales.append(scale.reshape(-1))
-        codes.append(quantize(y, scale, tile, qmax).reshape(-1))
+        codes.append(quantize(y, scale, block.tile, qmax).reshape(-1))
     return torch.cat(scales), torch.cat(codes)
 
 
@@ -108,47 +167,45 @@ def encode(x: torch.Tensor, params: TahQuantParams) -> torch.Tensor:
 
 
 def split(payload: torch.Tensor, shape, params: TahQuantParams) -> tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Check the payload's size and k -> (k, scales bf16 (N*T,), low bits, unary stream). Shared with
-    the kernels."""
+    """Check the payload's size and k -> (k, scales bf16, low bits, unary stream). Shared with the kernels."""
     params.validate()
-    n, _, t, width = shape_of(shape, params)
+    _, _, tiles, codes = shape_of(shape, params)
     if payload.numel() < min_payload_nbytes(shape, params):
         raise CodecError(f"tahquant layout-3 payload has {payload.numel()} bytes, shape {list(shape)} needs at least "
                          f"{min_payload_nbytes(shape, params)}")
     rd = PayloadReader(payload, "tahquant")
     k = int(rd.take(1, "Rice parameter")[0])
-    scale = rd.take_array(n * t, torch.bfloat16, "scales")
+    scale = rd.take_array(tiles, torch.bfloat16, "scales")
     rice.check_k(k, "tahquant")  # before its low bits' size is computed from it
-    low = rd.take(packed_nbytes(n * width, k) if k else 0, "low bits")
+    low = rd.take(packed_nbytes(codes, k) if k else 0, "low bits")
     return k, scale, low, rd.take(rd.remaining, "unary stream")
 
 
 def sections(payload: torch.Tensor, shape, params: TahQuantParams) -> tuple[torch.Tensor, torch.Tensor]:
-    """Check the payload -> (scales bf16 (N*T,), codes q + qmax uint8 (N*codes,)), in pack's order."""
+    """Check the payload -> (scales bf16, codes q + qmax uint8), in pack's order."""
     k, scale, low, unary = split(payload, shape, params)
-    n, _, _, width = shape_of(shape, params)
-    z = rice.decode(low, unary, n * width, k, 2 * int(params.qmax), "tahquant")
+    _, _, _, codes = shape_of(shape, params)
+    z = rice.decode(low, unary, codes, k, 2 * int(params.qmax), "tahquant")
     return scale, unzigzag(z, int(params.qmax))
 
 
 def slices(scale: torch.Tensor, codes: torch.Tensor, n: int, c: int, g: int):
-    """Each slice of `tiling` with its scales (N, tiles) and codes (N, tiles * tile), from pack's order:
-    (first channel, channels, tile, scales, codes). Shared with the fast paths."""
+    """Each block of `blocks` with its scales (rows, tiles) and codes (rows, tiles * tile), from
+    pack's order: (block, scales, codes). Shared with the fast paths."""
     at_scale = at_code = 0
-    for start, width, tile in tiling(c, g):
-        t = -(-width // tile)
-        yield (start, width, tile, scale[at_scale:at_scale + n * t].reshape(n, t),
-               codes[at_code:at_code + n * t * tile].reshape(n, t * tile))
-        at_scale, at_code = at_scale + n * t, at_code + n * t * tile
+    for block in blocks(n, c, g):
+        t = block.tiles // block.rows
+        yield (block, scale[at_scale:at_scale + block.tiles].reshape(block.rows, t),
+               codes[at_code:at_code + block.codes].reshape(block.rows, t * block.tile))
+        at_scale, at_code = at_scale + block.tiles, at_code + block.codes
 
 
 def decode(payload: torch.Tensor, shape, params: TahQuantParams, dtype: torch.dtype) -> torch.Tensor:
-    """Dequantize (exact), rotate back (fwht, 1/tile, signs) slice by slice, drop the padded channels,
-    cast to `dtype`."""
+    """Dequantize (exact), rotate back (fwht, 1/tile, signs) block by block, drop the padded values,
+    put the blocks back in their channels (`assemble`), cast to `dtype`."""
     scale, codes = sections(payload, shape, params)
     n, c, _, _ = shape_of(shape, params)
     check_scales(scale, "tahquant")
-    qmax = int(params.qmax)
-    parts = [unrotate(dequantize(q, s, tile, qmax), tile, width)
-             for _, width, tile, s, q in slices(scale, codes, n, c, int(params.group_size))]
-    return torch.cat(parts, dim=1).reshape(shape).to(dtype)
+    qmax, g = int(params.qmax), int(params.group_size)
+    parts = [unrotate(dequantize(q, s, b.tile, qmax), b.tile, b.width) for b, s, q in slices(scale, codes, n, c, g)]
+    return assemble(parts, n, c, g).reshape(shape).to(dtype)

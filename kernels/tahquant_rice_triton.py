@@ -2,8 +2,9 @@
 (8-bit codes on the layout's grid) and adds up the Rice coder's block sums of them as it goes,
 rice_triton Rice-codes them into the payload; the same payload as the reference byte for byte. One
 synchronization each way, after every kernel: it reads their flags (and the encode's payload size,
-which the Rice kernel fixes on the device). A width of several slices (tahquant_rice_ref.tiling) is
-quantized slice by slice, and the Rice coder's sums are taken after.
+which the Rice kernel fixes on the device). A width of several blocks (tahquant_rice_ref.blocks: the
+tokens' whole tiles, the left-over channels' stream) is quantized block by block, and the Rice
+coder's sums are taken after.
 
 encode(x (..., C), params) -> uint8 payload       decode(payload, shape, params, dtype) -> (shape)"""
 
@@ -13,7 +14,7 @@ import torch
 
 from . import rice_triton, symtiles_triton
 from .tahquant_ref import TahQuantParams
-from .tahquant_rice_ref import shape_of, slices, split, tiling
+from .tahquant_rice_ref import assemble, blocks, gather, shape_of, slices, split
 
 __all__ = ["encode", "decode"]
 
@@ -22,20 +23,18 @@ CODE_BITS = 8  # the kernels' codes before Rice coding: one byte each (qmax <= 1
 
 def encode(x: torch.Tensor, params: TahQuantParams) -> torch.Tensor:
     params.validate()
-    n, c, t, width = shape_of(tuple(x.shape), params)
-    x2, qmax = x.detach().reshape(n, c), int(params.qmax)
-    cuts = tiling(c, int(params.group_size))
-    if len(cuts) == 1:  # a width of whole tiles: the quantizing kernel sums the codes for the Rice coder
-        sums = rice_triton.sums_buffer(n * width, x2.device)
-        out, _, status = symtiles_triton.launch_encode(x2, cuts[0][2], CODE_BITS, True, qmax, sums)
-        head, codes, statuses = out[:2 * n * t], out[2 * n * t: 2 * n * t + n * width], [status]
+    n, c, tiles, codes_n = shape_of(tuple(x.shape), params)
+    x2, qmax, g = x.detach().reshape(n, c), int(params.qmax), int(params.group_size)
+    cuts = blocks(n, c, g)
+    if len(cuts) == 1 and not cuts[0].stream:  # a width of whole tiles: the quantizing kernel sums the codes for the Rice coder
+        sums = rice_triton.sums_buffer(codes_n, x2.device)
+        out, _, status = symtiles_triton.launch_encode(x2, g, CODE_BITS, True, qmax, sums)
+        head, codes, statuses = out[:2 * tiles], out[2 * tiles: 2 * tiles + codes_n], [status]
         sums, ends = sums[0], rice_triton.ends_of(sums[0])
-    else:  # slices of other tiles, each quantized on its own, the Rice coder's sums taken after
-        made = [symtiles_triton.launch_encode(x2[:, start:start + w], tile, CODE_BITS, True, qmax)
-                for start, w, tile in cuts]
-        heads = [2 * n * -(-w // tile) for _, w, tile in cuts]
-        head = torch.cat([out[:h] for (out, _, _), h in zip(made, heads)])
-        codes = torch.cat([out[h:h + n * -(-w // tile) * tile] for (out, _, _), h, (_, w, tile) in zip(made, heads, cuts)])
+    else:  # blocks quantized each on its own (the stream's gathered first), the Rice coder's sums taken after
+        made = [symtiles_triton.launch_encode(gather(x2, b, g), b.tile, CODE_BITS, True, qmax) for b in cuts]
+        head = torch.cat([out[:2 * b.tiles] for (out, _, _), b in zip(made, cuts)])
+        codes = torch.cat([out[2 * b.tiles:2 * b.tiles + b.codes] for (out, _, _), b in zip(made, cuts)])
         statuses = [status for _, _, status in made]
         sums, ends = rice_triton.block_sums(codes, qmax)
     write = rice_triton.launch_write(codes, qmax, head, sums, ends)
@@ -47,13 +46,12 @@ def encode(x: torch.Tensor, params: TahQuantParams) -> torch.Tensor:
 
 def decode(payload: torch.Tensor, shape, params: TahQuantParams, dtype: torch.dtype) -> torch.Tensor:
     k, scale, low, unary = split(payload, shape, params)
-    n, c, _, width = shape_of(shape, params)
-    qmax = int(params.qmax)
-    codes, flags = rice_triton.launch_decode(low, unary, n * width, k, qmax, "tahquant")
-    made = [symtiles_triton.launch_decode(s.contiguous(), q.reshape(-1), n, w, tile, CODE_BITS, True, dtype, qmax)
-            for _, w, tile, s, q in slices(scale, codes, n, c, int(params.group_size))]
+    n, c, _, codes_n = shape_of(shape, params)
+    qmax, g = int(params.qmax), int(params.group_size)
+    codes, flags = rice_triton.launch_decode(low, unary, codes_n, k, qmax, "tahquant")
+    made = [symtiles_triton.launch_decode(s.contiguous(), q.reshape(-1), b.rows, b.width, b.tile, CODE_BITS, True, dtype, qmax)
+            for b, s, q in slices(scale, codes, n, c, g)]
     *flags, worst = torch.cat([flags, torch.stack([bad for _, bad in made]).max().long().reshape(1)]).tolist()  # the one sync
-    rice_triton.raise_for_decode(flags, unary.numel(), n * width, "tahquant")  # the reference's order: the codes first
+    rice_triton.raise_for_decode(flags, unary.numel(), codes_n, "tahquant")  # the reference's order: the codes first
     symtiles_triton.raise_for_decode(worst, "tahquant")
-    out = made[0][0] if len(made) == 1 else torch.cat([part for part, _ in made], dim=1)
-    return out.reshape(shape)
+    return assemble([part for part, _ in made], n, c, g).reshape(shape)

@@ -89,6 +89,9 @@ class GroupCodec(Codec):
         return group_ref.decode(payload, shape, self.from_header(header).params, dtype)
 
 
+BLOCKS_MARK = "blocks"  # a layout-3 message's param: its width's left-over channels are tiled as one stream
+
+
 @register
 class TahQuantCodec(Codec):
     """TAH-Quant: entropy-guided INT3/INT4 per token, adaptive pivot swap + Hadamard per tile."""
@@ -118,11 +121,23 @@ class TahQuantCodec(Codec):
         return implementation(cls.MODULES[params.layout], t)
 
     def encode_payload(self, x, ctx):
-        return self._implementation(self.params, x).encode(x.detach(), self.params), {}
+        return self._implementation(self.params, x).encode(x.detach(), self.params), self._blocks_mark(self.params, x.shape)
 
     def decode_payload(self, payload, shape, dtype, header, ctx):
-        params = self.from_header(header).params
+        params = self.from_header(header, extra=(BLOCKS_MARK,)).params
+        if header.get(BLOCKS_MARK) != self._blocks_mark(params, shape).get(BLOCKS_MARK):
+            raise CodecError(f"tahquant layout 3: a width of {shape[-1]} channels at group_size {params.group_size} is cut into "
+                             f"blocks whose message says {BLOCKS_MARK}=1 (an older build cut it otherwise and sends no mark)")
         return self._implementation(params, payload).decode(payload, shape, params, dtype)
+
+    @staticmethod
+    def _blocks_mark(params: tahquant_ref.TahQuantParams, shape) -> dict[str, float]:
+        """Layout 3 at a width that is not a multiple of G (its left-over channels tiled as one
+        stream, tahquant_rice_ref.blocks) says so in its params: a build that cut such widths
+        otherwise refuses the message ("unknown parameters") instead of misreading it. Widths of
+        whole tiles carry no mark: their messages are as they always were."""
+        rest = params.layout == tahquant_ref.LAYOUT_RICE and shape[-1] % int(params.group_size)
+        return {BLOCKS_MARK: 1.0} if rest else {}
 
 
 @register
