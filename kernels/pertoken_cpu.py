@@ -15,7 +15,7 @@ from .bitpack import padded_count
 from .pertoken_ref import PerTokenParams, sections, tiles_of
 from .quant_ref import check_finite
 from .symtiles_ref import check_scales, corrupt_codes, tile_scales
-from .tahquant_cpu import pack_planes_np, unpack_planes_np
+from .bitpack_cpu import pack_planes_np, unpack_planes_np
 from .wire import as_bytes
 
 __all__ = ["encode", "decode"]

@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from . import rice
-from .tahquant_cpu import pack_planes_np, unpack_planes_np
+from .bitpack_cpu import pack_planes_np, unpack_planes_np
 from .tahquant_rice_ref import unzigzag, zigzag
 
 __all__ = ["encode", "decode"]

@@ -12,7 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from tahnode import codecs
-from tahnode.kernels import bitpack, dispatch, tahquant_cpu, tahquant_ref
+from tahnode.kernels import bitpack, bitpack_cpu, dispatch, tahquant_cpu, tahquant_ref
 from tahnode.kernels.tahquant_ref import TahQuantParams as P
 from tahnode.kernels.wire import CodecError
 from helpers import activations, same_bits
@@ -80,8 +80,8 @@ def test_numpy_row_packing_is_bitpacks():
         bits = torch.randint(1, 9, (33,), generator=gen)
         codes = (torch.randint(0, 256, (33, n), generator=gen) & ((1 << bits) - 1)[:, None]).to(torch.uint8)
         packed = bitpack.pack_rows(codes, bits)
-        assert np.array_equal(tahquant_cpu.pack_rows_np(codes.numpy(), bits.numpy()), packed.numpy())
-        assert np.array_equal(tahquant_cpu.unpack_rows_np(packed.numpy(), bits.numpy(), n), codes.numpy())
+        assert np.array_equal(bitpack_cpu.pack_rows_np(codes.numpy(), bits.numpy()), packed.numpy())
+        assert np.array_equal(bitpack_cpu.unpack_rows_np(packed.numpy(), bits.numpy(), n), codes.numpy())
 
 
 def test_the_registry_serves_cpu_tensors_with_the_fast_path(monkeypatch):
