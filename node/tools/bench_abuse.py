@@ -1,11 +1,12 @@
-"""`tahnode bench abuse`: does one token holder's abuse grow the coordinator or slow its status page?
-A fresh `tahnode coordinator` (a subprocess on loopback) with three stage holders; then one client
-with the token (a process of its own) sends, as a member, --heartbeats oversized heartbeats (--links
-made-up links each) and --fat-heartbeats with --stats made-up entries in each of their stats' maps;
---joins joins under fresh ids and keys, and --senders heartbeats sealed under made-up sender names
-(the replay guard's growth). Before that, a stage holder sends a real stage daemon envelopes that
-never complete (--padded-frames streams of frames padded to 4 MiB, --endless-frames of frames naming
-10^9 frames; tahnode.tools.abuse_frames). The coordinator's and the daemon's memory (RSS) and GET
+"""`tahnode bench abuse`: does one token holder's abuse grow the coordinator or a stage daemon, or slow
+the status page? A fresh `tahnode coordinator` (a subprocess on loopback), a real stage daemon on
+stage 1 (`tahnode join`), the attacking neighbour on stage 0 and a client on stage 2. First the
+neighbour sends the daemon envelopes that never complete (--padded-frames streams of frames padded
+to 4 MiB, --endless-frames of frames naming 10^9 frames; tahnode.tools.abuse_frames). Then one
+client with the token (a process of its own) sends, as a member, --heartbeats oversized heartbeats
+(--links made-up links each) and --fat-heartbeats with --stats made-up entries in each of their
+stats' maps; --joins joins under fresh ids and keys, and --senders heartbeats sealed under made-up
+sender names (the replay guard's growth). The coordinator's and the daemon's memory (RSS) and GET
 /api/v1/state latency are measured before, during each attack and after; a row per phase goes to
 docs/benchmarks-log.md."""
 
