@@ -1,17 +1,21 @@
 """Which implementation serves a tensor: the Triton kernels for CUDA tensors; for CPU tensors a
-codec's fast CPU path (<codec>_cpu, the reference's bytes) where it has one, else the pure-torch
-reference. TAHNODE_REFERENCE=1 forces the references; tests route CPU tensors through the Triton
+codec's fast CPU path (the reference's bytes) where it has one, else the pure-torch reference. Each
+codec names its modules here (`Paths`), imported as modules are, never by a name built at run time. TAHNODE_REFERENCE=1 forces the references; tests route CPU tensors through the Triton
 kernels under Triton's CPU interpreter with TAHNODE_FORCE_TRITON=1 (and TRITON_INTERPRET=1)."""
 
 from __future__ import annotations
 
 import functools
-import importlib
 import os
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Callable
 
 import torch
 
-__all__ = ["use_triton", "triton_available", "implementation"]
+from . import naive_ref, pertoken_cpu, pertoken_ref, tahquant_cpu, tahquant_ref, tahquant_rice_cpu, tahquant_rice_ref, tahquant_rotated_ref
+
+__all__ = ["use_triton", "triton_available", "Paths", "NAIVE", "PERTOKEN", "TAHQUANT", "TAHQUANT_ROTATED", "TAHQUANT_RICE"]
 
 
 @functools.lru_cache(maxsize=None)
@@ -34,15 +38,54 @@ def use_triton(t: torch.Tensor) -> bool:
     return forced and t.device.type == "cpu" and triton_available()
 
 
-CPU_PATHS = {"tahquant", "tahquant_rice", "pertoken"}  # codecs (and layouts) with a <codec>_cpu module
+@dataclass(frozen=True)
+class Paths:
+    """One codec's (or layout's) implementations: `ref`, the pure-torch reference (its
+    specification); `cpu`, a fast CPU path that gives the reference's bytes (None: the reference
+    serves CPU tensors); `triton`, a function that imports its Triton module (called only where the
+    kernels serve a tensor: importing it needs triton)."""
+
+    ref: ModuleType
+    cpu: ModuleType | None
+    triton: Callable[[], ModuleType]
+
+    def serving(self, t: torch.Tensor) -> ModuleType:
+        """The module serving `t`: the Triton kernels (use_triton), else the CPU path for a CPU
+        tensor unless TAHNODE_REFERENCE=1, else the reference."""
+        if use_triton(t):
+            return self.triton()
+        if self.cpu is not None and t.device.type == "cpu" and os.environ.get("TAHNODE_REFERENCE") != "1":
+            return self.cpu
+        return self.ref
 
 
-def implementation(codec: str, t: torch.Tensor):
-    """The module serving `t` for `codec`: tahnode.kernels.<codec>_triton, <codec>_cpu or <codec>_ref."""
-    if use_triton(t):
-        kind = "triton"
-    elif codec in CPU_PATHS and t.device.type == "cpu" and os.environ.get("TAHNODE_REFERENCE") != "1":
-        kind = "cpu"
-    else:
-        kind = "ref"
-    return importlib.import_module(f"tahnode.kernels.{codec}_{kind}")
+def _naive_triton() -> ModuleType:
+    from . import naive_triton
+    return naive_triton
+
+
+def _pertoken_triton() -> ModuleType:
+    from . import pertoken_triton
+    return pertoken_triton
+
+
+def _tahquant_triton() -> ModuleType:
+    from . import tahquant_triton
+    return tahquant_triton
+
+
+def _tahquant_rotated_triton() -> ModuleType:
+    from . import tahquant_rotated_triton
+    return tahquant_rotated_triton
+
+
+def _tahquant_rice_triton() -> ModuleType:
+    from . import tahquant_rice_triton
+    return tahquant_rice_triton
+
+
+NAIVE = Paths(naive_ref, None, _naive_triton)
+PERTOKEN = Paths(pertoken_ref, pertoken_cpu, _pertoken_triton)
+TAHQUANT = Paths(tahquant_ref, tahquant_cpu, _tahquant_triton)                  # layout 1, the paper's
+TAHQUANT_ROTATED = Paths(tahquant_rotated_ref, None, _tahquant_rotated_triton)  # layout 2
+TAHQUANT_RICE = Paths(tahquant_rice_ref, tahquant_rice_cpu, _tahquant_rice_triton)  # layout 3

@@ -86,10 +86,10 @@ def test_numpy_row_packing_is_bitpacks():
 
 def test_the_registry_serves_cpu_tensors_with_the_fast_path(monkeypatch):
     x = torch.randn(2, 8, 64)
-    assert dispatch.implementation("tahquant", x) is tahquant_cpu
-    assert dispatch.implementation("naive", x).__name__.endswith("naive_ref")
+    assert dispatch.TAHQUANT.serving(x) is tahquant_cpu
+    assert dispatch.NAIVE.serving(x).__name__.endswith("naive_ref")
     monkeypatch.setenv("TAHNODE_REFERENCE", "1")
-    assert dispatch.implementation("tahquant", x) is tahquant_ref
+    assert dispatch.TAHQUANT.serving(x) is tahquant_ref
     msg = codecs.get_codec("tahquant").encode(x)
     monkeypatch.delenv("TAHNODE_REFERENCE")
     assert codecs.serialize(codecs.get_codec("tahquant").encode(x)) == codecs.serialize(msg)

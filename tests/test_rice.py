@@ -317,9 +317,9 @@ def test_the_cpu_path_gives_the_references_bytes_and_values(shape, dtype, g, qma
 def test_the_registry_serves_cpu_tensors_with_the_cpu_path(monkeypatch):
     monkeypatch.delenv("TAHNODE_FORCE_TRITON", raising=False)
     monkeypatch.delenv("TAHNODE_REFERENCE", raising=False)
-    assert dispatch.implementation("tahquant_rice", torch.zeros(1)) is tahquant_rice_cpu
+    assert dispatch.TAHQUANT_RICE.serving(torch.zeros(1)) is tahquant_rice_cpu
     monkeypatch.setenv("TAHNODE_REFERENCE", "1")
-    assert dispatch.implementation("tahquant_rice", torch.zeros(1)) is tahquant_rice_ref
+    assert dispatch.TAHQUANT_RICE.serving(torch.zeros(1)) is tahquant_rice_ref
 
 
 WIDTHS = (64, 96, 192, 576, 768, 1600, 2048, 4096)

@@ -283,4 +283,4 @@ def test_the_cpu_path_refuses_what_the_reference_refuses(monkeypatch):
         pertoken_cpu.encode(x, p)
     monkeypatch.delenv("TAHNODE_FORCE_TRITON", raising=False)
     monkeypatch.delenv("TAHNODE_REFERENCE", raising=False)
-    assert dispatch.implementation("pertoken", torch.zeros(1)) is pertoken_cpu
+    assert dispatch.PERTOKEN.serving(torch.zeros(1)) is pertoken_cpu

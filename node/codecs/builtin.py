@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from ..kernels import amaq_ref, aqsgd_ref, group_ref, naive_ref, pertoken_ref, tahquant_ref
-from ..kernels.dispatch import implementation
+from ..kernels import dispatch
 from ..kernels.quant_ref import check_finite
 from ..kernels.wire import CodecError, from_bytes
 from .base import Codec, register
@@ -49,7 +49,7 @@ class NaiveCodec(Codec):
     Params = naive_ref.NaiveParams
 
     def encode_payload(self, x, ctx):
-        payload, e = implementation("naive", x).encode(x.detach(), self.params)
+        payload, e = dispatch.NAIVE.serving(x).encode(x.detach(), self.params)
         return payload, {"exp": float(e)}
 
     def decode_payload(self, payload, shape, dtype, header, ctx):
@@ -57,7 +57,7 @@ class NaiveCodec(Codec):
         e = header.get("exp", math.nan)
         if not math.isfinite(e) or e != int(e):
             raise CodecError(f"naive header has an invalid scale exponent {e}")
-        return implementation("naive", payload).decode(payload, shape, params, int(e), dtype)
+        return dispatch.NAIVE.serving(payload).decode(payload, shape, params, int(e), dtype)
 
 
 @register
@@ -68,10 +68,10 @@ class PerTokenCodec(Codec):
     Params = pertoken_ref.PerTokenParams
 
     def encode_payload(self, x, ctx):
-        return implementation("pertoken", x).encode(x.detach(), self.params), {}
+        return dispatch.PERTOKEN.serving(x).encode(x.detach(), self.params), {}
 
     def decode_payload(self, payload, shape, dtype, header, ctx):
-        return implementation("pertoken", payload).decode(payload, shape, self.from_header(header).params, dtype)
+        return dispatch.PERTOKEN.serving(payload).decode(payload, shape, self.from_header(header).params, dtype)
 
 
 @register
@@ -106,8 +106,8 @@ class TahQuantCodec(Codec):
     high_params = {"bits_high": 6, "bits_low": 6}  # every token at 6 bits (docs/codecs.md, the schedule)
     # a run's default: layout 3, the least loss measured within the bit budget (docs/codecs.md)
     run_params = {"layout": tahquant_ref.LAYOUT_RICE, "group_size": 128, "qmax": 12}
-    MODULES = {tahquant_ref.LAYOUT_PAPER: "tahquant", tahquant_ref.LAYOUT_ROTATED: "tahquant_rotated",
-               tahquant_ref.LAYOUT_RICE: "tahquant_rice"}
+    PATHS = {tahquant_ref.LAYOUT_PAPER: dispatch.TAHQUANT, tahquant_ref.LAYOUT_ROTATED: dispatch.TAHQUANT_ROTATED,
+             tahquant_ref.LAYOUT_RICE: dispatch.TAHQUANT_RICE}
 
     @classmethod
     def schedule_params(cls, params: dict[str, float]) -> dict[str, float]:
@@ -118,7 +118,7 @@ class TahQuantCodec(Codec):
 
     @classmethod
     def _implementation(cls, params: tahquant_ref.TahQuantParams, t):
-        return implementation(cls.MODULES[params.layout], t)
+        return cls.PATHS[params.layout].serving(t)
 
     def encode_payload(self, x, ctx):
         return self._implementation(self.params, x).encode(x.detach(), self.params), self._blocks_mark(self.params, x.shape)
