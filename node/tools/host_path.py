@@ -37,7 +37,7 @@ class HostPath:
         """The wire bytes of each frame of `x`'s envelope, as gRPC writes them."""
         env = pb.Envelope()
         env.micro_batch.step = 1
-        payload = self.codec.encode_apart(x, env.micro_batch.tensor)  # as the stage does (Worker._message)
+        payload = self.codec.encode_apart(x, env.micro_batch.tensor).finish()  # as the stage does (Worker._message)
         return self.frames(body_of(env, payload))
 
     def frames(self, body: Body) -> list[bytes]:
