@@ -1,7 +1,8 @@
 """Which implementation serves a tensor: the Triton kernels for CUDA tensors; for CPU tensors a
 codec's fast CPU path (the reference's bytes) where it has one, else the pure-torch reference. Each
-codec names its modules here (`Paths`), imported as modules are, never by a name built at run time. TAHNODE_REFERENCE=1 forces the references; tests route CPU tensors through the Triton
-kernels under Triton's CPU interpreter with TAHNODE_FORCE_TRITON=1 (and TRITON_INTERPRET=1)."""
+codec names its modules here (`Paths`), imported as modules are, never by a name built at run time.
+TAHNODE_REFERENCE=1 forces the references; tests route CPU tensors through the Triton kernels under
+Triton's CPU interpreter with TAHNODE_FORCE_TRITON=1 (and TRITON_INTERPRET=1)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ from typing import Callable
 
 import torch
 
-from . import naive_ref, pertoken_cpu, pertoken_ref, tahquant_cpu, tahquant_ref, tahquant_rice_cpu, tahquant_rice_ref, tahquant_rotated_ref
+from . import (naive_ref, pertoken_cpu, pertoken_ref, tahquant_cpu, tahquant_ref, tahquant_rice_cpu, tahquant_rice_ref,
+               tahquant_rotated_ref)
 
 __all__ = ["use_triton", "triton_available", "Paths", "NAIVE", "PERTOKEN", "TAHQUANT", "TAHQUANT_ROTATED", "TAHQUANT_RICE"]
 

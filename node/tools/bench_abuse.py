@@ -244,7 +244,8 @@ def main(argv: list[str] | None = None) -> int:
             f"neighbour (a process of its own, with the token and its bound key) opens {args.padded_frames} Forward streams to the "
             f"daemon, each frame 0 of a 2-frame envelope then a frame of 1 byte of data padded to {PAD_TO} bytes with a field "
             f"Frame does not have, and {args.endless_frames} streams whose second frame names 10^9 frames (issue 39, finding 2; "
-            f"{STREAMS_PER_PEER} streams at once, what a receiver lets one sender hold open). Then one client with the token sends as a member {args.heartbeats} heartbeats of {args.links} "
+            f"{STREAMS_PER_PEER} streams at once, what a receiver lets one sender hold open). Then one client with the "
+            f"token sends as a member {args.heartbeats} heartbeats of {args.links} "
             f"made-up links each and {args.fat_heartbeats} of {args.stats} made-up entries in each stats map, {args.joins} joins "
             f"under fresh ids and keys, and {args.senders} heartbeats sealed under made-up sender names, 8 requests in flight. "
             f"RSS: each process's peak in the phase; state: GET /api/v1/state every {POLL_S} s.", "", "", f"Command: `{command}`"], [])

@@ -68,7 +68,8 @@ def build_parser() -> argparse.ArgumentParser:
                     + " (default 4,2048,4096)")
     ap.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="input dtype (default bf16)")
     ap.add_argument("--iters", type=int, default=50, help="timed runs per op after warm-up; the median is reported (default 50)")
-    ap.add_argument("--doc", default="docs/benchmarks-log.md", help="markdown file the rows are appended to (default docs/benchmarks-log.md)")
+    ap.add_argument("--doc", default="docs/benchmarks-log.md",
+                    help="markdown file the rows are appended to (default docs/benchmarks-log.md)")
     ap.add_argument("--profile", action="store_true",
                     help="also print the GPU time of each kernel of one encode and one decode (torch.profiler), per shape")
     ap.add_argument("--sweep", action="store_true",
