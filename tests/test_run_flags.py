@@ -41,9 +41,9 @@ def test_every_train_and_swarm_field_is_a_flag(command, table):
 
 
 def test_swarm_flags_and_tables_reach_the_nodes(tmp_path):
-    run = run_of("--pipelines", "3", "--outer-every", "7", "--outer-bits", "4", "--outer-momentum", "0.9", "--standbys", "2")
+    run = run_of("--pipelines", "3", "--outer-every", "7", "--outer-bits", "8", "--outer-momentum", "0.9", "--standbys", "2")
     s = RunConfig.from_json(run.to_json()).swarm  # what a node gets in its JoinReply
-    assert (s.pipelines, s.outer_every, s.outer_bits, s.outer_momentum, s.standbys, s.data_slots) == (3, 7, 4, 0.9, 2, 3)
+    assert (s.pipelines, s.outer_every, s.outer_bits, s.outer_momentum, s.standbys, s.data_slots) == (3, 7, 8, 0.9, 2, 3)
     auto = run_of("--pipelines", "auto", "--max-pipelines", "5").swarm
     assert (auto.auto, auto.data_slots) == (True, 5)
     toml = tmp_path / "run.toml"

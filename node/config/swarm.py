@@ -38,11 +38,11 @@ class SwarmConfig:
     standbys: int = knob(1, "spare nodes kept back to take over a failed stage before another pipeline is formed")
     min_chain_share: float = knob(0.5, "a new pipeline must reach this share of the fastest pipeline's tokens/s (a "
                                   "slower one would set the pace of every outer step); its nodes stand by instead")
-    outer_every: int = knob(8, "the replicas of each stage average their pseudo-gradients every this many steps (H)",
+    outer_every: int = knob(4, "the replicas of each stage average their pseudo-gradients every this many steps (H)",
                             metavar="STEPS")
     outer_lr: float = knob(1.0, "the outer step's learning rate (1 without momentum: the replicas' mean weights)")
     outer_momentum: float = knob(0.0, "the outer step's Nesterov momentum (DiLoCo's is 0.9 with outer lr 0.7); 0: none")
-    outer_bits: int = knob(8, "bits of a pseudo-gradient value on the wire: 4 or 8 (a float16 scale per block of 64), "
+    outer_bits: int = knob(4, "bits of a pseudo-gradient value on the wire: 4 or 8 (a float16 scale per block of 64), "
                            "16 (float16) or 32", choices=OUTER_BITS)
     outer_timeout_s: float = knob(30.0, "how long a replica waits for the others of its stage at an outer step; it goes "
                                   "ahead with those that came", flag="--outer-timeout", metavar="SECONDS")

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from ..config import RunConfig, TransportKind
 from ..config.run import CodecConfig
+from ..config.swarm import SwarmConfig
 from ..config.toml import toml_table
 from . import netns
 from .bench_report import markdown_table, plot_losses, plot_throughput, write_section
@@ -287,7 +288,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--pipelines", default="", metavar="P,...", help="instead of the matrix: P pipelines of --stages' first "
                     "count in data parallel, for each P (e.g. 1,2) and --rates, against the limit with their averaging "
                     "(tahnode.tools.bench_pipelines)")
-    ap.add_argument("--outer-every", type=int, default=8, help="with --pipelines: steps between outer steps (default 8, the run's)")
+    ap.add_argument("--outer-every", type=int, default=SwarmConfig().outer_every,
+                    help=f"with --pipelines: steps between outer steps (default {SwarmConfig().outer_every}, the run's)")
     ap.add_argument("--json", action="store_true", help="print the rows as one JSON list on the last line")
     return ap
 

@@ -9,6 +9,7 @@ import math
 import re
 import statistics
 
+from ..config.swarm import SwarmConfig
 from .bench_report import markdown_table
 from .convergence_report import steps_to_reach, summarize
 from .convergence_runs import RunResult, RunSpec
@@ -28,8 +29,11 @@ def add_pipeline_args(ap) -> None:
     g.add_argument("--pipelines", default="", metavar="P,...", help="train P pipelines kept in step by outer steps, for each "
                    "P, beside one pipeline with P× the batch (the same samples) and one pipeline alone; default pair only "
                    "unless --pairs is given")
-    g.add_argument("--outer-every", default="8", metavar="H,...", help="steps between outer steps, for each H (default 8, the run's)")
-    g.add_argument("--outer-bits", type=int, default=8, help="bits of a pseudo-gradient value on the wire (default 8)")
+    run = SwarmConfig()
+    g.add_argument("--outer-every", default=str(run.outer_every), metavar="H,...",
+                   help=f"steps between outer steps, for each H (default {run.outer_every}, the run's)")
+    g.add_argument("--outer-bits", type=int, default=run.outer_bits,
+                   help=f"bits of a pseudo-gradient value on the wire (default {run.outer_bits}, the run's)")
     g.add_argument("--outer-lr", type=float, default=1.0, help="the outer step's learning rate (default 1)")
     g.add_argument("--outer-momentum", type=float, default=0.0, help="the outer step's Nesterov momentum (default 0)")
     g.add_argument("--swarm-steps", type=int, default=0, metavar="N",
