@@ -128,6 +128,21 @@ class Pipelines:
                 await w.t.close()
                 w.close()
 
+    def train(self, steps: int, averagers: dict[tuple[int, int], type] | None = None) -> "Pipelines":
+        """Start every pipeline, give the replica of stage k in pipeline p the averager
+        `averagers[(p, k)]` (a LocalAverager kind, made on this group), train `steps` steps, close."""
+        async def go():
+            try:
+                workers = [w for p in range(self.count) for w in await self.start(p)]
+                for (p, k), kind in (averagers or {}).items():
+                    self.workers[p][k].outer.use(kind(self.group, k, p))
+                await asyncio.wait_for(asyncio.gather(*(w.run(steps) for w in workers)), 120)
+            finally:
+                await self.close()
+
+        asyncio.run(go())
+        return self
+
 
 def reference_losses(run, dataset, steps: int) -> list[list[float]]:
     """Each pipeline's losses, step by step, from the single-process replica group."""
@@ -146,18 +161,7 @@ def run_with_a_late_stage_1(dataset, steps: int) -> Pipelines:
     comes to the first outer step after its deadline."""
     run = build_run(steps, **NONE, **{"swarm.pipelines": 3, "swarm.outer_every": 4, "swarm.outer_bits": 32,
                                       "swarm.outer_timeout_s": 0.5})
-    swarm = Pipelines(run, dataset, 3)
-
-    async def go():
-        try:
-            workers = [w for p in range(3) for w in await swarm.start(p)]
-            swarm.workers[2][1].outer.use(MissesFirstRound(swarm.group, 1, 2))
-            await asyncio.wait_for(asyncio.gather(*(w.run(steps) for w in workers)), 120)
-        finally:
-            await swarm.close()
-
-    asyncio.run(go())
-    return swarm
+    return Pipelines(run, dataset, 3).train(steps, {(2, 1): MissesFirstRound})
 
 
 def assert_one_model(swarm: Pipelines, pipelines: int) -> None:
@@ -174,16 +178,7 @@ def test_two_pipelines_train_exactly_as_the_replica_group(dataset, codecs):
     steps = 6
     run = build_run(steps, **codecs, **{"swarm.pipelines": 2, "swarm.outer_every": 4, "swarm.outer_bits": 8,
                                         "train.pipeline_micro_batches": 2})
-    swarm = Pipelines(run, dataset, 2)
-
-    async def go():
-        try:
-            workers = [w for p in range(2) for w in await swarm.start(p)]
-            await asyncio.wait_for(asyncio.gather(*(w.run(steps) for w in workers)), 120)
-        finally:
-            await swarm.close()
-
-    asyncio.run(go())
+    swarm = Pipelines(run, dataset, 2).train(steps)
     expected = reference_losses(run, dataset, steps)
     for p in range(2):
         assert list(swarm.losses(p).values()) == expected[p]
@@ -245,18 +240,7 @@ def test_replicas_that_all_miss_an_outer_step_end_with_the_lowest_pipelines_weig
     steps = 8
     run = build_run(steps, **NONE, **{"swarm.pipelines": 2, "swarm.outer_every": 4, "swarm.outer_bits": 32,
                                       "swarm.outer_timeout_s": 2.0})
-    swarm = Pipelines(run, dataset, 2)
-
-    async def go():
-        try:
-            workers = [w for p in range(2) for w in await swarm.start(p)]
-            for p in range(2):
-                swarm.workers[p][1].outer.use(MissesFirstRound(swarm.group, 1, p))
-            await asyncio.wait_for(asyncio.gather(*(w.run(steps) for w in workers)), 120)
-        finally:
-            await swarm.close()
-
-    asyncio.run(go())
+    swarm = Pipelines(run, dataset, 2).train(steps, {(p, 1): MissesFirstRound for p in range(2)})
     first, second = (swarm.workers[p][1].outer.stats for p in range(2))
     assert (first.alone, first.adopted, second.alone, second.adopted) == (1, 0, 1, 1)
     assert_one_model(swarm, 2)
@@ -290,7 +274,6 @@ def test_at_the_last_boundary_a_replica_waits_for_one_that_outranks_it(dataset, 
     steps = 8
     run = build_run(steps, **NONE, **{"swarm.pipelines": 2, "swarm.outer_every": 4, "swarm.outer_bits": 32,
                                       "swarm.outer_timeout_s": 0.5})
-    swarm = Pipelines(run, dataset, 2)
 
     class LateToTheLast(LocalAverager):
         async def average(self, vector, round, expected, timeout):
@@ -298,15 +281,7 @@ def test_at_the_last_boundary_a_replica_waits_for_one_that_outranks_it(dataset, 
                 await asyncio.sleep(1.5 * timeout)
             return await super().average(vector, round, expected, timeout)
 
-    async def go():
-        try:
-            workers = [w for p in range(2) for w in await swarm.start(p)]
-            swarm.workers[0][1].outer.use(LateToTheLast(swarm.group, 1, 0))
-            await asyncio.wait_for(asyncio.gather(*(w.run(steps) for w in workers)), 120)
-        finally:
-            await swarm.close()
-
-    asyncio.run(go())
+    swarm = Pipelines(run, dataset, 2).train(steps, {(0, 1): LateToTheLast})
     late, other = swarm.workers[0][1].outer.stats, swarm.workers[1][1].outer.stats
     assert (late.alone, late.adopted, other.alone, other.adopted) == (1, 0, 1, 1)
     a, b = (torch.cat([x.detach().reshape(-1) for x in swarm.workers[p][1].model.parameters()]) for p in range(2))
@@ -324,18 +299,7 @@ def test_an_averager_that_fails_leaves_its_replica_training_on_its_own_weights(d
 
     steps = 6
     run = build_run(steps, **NONE, **{"swarm.pipelines": 2, "swarm.outer_every": 4, "swarm.outer_timeout_s": 0.5})
-    swarm = Pipelines(run, dataset, 2)
-
-    async def go():
-        try:
-            workers = [w for p in range(2) for w in await swarm.start(p)]
-            for w in swarm.workers[1]:
-                w.outer.use(Broken(swarm.group, w.stage, 1))
-            await asyncio.wait_for(asyncio.gather(*(w.run(steps) for w in workers)), 120)
-        finally:
-            await swarm.close()
-
-    asyncio.run(go())
+    swarm = Pipelines(run, dataset, 2).train(steps, {(1, k): Broken for k in range(run.stages)})
     assert all(w.committed == steps for ws in swarm.workers.values() for w in ws)
     assert list(swarm.losses(1)) == list(range(steps))  # the broken one trained every step, on its own
     assert all(w.outer.stats.alone == 2 and w.outer.stats.steps == 0 for w in swarm.workers[1])
