@@ -85,21 +85,22 @@ def blocks(n: int, c: int, g: int) -> list[Block]:
     return out
 
 
-def gather(x2: torch.Tensor, block: Block, g: int) -> torch.Tensor:
-    """The values of `block` from x2 (N, C) as (rows, width)."""
-    whole = x2.shape[1] // g * g
-    if not block.stream:
-        return x2[:, :block.width]
-    stream = x2[:, whole:].reshape(-1)
-    return stream[block.start:block.start + block.rows * block.width].reshape(block.rows, block.width)
+def gather(x2: torch.Tensor, g: int) -> list[tuple[Block, torch.Tensor]]:
+    """Every block of x2 (N, C) with its values as (rows, width), in `blocks`' order (the left-over
+    channels' stream made once, for all of its blocks)."""
+    n, c = x2.shape
+    whole = c // g * g
+    stream = x2[:, whole:].reshape(-1) if whole < c else None
+    return [(b, stream[b.start:b.start + b.rows * b.width].reshape(b.rows, b.width) if b.stream else x2[:, :b.width])
+            for b in blocks(n, c, g)]
 
 
 def assemble(parts: list[torch.Tensor], n: int, c: int, g: int) -> torch.Tensor:
     """Inverse of gather over every block: the decoded blocks' values (rows, width each, in `blocks`'
     order) -> (N, C)."""
-    whole = c // g * g
-    columns = [p for p, b in zip(parts, blocks(n, c, g)) if not b.stream]
-    stream = [p.reshape(-1) for p, b in zip(parts, blocks(n, c, g)) if b.stream]
+    whole, cut = c // g * g, blocks(n, c, g)
+    columns = [p for p, b in zip(parts, cut) if not b.stream]
+    stream = [p.reshape(-1) for p, b in zip(parts, cut) if b.stream]
     rest = [torch.cat(stream).reshape(n, c - whole)] if stream else []
     return torch.cat(columns + rest, dim=1) if len(columns + rest) > 1 else (columns + rest)[0]
 
@@ -149,8 +150,8 @@ def slice_codes(x2: torch.Tensor, g: int, qmax: int, rotate=rotate, quantize=qua
     rotated, scaled per tile and quantized at qmax (symtiles_ref's `rotate` and `quantize`, or a
     fast path's that give their results bit for bit)."""
     scales, codes = [], []
-    for block in blocks(*x2.shape, g):
-        y = rotate(gather(x2, block, g), block.tile)
+    for block, values in gather(x2, g):
+        y = rotate(values, block.tile)
         scale = tile_scales(y, block.tile, qmax)
         scales.append(scale.reshape(-1))
         codes.append(quantize(y, scale, block.tile, qmax).reshape(-1))

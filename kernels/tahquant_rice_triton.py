@@ -14,7 +14,7 @@ import torch
 
 from . import rice_triton, symtiles_triton
 from .tahquant_ref import TahQuantParams
-from .tahquant_rice_ref import assemble, blocks, gather, shape_of, slices, split
+from .tahquant_rice_ref import assemble, gather, shape_of, slices, split
 
 __all__ = ["encode", "decode"]
 
@@ -25,16 +25,16 @@ def encode(x: torch.Tensor, params: TahQuantParams) -> torch.Tensor:
     params.validate()
     n, c, tiles, codes_n = shape_of(tuple(x.shape), params)
     x2, qmax, g = x.detach().reshape(n, c), int(params.qmax), int(params.group_size)
-    cuts = blocks(n, c, g)
-    if len(cuts) == 1 and not cuts[0].stream:  # a width of whole tiles: the quantizing kernel sums the codes for the Rice coder
+    cuts = gather(x2, g)
+    if len(cuts) == 1 and not cuts[0][0].stream:  # a width of whole tiles: the quantizing kernel sums the codes for the Rice coder
         sums = rice_triton.sums_buffer(codes_n, x2.device)
         out, _, status = symtiles_triton.launch_encode(x2, g, CODE_BITS, True, qmax, sums)
         head, codes, statuses = out[:2 * tiles], out[2 * tiles: 2 * tiles + codes_n], [status]
         sums, ends = sums[0], rice_triton.ends_of(sums[0])
     else:  # blocks quantized each on its own (the stream's gathered first), the Rice coder's sums taken after
-        made = [symtiles_triton.launch_encode(gather(x2, b, g), b.tile, CODE_BITS, True, qmax) for b in cuts]
-        head = torch.cat([out[:2 * b.tiles] for (out, _, _), b in zip(made, cuts)])
-        codes = torch.cat([out[2 * b.tiles:2 * b.tiles + b.codes] for (out, _, _), b in zip(made, cuts)])
+        made = [symtiles_triton.launch_encode(values, b.tile, CODE_BITS, True, qmax) for b, values in cuts]
+        head = torch.cat([out[:2 * b.tiles] for (out, _, _), (b, _) in zip(made, cuts)])
+        codes = torch.cat([out[2 * b.tiles:2 * b.tiles + b.codes] for (out, _, _), (b, _) in zip(made, cuts)])
         statuses = [status for _, _, status in made]
         sums, ends = rice_triton.block_sums(codes, qmax)
     write = rice_triton.launch_write(codes, qmax, head, sums, ends)
