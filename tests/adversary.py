@@ -27,7 +27,7 @@ from safetensors.torch import save_file
 from tahnode import cli
 from tahnode.codecs import checksum
 from tahnode.net import links
-from tahnode.net.body import Body, varint
+from tahnode.net.body import Body
 from tahnode.net.auth import Sealer, SwarmKey
 from tahnode.net.channels import open_channel
 from tahnode.net.freshness import COORDINATOR
@@ -39,9 +39,9 @@ from tahnode.pipeline.checkpoint import DIGEST_KEY, CheckpointStore, digest, rea
 from tahnode.proto import tahnode_pb2 as pb
 from tahnode.proto import tahnode_pb2_grpc as pb_grpc
 from tahnode.train.model import build_stage
+from tahnode.tools.abuse_frames import PAD_TO, unknown_field
 
 PADDED_FRAMES = 60           # frames of 1 byte of data, each padded to PAD_TO bytes on the wire
-PAD_TO = (4 << 20) - 1024    # within gRPC's 4 MiB message limit
 # checkpoints of the stage whose metadata lies, of steps it never saves (it saves every 4, and is
 # banned long before the run's last): the standby that takes the stage resumes from the newest
 POISONS = {"checkpoint metadata not JSON": (37, {"optim_steps": "{"}),
@@ -125,13 +125,6 @@ def tamper(script: Script) -> None:
 
     links.LinkedTransport.send = altered_send
     worker.StageWorker.__init__ = holding
-
-
-def unknown_field(n: int) -> bytes:
-    """A length-delimited field Frame does not have (number 15), `n` bytes in all."""
-    key = varint(15 << 3 | 2)
-    body = n - len(key) - len(varint(n))
-    return key + varint(body) + bytes(body)
 
 
 async def padded_frames(script: Script, transport) -> None:

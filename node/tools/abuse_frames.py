@@ -18,7 +18,7 @@ from ..net.grpc_transport import STREAMS_PER_PEER
 from .bench_coordinator import BenchError
 from .bench_probes import fetch
 
-__all__ = ["StageDaemon", "send_frames", "PAD_TO", "ENDLESS_COUNT"]
+__all__ = ["StageDaemon", "send_frames", "unknown_field", "PAD_TO", "ENDLESS_COUNT"]
 
 PAD_TO = (4 << 20) - 1024  # a padded frame's bytes on the wire, within gRPC's 4 MiB message limit
 ENDLESS_COUNT = 10**9      # the frame count the second kind of attack frame names
@@ -66,7 +66,7 @@ class StageDaemon:
                 self.proc.kill()
 
 
-def _unknown_field(n: int) -> bytes:
+def unknown_field(n: int) -> bytes:
     """A length-delimited field Frame does not have (number 15), `n` bytes in all."""
     from ..net.body import varint
 
@@ -92,7 +92,7 @@ async def _attempts(address: str, sealer, recipient: str, kind: str, streams: in
             first = sealer.frame(recipient, seq, 0, 2, b"x").SerializeToString()
             if kind == "padded":
                 raw = sealer.frame(recipient, seq, 1, 2, b"x").SerializeToString()
-                attack = _unknown_field(PAD_TO - len(raw)) + raw
+                attack = unknown_field(PAD_TO - len(raw)) + raw
             else:
                 attack = sealer.frame(recipient, seq, 1, ENDLESS_COUNT, b"x").SerializeToString()
             async with gate:
