@@ -96,7 +96,8 @@ def decode(payload: torch.Tensor, shape, dtype: torch.dtype) -> torch.Tensor:
     n = math.prod(shape) // c
     minimum = 5 * c + c * padded_count(n) // 8  # every channel at 1 bit at least
     if payload.numel() < minimum:
-        raise CodecError(f"amaq payload is truncated: {payload.numel()} bytes, shape {list(shape)} needs at least {minimum}")
+        raise CodecError(f"amaq payload is truncated: {payload.numel()} bytes, shape {list(shape)} needs at least "
+                         f"{minimum}")
     rd = PayloadReader(payload, "amaq")
     bits = rd.take(c, "bit widths")
     if bool(((bits < 1) | (bits > 8)).any()):

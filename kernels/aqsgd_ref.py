@@ -63,7 +63,8 @@ def encode(x: torch.Tensor, sample_ids, cache: AqsgdCache, params: AqsgdParams =
     new = torch.tensor([i not in cache.rows for i in ids], dtype=torch.bool)
     for i in ids:
         if i in cache.rows and cache.rows[i].shape != x.shape[1:]:
-            raise CodecError(f"aqsgd: sample {i} was cached with shape {list(cache.rows[i].shape)}, now {list(x.shape[1:])}")
+            raise CodecError(f"aqsgd: sample {i} was cached with shape {list(cache.rows[i].shape)}, "
+                             f"now {list(x.shape[1:])}")
     sections = [bitmap(new).to(x.device), as_bytes(x[new.to(x.device)])]
     cached = [k for k, i in enumerate(ids) if i in cache.rows]
     if cached:
@@ -80,7 +81,8 @@ def encode(x: torch.Tensor, sample_ids, cache: AqsgdCache, params: AqsgdParams =
     return torch.cat(sections)
 
 
-def decode(payload: torch.Tensor, shape, dtype: torch.dtype, sample_ids, cache: AqsgdCache, params: AqsgdParams = AqsgdParams()) -> torch.Tensor:
+def decode(payload: torch.Tensor, shape, dtype: torch.dtype, sample_ids, cache: AqsgdCache,
+           params: AqsgdParams = AqsgdParams()) -> torch.Tensor:
     gp = params.group()
     if len(shape) < 2:
         raise CodecError("aqsgd needs a tensor (B, ..., C) with one sample per row of dim 0")
@@ -94,9 +96,11 @@ def decode(payload: torch.Tensor, shape, dtype: torch.dtype, sample_ids, cache: 
     cached = [k for k in range(len(ids)) if not bool(new[k])]
     for k in cached:
         if ids[k] not in cache.rows:
-            raise CodecError(f"aqsgd: sample {ids[k]} has no cache entry on this end (its first visit was not received)")
+            raise CodecError(f"aqsgd: sample {ids[k]} has no cache entry on this end "
+                             "(its first visit was not received)")
         if tuple(cache.rows[ids[k]].shape) != row_shape:
-            raise CodecError(f"aqsgd: sample {ids[k]} was cached with shape {list(cache.rows[ids[k]].shape)}, message has {list(row_shape)}")
+            raise CodecError(f"aqsgd: sample {ids[k]} was cached with shape {list(cache.rows[ids[k]].shape)}, "
+                             f"message has {list(row_shape)}")
     out = torch.empty(shape, dtype=torch.float32, device=payload.device)
     out[new.to(payload.device)] = raw.reshape(n_new, *row_shape).float()
     if cached:

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["plane_widths", "padded_count", "packed_nbytes", "pack_bits", "unpack_bits", "row_nbytes", "pack_rows", "unpack_rows"]
+__all__ = ["plane_widths", "padded_count", "packed_nbytes", "pack_bits", "unpack_bits", "row_nbytes", "pack_rows",
+           "unpack_rows"]
 
 
 def plane_widths(bits: int) -> list[int]:
@@ -53,7 +54,8 @@ def unpack_bits(data: torch.Tensor, bits: int, n: int) -> torch.Tensor:
     if n % 8:
         raise ValueError(f"unpack_bits needs a multiple of 8 codes per row, got {n}")
     if data.shape[-1] != n * bits // 8:
-        raise ValueError(f"unpack_bits: {data.shape[-1]} bytes per row, expected {n * bits // 8} for {n} codes of {bits} bits")
+        raise ValueError(f"unpack_bits: {data.shape[-1]} bytes per row, expected {n * bits // 8} for {n} codes "
+                         f"of {bits} bits")
     codes = torch.zeros(*data.shape[:-1], n, dtype=torch.uint8, device=data.device)
     offset = 0
     shift = 0

@@ -38,7 +38,8 @@ def unpack_planes_np(data: np.ndarray, bits: int, n: int) -> np.ndarray:
         if width == 1:
             values = np.unpackbits(plane, axis=-1, bitorder="little")
         else:
-            values = np.stack([(plane >> (j * width)) & ((1 << width) - 1) for j in range(8 // width)], axis=-1).reshape(r, n)
+            values = np.stack([(plane >> (j * width)) & ((1 << width) - 1) for j in range(8 // width)],
+                              axis=-1).reshape(r, n)
         codes |= values << shift
         offset += nbytes
         shift += width

@@ -17,7 +17,8 @@ import torch
 from . import (naive_ref, pertoken_cpu, pertoken_ref, tahquant_cpu, tahquant_ref, tahquant_rice_cpu, tahquant_rice_ref,
                tahquant_rotated_ref)
 
-__all__ = ["use_triton", "triton_available", "Paths", "NAIVE", "PERTOKEN", "TAHQUANT", "TAHQUANT_ROTATED", "TAHQUANT_RICE"]
+__all__ = ["use_triton", "triton_available", "Paths", "NAIVE", "PERTOKEN", "TAHQUANT", "TAHQUANT_ROTATED",
+           "TAHQUANT_RICE"]
 
 
 @functools.lru_cache(maxsize=None)

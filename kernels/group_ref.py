@@ -41,7 +41,8 @@ def quantize_tiles(x: torch.Tensor, params: GroupParams, codec: str = "group"):
     return quantize_asym(tiles, zero, scale, qmax), zero, scale
 
 
-def dequantize_tiles(q: torch.Tensor, zero: torch.Tensor, scale: torch.Tensor, shape, params: GroupParams) -> torch.Tensor:
+def dequantize_tiles(q: torch.Tensor, zero: torch.Tensor, scale: torch.Tensor, shape,
+                     params: GroupParams) -> torch.Tensor:
     """Inverse of quantize_tiles up to rounding: float32 tensor of `shape`."""
     lay = Layout.of(tuple(shape), params.group_size)
     x = dequantize_asym(q, zero, scale).reshape(lay.tokens, lay.padded_channels)[:, : lay.channels]

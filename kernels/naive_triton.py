@@ -65,7 +65,8 @@ def _colmax_kernel(x_ptr, stride_x, n_rows, n_chan, part_ptr, badp_ptr, status_p
 
 
 @triton.jit
-def _ratio_kernel(part_ptr, badp_ptr, n_part, n_chan, ratio_ptr, status_ptr, QMAX: tl.constexpr, CB: tl.constexpr, PB: tl.constexpr):
+def _ratio_kernel(part_ptr, badp_ptr, n_part, n_chan, ratio_ptr, status_ptr, QMAX: tl.constexpr, CB: tl.constexpr,
+                  PB: tl.constexpr):
     """Program c: ratio = absmax / qmax (fp32) of channels [c*CB, +CB) from the n_part partial
     maxima; the largest ratio's bit pattern is max-ed into status[1] (ratios >= 0 order like their
     bits) and a non-finite input sets status[0] bit 0."""
@@ -76,7 +77,8 @@ def _ratio_kernel(part_ptr, badp_ptr, n_part, n_chan, ratio_ptr, status_ptr, QMA
     bad = tl.zeros([PB], dtype=tl.int32)
     for s in range(0, n_part, PB):
         pm = (s + p) < n_part
-        part = tl.load(part_ptr + (s + p).to(tl.int64)[:, None] * n_chan + c[None, :], mask=pm[:, None] & (c < n_chan)[None, :], other=0.0)
+        part = tl.load(part_ptr + (s + p).to(tl.int64)[:, None] * n_chan + c[None, :],
+                       mask=pm[:, None] & (c < n_chan)[None, :], other=0.0)
         amax = tl.maximum(amax, tl.max(part, axis=0))
         bad |= tl.load(badp_ptr + (s + p) * tl.num_programs(0) + cb, mask=pm, other=0).to(tl.int32)
     ratio = tl.math.div_rn(amax, tl.full([CB], QMAX, tl.float32))
@@ -251,7 +253,8 @@ def _decode(payload: torch.Tensor, shape, params: NaiveParams, e: int, dtype: to
     grid = triton.cdiv(n_pad, block)
     bad = torch.empty(grid, dtype=torch.uint8, device=payload.device)
     _naive_decode_kernel[(grid,)](
-        codes, scale16, 2.0**e, out, bad, n, n_pad, c, BLOCK=block, OUT_BF16=dtype == torch.bfloat16, **_constexprs(params)
+        codes, scale16, 2.0**e, out, bad, n, n_pad, c, BLOCK=block, OUT_BF16=dtype == torch.bfloat16,
+        **_constexprs(params)
     )
     worst = int(bad.max())  # the one synchronization
     if worst == 2:

@@ -16,7 +16,8 @@ __all__ = ["encode", "decode"]
 def encode(x: torch.Tensor, params: PerTokenParams = PerTokenParams()) -> torch.Tensor:
     params.validate()
     n, c, _ = tiles_of(tuple(x.shape), params)
-    payload, _ = symtiles_triton.encode(x.detach().reshape(n, c), int(params.group_size), int(params.bits), False, "pertoken")
+    payload, _ = symtiles_triton.encode(x.detach().reshape(n, c), int(params.group_size), int(params.bits), False,
+                                        "pertoken")
     return payload
 
 

@@ -284,7 +284,8 @@ def _values_kernel(unary_ptr, nbytes, rank_ptr, low_ptr, n, codes_ptr, bad_ptr, 
         if NB <= 3 and j == 0:  # the run of one-bits below the lane's first bit, in the NB - 1 bytes before it
             word = tl.zeros([LANES], dtype=tl.int32)  # before the stream: zero-bits
             for m in tl.static_range(1, NB):
-                word |= tl.load(unary_ptr + at - m, mask=in_stream & (at >= m), other=0).to(tl.int32) << (8 * (NB - 1 - m))
+                word |= (tl.load(unary_ptr + at - m, mask=in_stream & (at >= m), other=0).to(tl.int32)
+                         << (8 * (NB - 1 - m)))
             x = ~word & ((1 << (8 * (NB - 1))) - 1)  # their zero-bits
             highest = (x.to(tl.float32).to(tl.int32, bitcast=True) >> 23) - 127  # exact (x < 2^24); -127 for 0
             run = 8 * (NB - 1) - 1 - highest  # more than R where every bit is one
@@ -407,7 +408,8 @@ class RiceWrite:
         return self.payload[:size]
 
 
-def launch_write(codes: torch.Tensor, qmax: int, head: torch.Tensor, sums: torch.Tensor, ends: torch.Tensor) -> RiceWrite:
+def launch_write(codes: torch.Tensor, qmax: int, head: torch.Tensor, sums: torch.Tensor,
+                 ends: torch.Tensor) -> RiceWrite:
     """encode's payload from block_sums' (sums, ends), launched and not waited for (RiceWrite.finish
     ends it, from `picked` read in the caller's synchronization): one copy (the head), a one-program
     kernel that picks k and the size, and the write kernel compiled for the k guessed (the last
@@ -438,8 +440,9 @@ def _launch_write_kernel(write: RiceWrite, k: int) -> None:
     n = write.codes.numel()
     with on_device(write.codes):
         _write_kernel[(triton.cdiv(n, block),)](write.codes, n, write.sums, write.ends, write.payload, write.start,
-                                                 QMAX=write.qmax, K=k, BLOCK=block, PER_LANE=_values_per_lane(block, warps),
-                                                 **plane_shifts(k), num_warps=warps)
+                                                 QMAX=write.qmax, K=k, BLOCK=block,
+                                                 PER_LANE=_values_per_lane(block, warps), **plane_shifts(k),
+                                                 num_warps=warps)
 
 
 def _values_per_lane(block: int, warps: int) -> int:
@@ -482,8 +485,8 @@ def launch_decode(low: torch.Tensor, unary: torch.Tensor, count: int, k: int, qm
         bad = torch.empty(blocks, dtype=torch.uint8, device=unary.device)
         windows = -(-((2 * qmax >> k) + 1) // 32)
         _values_kernel[(blocks,)](unary, unary.numel(), rank, low if k else unary, count, codes, bad, QMAX=qmax, K=k,
-                                  WINDOWS=windows, BLOCK=block, PER_LANE=_bytes_per_lane(block, warps), **plane_shifts(k),
-                                  num_warps=warps)
+                                  WINDOWS=windows, BLOCK=block, PER_LANE=_bytes_per_lane(block, warps),
+                                  **plane_shifts(k), num_warps=warps)
         found = rank[-1] + zeros[-1] - count  # 0 when the stream ends `count` values
         return codes, torch.stack([found, (unary[-1] == 0xFF).long(), bad.max().long()])
 

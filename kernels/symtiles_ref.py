@@ -13,8 +13,8 @@ import torch
 from .bitpack import pack_bits, packed_nbytes, padded_count, unpack_bits
 from .wire import CodecError
 
-__all__ = ["MIN_SCALE", "tile_scales", "quantize", "dequantize", "pack_codes", "unpack_codes", "corrupt_codes", "check_scales",
-           "rotation_signs", "fwht", "rotate", "unrotate"]
+__all__ = ["MIN_SCALE", "tile_scales", "quantize", "dequantize", "pack_codes", "unpack_codes", "corrupt_codes",
+           "check_scales", "rotation_signs", "fwht", "rotate", "unrotate"]
 
 MIN_SCALE = 2.0 ** -126  # absmax / qmax below the smallest normal float32: the tile is sent as zeros
 SIGN_SEED = b"tahnode tahquant rotation signs"
@@ -40,7 +40,8 @@ def quantize(x2: torch.Tensor, scale: torch.Tensor, g: int, qmax: int) -> torch.
     s the tile's scale as float32; q = 0 where s = 0."""
     s = _per_element(scale.float(), x2.shape[1], g)
     nonzero = s > 0
-    u = torch.where(nonzero, x2 / torch.where(nonzero, s, torch.ones((), device=x2.device)), torch.zeros((), device=x2.device))
+    u = torch.where(nonzero, x2 / torch.where(nonzero, s, torch.ones((), device=x2.device)),
+                    torch.zeros((), device=x2.device))
     return (torch.round(torch.clamp(u, -qmax, qmax)) + qmax).to(torch.uint8)
 
 

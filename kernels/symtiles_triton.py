@@ -120,8 +120,9 @@ def _block(n_rows, BR: tl.constexpr, G: tl.constexpr):
 
 
 @triton.jit
-def _encode_kernel(x_ptr, stride_x, signs_ptr, n_rows, n_chan, n_tpt, width, scale_ptr, out_ptr, n_pad, codes_ptr, status_ptr,
-                   sums_ptr, G: tl.constexpr, QMAX: tl.constexpr, ROTATE: tl.constexpr, PACKED: tl.constexpr,
+def _encode_kernel(x_ptr, stride_x, signs_ptr, n_rows, n_chan, n_tpt, width, scale_ptr, out_ptr, n_pad, codes_ptr,
+                   status_ptr, sums_ptr,
+                   G: tl.constexpr, QMAX: tl.constexpr, ROTATE: tl.constexpr, PACKED: tl.constexpr,
                    BR: tl.constexpr, S8: tl.constexpr, S4: tl.constexpr, S2: tl.constexpr, S1: tl.constexpr,
                    SUMS_BLOCK: tl.constexpr, KMAX: tl.constexpr):
     """Program (r, t): tokens [r*BR, +BR), tile t. Scales go to scale_ptr[token * n_tpt + t]; code i
@@ -160,8 +161,8 @@ def _encode_kernel(x_ptr, stride_x, signs_ptr, n_rows, n_chan, n_tpt, width, sca
 
 
 @triton.jit
-def _pack_kernel(codes_ptr, out_ptr, n, n_pad, BLOCK: tl.constexpr, S8: tl.constexpr, S4: tl.constexpr, S2: tl.constexpr,
-                 S1: tl.constexpr):
+def _pack_kernel(codes_ptr, out_ptr, n, n_pad, BLOCK: tl.constexpr, S8: tl.constexpr, S4: tl.constexpr,
+                 S2: tl.constexpr, S1: tl.constexpr):
     """Pack codes [pid*BLOCK, +BLOCK) of the flat code buffer (zero past n) into the planes."""
     pid = tl.program_id(0)
     i = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
@@ -193,7 +194,8 @@ def _decode_kernel(codes_ptr, n_pad, scale_ptr, signs_ptr, out_ptr, bad_ptr, n_r
         q |= _load_plane(codes_ptr + n_pad // 8 * S1, first, count, rows_ok, BR, G, 1, SHORT) << S1
     s = tl.load(scale_ptr + rows.to(tl.int64) * n_tpt + t, mask=rows_ok, other=0.0).to(tl.float32)
     sbits = s.to(tl.int32, bitcast=True)
-    bad_scale = rows_ok & (sbits != 0) & ((sbits < 0x00800000) | (sbits >= 0x7F800000))  # sign set, subnormal, inf or nan
+    # sign set, subnormal, inf or nan
+    bad_scale = rows_ok & (sbits != 0) & ((sbits < 0x00800000) | (sbits >= 0x7F800000))
     bad_code = rows_ok[:, None] & in_row & (q > 2 * QMAX)
     bad = tl.where(tl.max(bad_scale.to(tl.int32), axis=0) > 0, 2, tl.max(tl.max(bad_code.to(tl.int32), axis=1), axis=0))
     tl.store(bad_ptr + tl.program_id(0) * tl.num_programs(1) + t, bad.to(tl.uint8))
@@ -271,7 +273,8 @@ def launch_encode(x2: torch.Tensor, g: int, bits: int, rotate: bool, qmax: int =
             KMAX=(2 * qmax).bit_length(), num_warps=warps)
         if not packed:
             block = 65536 if interpreting() else 4096
-            _pack_kernel[(triton.cdiv(n_pad, block),)](codes, out[head:], n_codes, n_pad, BLOCK=block, **plane_shifts(bits))
+            _pack_kernel[(triton.cdiv(n_pad, block),)](codes, out[head:], n_codes, n_pad, BLOCK=block,
+                                                       **plane_shifts(bits))
         return out, width, status
 
 
@@ -285,8 +288,8 @@ def raise_for_encode(status: int, x2: torch.Tensor, codec: str) -> None:
         raise CodecError(f"{codec}: an activation is too large to rotate (|x| near the float32 maximum)")
 
 
-def decode(scale: torch.Tensor, codes: torch.Tensor, n: int, c: int, g: int, bits: int, rotate: bool, dtype: torch.dtype,
-           codec: str, qmax: int = 0) -> torch.Tensor:
+def decode(scale: torch.Tensor, codes: torch.Tensor, n: int, c: int, g: int, bits: int, rotate: bool,
+           dtype: torch.dtype, codec: str, qmax: int = 0) -> torch.Tensor:
     """(N, C) of `dtype` from checked sections (scale bf16 (N, T), packed codes), on their device;
     the grid as encode's."""
     out, worst = launch_decode(scale, codes, n, c, g, bits, rotate, dtype, qmax)
@@ -309,7 +312,8 @@ def launch_decode(scale: torch.Tensor, codes: torch.Tensor, n: int, c: int, g: i
         signs = rotation_signs(g, codes.device) if rotate else bad
         qmax = _grid(bits, qmax)
         _decode_kernel[grid](codes, n_pad, scale, signs, out, bad, n, c, t, width, G=g, QMAX=qmax, ROTATE=rotate, BR=br,
-                             OUT_BF16=dtype == torch.bfloat16, SHORT=width % g != 0, **plane_shifts(bits), num_warps=warps)
+                             OUT_BF16=dtype == torch.bfloat16, SHORT=width % g != 0, **plane_shifts(bits),
+                             num_warps=warps)
         return out, torch.maximum(bad.max(), _padding_flag(codes, n * width, n_pad, bits))
 
 
@@ -333,7 +337,8 @@ def _padding_flag(codes: torch.Tensor, n_codes: int, n_pad: int, bits: int) -> t
         tail = codes[plane + first_byte: plane + n_pad // per]
         shifts = torch.arange(per, device=codes.device) * w
         values = (tail[:, None].long() >> shifts) & ((1 << w) - 1)
-        index = (first_byte + torch.arange(tail.numel(), device=codes.device))[:, None] * per + torch.arange(per, device=codes.device)
+        index = ((first_byte + torch.arange(tail.numel(), device=codes.device))[:, None] * per
+                 + torch.arange(per, device=codes.device))
         flag = torch.maximum(flag, ((values != 0) & (index >= n_codes)).any().to(torch.uint8))
         plane += n_pad * w // 8
     return flag

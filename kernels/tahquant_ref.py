@@ -59,7 +59,8 @@ class TahQuantParams:
         if self.alloc not in (ALLOC_TOKEN, ALLOC_TILE):
             raise CodecError(f"tahquant: alloc must be 0 (token) or 1 (tile), got {self.alloc}")
         if self.layout not in LAYOUTS:
-            raise CodecError(f"tahquant: layout must be 1 (the paper's), 2 (rotated tiles) or 3 (Rice-coded), got {self.layout}")
+            raise CodecError(f"tahquant: layout must be 1 (the paper's), 2 (rotated tiles) or 3 (Rice-coded), "
+                             f"got {self.layout}")
         if self.qmax != int(self.qmax) or not 1 <= self.qmax <= 127:
             raise CodecError(f"tahquant: qmax must be an integer in [1, 127], got {self.qmax}")
         return self
@@ -251,7 +252,8 @@ def read_header(payload: torch.Tensor, shape: tuple[int, ...], params: TahQuantP
     if not (bool(torch.isfinite(zero).all()) and bool(torch.isfinite(scale).all()) and bool((scale >= 0).all())):
         raise CodecError("tahquant payload is corrupt: non-finite zero-point or negative/non-finite scale")
     n_flag = int(flag.sum())
-    pivots = unpack_bits(rd.take(packed_nbytes(n_flag, params.pivot_bits), "pivot indices"), params.pivot_bits, padded_count(n_flag))
+    pivots = unpack_bits(rd.take(packed_nbytes(n_flag, params.pivot_bits), "pivot indices"), params.pivot_bits,
+                         padded_count(n_flag))
     if bool(pivots[n_flag:].any()):
         raise CodecError("tahquant payload is corrupt: padding of the pivot indices is not zero")
     if params.alloc == ALLOC_TOKEN:
@@ -264,7 +266,8 @@ def read_header(payload: torch.Tensor, shape: tuple[int, ...], params: TahQuantP
 def decode(payload: torch.Tensor, shape: tuple[int, ...], params: TahQuantParams, dtype: torch.dtype) -> torch.Tensor:
     """Decode a version-1 payload (uint8, 1-D) into a tensor of `shape` and `dtype`."""
     h = read_header(payload, shape, params)
-    g, lay, nt, bits, flag, zero, scale, rd = params.group_size, h.lay, h.lay.tiles, h.bits, h.flag, h.zero, h.scale, h.reader
+    g, lay, nt, bits, flag, zero, scale, rd = (params.group_size, h.lay, h.lay.tiles, h.bits, h.flag, h.zero, h.scale,
+                                               h.reader)
     n_flag, pivots = h.pivots.numel(), h.pivots
     codes = rd.take(int(row_nbytes(bits, g).sum()), "tile codes")
     rd.finish()

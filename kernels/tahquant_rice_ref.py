@@ -26,8 +26,8 @@ from .symtiles_ref import check_scales, dequantize, quantize, rotate, tile_scale
 from .tahquant_ref import TahQuantParams
 from .wire import CodecError, PayloadReader, as_bytes
 
-__all__ = ["encode", "decode", "split", "sections", "Block", "blocks", "gather", "assemble", "slices", "slice_codes", "shape_of",
-           "tiling", "zigzag", "unzigzag", "pack", "min_payload_nbytes", "MIN_TILE"]
+__all__ = ["encode", "decode", "split", "sections", "Block", "blocks", "gather", "assemble", "slices", "slice_codes",
+           "shape_of", "tiling", "zigzag", "unzigzag", "pack", "min_payload_nbytes", "MIN_TILE"]
 
 MIN_TILE = 8  # the smallest tile of the left-over stream's last values (fewer than this are padded to it)
 
@@ -145,7 +145,8 @@ def pack(scale: torch.Tensor, codes: torch.Tensor, qmax: int) -> torch.Tensor:
     return torch.cat([head, as_bytes(scale.reshape(-1)), low, unary])
 
 
-def slice_codes(x2: torch.Tensor, g: int, qmax: int, rotate=rotate, quantize=quantize) -> tuple[torch.Tensor, torch.Tensor]:
+def slice_codes(x2: torch.Tensor, g: int, qmax: int, rotate=rotate,
+                quantize=quantize) -> tuple[torch.Tensor, torch.Tensor]:
     """x2 (N, C) float32 -> (scales bf16, codes uint8) in pack's order: each block of `blocks`
     rotated, scaled per tile and quantized at qmax (symtiles_ref's `rotate` and `quantize`, or a
     fast path's that give their results bit for bit)."""

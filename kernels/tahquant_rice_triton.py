@@ -26,7 +26,8 @@ def encode(x: torch.Tensor, params: TahQuantParams) -> torch.Tensor:
     n, c, tiles, codes_n = shape_of(tuple(x.shape), params)
     x2, qmax, g = x.detach().reshape(n, c), int(params.qmax), int(params.group_size)
     cuts = gather(x2, g)
-    if len(cuts) == 1 and not cuts[0][0].stream:  # a width of whole tiles: the quantizing kernel sums the codes for the Rice coder
+    # a width of whole tiles: the quantizing kernel sums the codes for the Rice coder
+    if len(cuts) == 1 and not cuts[0][0].stream:
         sums = rice_triton.sums_buffer(codes_n, x2.device)
         out, _, status = symtiles_triton.launch_encode(x2, g, CODE_BITS, True, qmax, sums)
         head, codes, statuses = out[:2 * tiles], out[2 * tiles: 2 * tiles + codes_n], [status]
@@ -49,9 +50,11 @@ def decode(payload: torch.Tensor, shape, params: TahQuantParams, dtype: torch.dt
     n, c, _, codes_n = shape_of(shape, params)
     qmax, g = int(params.qmax), int(params.group_size)
     codes, flags = rice_triton.launch_decode(low, unary, codes_n, k, qmax, "tahquant")
-    made = [symtiles_triton.launch_decode(s.contiguous(), q.reshape(-1), b.rows, b.width, b.tile, CODE_BITS, True, dtype, qmax)
+    made = [symtiles_triton.launch_decode(s.contiguous(), q.reshape(-1), b.rows, b.width, b.tile, CODE_BITS, True,
+                                          dtype, qmax)
             for b, s, q in slices(scale, codes, n, c, g)]
-    *flags, worst = torch.cat([flags, torch.stack([bad for _, bad in made]).max().long().reshape(1)]).tolist()  # the one sync
+    # the one sync
+    *flags, worst = torch.cat([flags, torch.stack([bad for _, bad in made]).max().long().reshape(1)]).tolist()
     rice_triton.raise_for_decode(flags, unary.numel(), codes_n, "tahquant")  # the reference's order: the codes first
     symtiles_triton.raise_for_decode(worst, "tahquant")
     return assemble([part for part, _ in made], n, c, g).reshape(shape)

@@ -183,7 +183,8 @@ def _load_pivot(v, pay_ptr, n_pay, piv0, k, n_pad, mask, W: tl.constexpr, SHIFT:
 
 
 @triton.jit
-def _load_pivots(pay_ptr, n_pay, piv0, k, n_pad, mask, P8: tl.constexpr, P4: tl.constexpr, P2: tl.constexpr, P1: tl.constexpr):
+def _load_pivots(pay_ptr, n_pay, piv0, k, n_pad, mask, P8: tl.constexpr, P4: tl.constexpr, P2: tl.constexpr,
+                 P1: tl.constexpr):
     """Pivots k (int32) from the packed section at byte piv0, every plane (P<w>: bit offset of the
     width-w plane, -1 if absent); 0 where masked."""
     v = tl.zeros_like(k)
@@ -311,7 +312,8 @@ def _cut_kernel(
 
 
 @triton.jit
-def _refine_kernel(x_ptr, stride_x, seq_len, n_chan, cnt_ptr, cand_e_ptr, cand_i_ptr, NSLOT: tl.constexpr, CB: tl.constexpr, NCB: tl.constexpr):
+def _refine_kernel(x_ptr, stride_x, seq_len, n_chan, cnt_ptr, cand_e_ptr, cand_i_ptr, NSLOT: tl.constexpr,
+                   CB: tl.constexpr, NCB: tl.constexpr):
     """Program (q, k): the float64 entropy of the k-th uncertain token of sequence q, computed like
     the reference: cand_e/cand_i[q, k] = (entropy, token), (inf, 2^31 - 1) for an empty slot."""
     seq = tl.program_id(0)
@@ -389,7 +391,8 @@ def _encode_kernel(
     zero_ptr, scale_ptr,  # float16 per tile
     compact_ptr,  # uint8: the pivots of the flagged tiles, in tile order
     status_ptr,  # int32: bit0 non-finite input, bit1 fp16 overflow (or-ed in)
-    G: tl.constexpr, ROWS: tl.constexpr, TC: tl.constexpr, BH: tl.constexpr, BL: tl.constexpr, TOKEN_ALLOC: tl.constexpr,
+    G: tl.constexpr, ROWS: tl.constexpr, TC: tl.constexpr, BH: tl.constexpr, BL: tl.constexpr,
+    TOKEN_ALLOC: tl.constexpr,
     W8: tl.constexpr, W4: tl.constexpr, W2: tl.constexpr, W1: tl.constexpr,
     HK: tl.constexpr, RSQRT: tl.constexpr, POW4: tl.constexpr,
 ):
@@ -521,7 +524,8 @@ def _bitcount_kernel(pay_ptr, pc_ptr, status_ptr, n_bytes, bm_a, n_alloc, nt, BL
 def _decode_kernel(
     pay_ptr, n_pay, cum_ptr, status_ptr,  # the payload (n_pay bytes); inclusive prefix sums of pc
     out_ptr, stride_out, n_tokens, n_chan, n_tpt, nt, bm_a, bm_f, head,
-    G: tl.constexpr, ROWS: tl.constexpr, TC: tl.constexpr, BH: tl.constexpr, BL: tl.constexpr, TOKEN_ALLOC: tl.constexpr,
+    G: tl.constexpr, ROWS: tl.constexpr, TC: tl.constexpr, BH: tl.constexpr, BL: tl.constexpr,
+    TOKEN_ALLOC: tl.constexpr,
     W8: tl.constexpr, W4: tl.constexpr, W2: tl.constexpr, W1: tl.constexpr,
     HK: tl.constexpr, RSQRT: tl.constexpr, POW4: tl.constexpr, OUT_BF16: tl.constexpr,
     PBITS: tl.constexpr, P8: tl.constexpr, P4: tl.constexpr, P2: tl.constexpr, P1: tl.constexpr,
@@ -569,8 +573,10 @@ def _decode_kernel(
     # fp16 zero-point and scale from their byte pairs (the sections have no alignment)
     zo = bm_a + bm_f + 2 * tile
     so = zo + 2 * nt
-    z16 = tl.load(pay_ptr + zo, mask=rvalid, other=0).to(tl.int32) | (tl.load(pay_ptr + zo + 1, mask=rvalid, other=0).to(tl.int32) << 8)
-    s16 = tl.load(pay_ptr + so, mask=rvalid, other=0).to(tl.int32) | (tl.load(pay_ptr + so + 1, mask=rvalid, other=0).to(tl.int32) << 8)
+    z16 = (tl.load(pay_ptr + zo, mask=rvalid, other=0).to(tl.int32)
+           | (tl.load(pay_ptr + zo + 1, mask=rvalid, other=0).to(tl.int32) << 8))
+    s16 = (tl.load(pay_ptr + so, mask=rvalid, other=0).to(tl.int32)
+           | (tl.load(pay_ptr + so + 1, mask=rvalid, other=0).to(tl.int32) << 8))
     zf = z16.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
     sf = s16.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
     zs_bad = rvalid & ((zf != zf) | (tl.abs(zf) == float("inf")) | (sf != sf) | (sf == float("inf")) | (sf < 0))
@@ -786,7 +792,8 @@ def _exact_allocation(x2: torch.Tensor, lay: Layout, params: TahQuantParams) -> 
     return low_bit_mask(ent, params.rho)
 
 
-def _with_offsets(low_mask: torch.Tensor, params: TahQuantParams, per_entry_tiles: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _with_offsets(low_mask: torch.Tensor, params: TahQuantParams,
+                  per_entry_tiles: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(uint8 low per allocation entry, int64 byte offset of its codes: an exclusive prefix sum)."""
     low = low_mask.reshape(-1)
     bits = torch.where(low, params.bits_low, params.bits_high).long()
@@ -855,7 +862,8 @@ def _encode(x: torch.Tensor, params: TahQuantParams) -> torch.Tensor:
     bm_a, bm_f = -(-n_entries // 8), -(-nt // 8)
     head = bm_a + bm_f + 4 * nt
     piv_max = packed_nbytes(nt, params.pivot_bits)
-    out = torch.empty(head + piv_max + _codes_nbytes(lay.nseq * n_low, n_entries, params, per_entry), dtype=torch.uint8, device=dev)
+    out = torch.empty(head + piv_max + _codes_nbytes(lay.nseq * n_low, n_entries, params, per_entry), dtype=torch.uint8,
+                      device=dev)
     status = torch.empty(4, dtype=torch.int32, device=dev)  # bad input/overflow/uncertain bits, n_flag
 
     e32, flag, piv = _stats(x2, lay, params, status)
@@ -911,7 +919,8 @@ def _decode(payload: torch.Tensor, shape: tuple[int, ...], params: TahQuantParam
     n_alloc, per_entry = (lay.tokens, t) if token_alloc else (nt, 1)
     check_min_payload(payload, shape, params)
     if payload.dtype != torch.uint8 or payload.dim() != 1:
-        raise CodecError(f"tahquant payload must be a 1-D uint8 tensor, got {payload.dtype} of shape {list(payload.shape)}")
+        raise CodecError(f"tahquant payload must be a 1-D uint8 tensor, got {payload.dtype} of shape "
+                         f"{list(payload.shape)}")
     dev = payload.device
     bm_a, bm_f = -(-n_alloc // 8), -(-nt // 8)
     head = bm_a + bm_f + 4 * nt  # within the minimum: the front sections are all there

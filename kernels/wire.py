@@ -78,4 +78,5 @@ class PayloadReader:
 
     def finish(self) -> None:
         if self.remaining:
-            raise CodecError(f"{self.codec} payload has {self.remaining} unexpected trailing bytes at offset {self.offset}")
+            raise CodecError(f"{self.codec} payload has {self.remaining} unexpected trailing bytes at offset "
+                             f"{self.offset}")

@@ -7,5 +7,6 @@ from .base import (CODECS, Codec, CodecError, bits_per_element, checksum, decode
 from .host import PendingPayload
 from .state import CodecContext, CodecState
 
-__all__ = ["CODECS", "Codec", "CodecContext", "CodecError", "CodecState", "PendingPayload", "bits_per_element", "checksum",
-           "decode", "get_codec", "parse_message", "parse_param_args", "payload_tensor", "register", "serialize"]
+__all__ = ["CODECS", "Codec", "CodecContext", "CodecError", "CodecState", "PendingPayload", "bits_per_element",
+           "checksum", "decode", "get_codec", "parse_message", "parse_param_args", "payload_tensor", "register",
+           "serialize"]

@@ -82,7 +82,8 @@ class Codec:
     def encode_payload(self, x: torch.Tensor, ctx: CodecContext) -> tuple[torch.Tensor, dict[str, float]]:
         raise NotImplementedError
 
-    def decode_payload(self, payload: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype, header: dict[str, float], ctx: CodecContext) -> torch.Tensor:
+    def decode_payload(self, payload: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype,
+                       header: dict[str, float], ctx: CodecContext) -> torch.Tensor:
         raise NotImplementedError
 
     def sender_state(self, channels: int, device: torch.device | str = "cpu") -> CodecState:
@@ -116,7 +117,8 @@ class Codec:
         """The version of the payloads this instance writes."""
         return int(getattr(self.params, self.version_param)) if self.version_param else self.version
 
-    def encode(self, x: torch.Tensor, ctx: CodecContext | None = None, out: pb.EncodedTensor | None = None) -> pb.EncodedTensor:
+    def encode(self, x: torch.Tensor, ctx: CodecContext | None = None,
+               out: pb.EncodedTensor | None = None) -> pb.EncodedTensor:
         """`x` encoded as one whole message, into `out` if given (e.g. the tensor field of the
         envelope that will carry it: nesting a finished message in another copies its payload)."""
         msg = out if out is not None else pb.EncodedTensor()
@@ -161,7 +163,8 @@ class Codec:
             raise CodecError(f"message was encoded with codec {msg.codec!r}, not {self.name!r}")
         if msg.version not in self.versions:
             readable = ", ".join(map(str, self.versions))
-            raise CodecError(f"codec {self.name} version {msg.version} is not supported (this build reads version {readable})")
+            raise CodecError(f"codec {self.name} version {msg.version} is not supported "
+                             f"(this build reads version {readable})")
         shape, dtype = _check_header(msg)
         if checksum(msg, payload) != msg.crc32:
             raise CodecError(f"{self.name} message checksum mismatch: the message was corrupted in transit")
@@ -228,7 +231,8 @@ def payload_tensor(msg: pb.EncodedTensor, payload=None, allocate: Callable[[int]
     copy of the message's own into `allocate(n)` (pinned_buffer for a GPU)."""
     if payload is None:
         payload = copy_into(msg.payload, allocate)
-    return torch.frombuffer(payload, dtype=torch.uint8) if memoryview(payload).nbytes else torch.empty(0, dtype=torch.uint8)
+    return (torch.frombuffer(payload, dtype=torch.uint8) if memoryview(payload).nbytes
+            else torch.empty(0, dtype=torch.uint8))
 
 
 def _check_input(x: torch.Tensor, name: str) -> None:

@@ -37,7 +37,8 @@ class NoneCodec(Codec):
     def decode_payload(self, payload, shape, dtype, header, ctx):
         expected = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
         if payload.numel() != expected:
-            raise CodecError(f"none payload has {payload.numel()} bytes, shape {list(shape)} of {dtype} needs {expected}")
+            raise CodecError(f"none payload has {payload.numel()} bytes, shape {list(shape)} of {dtype} "
+                             f"needs {expected}")
         return from_bytes(payload, dtype).reshape(shape)
 
 
@@ -121,13 +122,15 @@ class TahQuantCodec(Codec):
         return cls.PATHS[params.layout].serving(t)
 
     def encode_payload(self, x, ctx):
-        return self._implementation(self.params, x).encode(x.detach(), self.params), self._blocks_mark(self.params, x.shape)
+        return (self._implementation(self.params, x).encode(x.detach(), self.params),
+                self._blocks_mark(self.params, x.shape))
 
     def decode_payload(self, payload, shape, dtype, header, ctx):
         params = self.from_header(header, extra=(BLOCKS_MARK,)).params
         if header.get(BLOCKS_MARK) != self._blocks_mark(params, shape).get(BLOCKS_MARK):
-            raise CodecError(f"tahquant layout 3: a width of {shape[-1]} channels at group_size {params.group_size} is cut into "
-                             f"blocks whose message says {BLOCKS_MARK}=1 (an older build cut it otherwise and sends no mark)")
+            raise CodecError(f"tahquant layout 3: a width of {shape[-1]} channels at group_size {params.group_size} "
+                             f"is cut into blocks whose message says {BLOCKS_MARK}=1 (an older build cut it otherwise "
+                             f"and sends no mark)")
         return self._implementation(params, payload).decode(payload, shape, params, dtype)
 
     @staticmethod

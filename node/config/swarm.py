@@ -31,10 +31,11 @@ class SwarmConfig:
     """Pipelines in data parallel (docs/architecture.md, "Replicas in step"). Every field is a flag of
     `tahnode coordinator`, `tahnode demo` and `tahnode swarm up`."""
 
-    pipelines: int = knob(AUTO_PIPELINES, "pipelines that train at once, each a chain of every stage: N, or auto for as "
-                          "many as the nodes allow once --standbys are kept back", metavar="auto|N", parse=parse_pipelines)
-    max_pipelines: int = knob(64, "with --pipelines auto, never more than this many (the sample schedule keeps this many "
-                              "pipelines' samples apart)")
+    pipelines: int = knob(AUTO_PIPELINES, "pipelines that train at once, each a chain of every stage: N, or auto for "
+                          "as many as the nodes allow once --standbys are kept back", metavar="auto|N",
+                          parse=parse_pipelines)
+    max_pipelines: int = knob(64, "with --pipelines auto, never more than this many (the sample schedule keeps "
+                              "this many pipelines' samples apart)")
     standbys: int = knob(1, "spare nodes kept back to take over a failed stage before another pipeline is formed")
     min_chain_share: float = knob(0.5, "a new pipeline must reach this share of the fastest pipeline's tokens/s (a "
                                   "slower one would set the pace of every outer step); its nodes stand by instead")
@@ -44,8 +45,8 @@ class SwarmConfig:
     outer_momentum: float = knob(0.0, "the outer step's Nesterov momentum (DiLoCo's is 0.9 with outer lr 0.7); 0: none")
     outer_bits: int = knob(4, "bits of a pseudo-gradient value on the wire: 4 or 8 (a float16 scale per block of 64), "
                            "16 (float16) or 32", choices=OUTER_BITS)
-    outer_timeout_s: float = knob(30.0, "how long a replica waits for the others of its stage at an outer step; it goes "
-                                  "ahead with those that came", flag="--outer-timeout", metavar="SECONDS")
+    outer_timeout_s: float = knob(30.0, "how long a replica waits for the others of its stage at an outer step; it "
+                                  "goes ahead with those that came", flag="--outer-timeout", metavar="SECONDS")
     outer_norm_ratio: float = knob(10.0, "a replica's pseudo-gradient whose norm is above this multiple of its group's "
                                    "median is refused (an offence), as is one that is not finite")
 
@@ -55,7 +56,8 @@ class SwarmConfig:
 
     @property
     def data_slots(self) -> int:
-        """The most pipelines the run may have (each has its lane of the sample stream): --pipelines N, else max_pipelines."""
+        """The most pipelines the run may have (each has its lane of the sample stream): --pipelines N,
+        else max_pipelines."""
         return self.max_pipelines if self.auto else self.pipelines
 
     def validate(self) -> "SwarmConfig":
@@ -66,13 +68,15 @@ class SwarmConfig:
         if self.standbys < 0:
             raise ValueError(f"swarm.standbys must be >= 0, got {self.standbys}")
         if not 0 <= self.min_chain_share <= 1:
-            raise ValueError(f"swarm.min_chain_share is a share of the fastest pipeline's speed, in [0, 1], got {self.min_chain_share}")
+            raise ValueError(f"swarm.min_chain_share is a share of the fastest pipeline's speed, in [0, 1], "
+                             f"got {self.min_chain_share}")
         if not self.outer_lr > 0:
             raise ValueError(f"swarm.outer_lr must be > 0, got {self.outer_lr}")
         if not 0 <= self.outer_momentum < 1:
             raise ValueError(f"swarm.outer_momentum must be in [0, 1), got {self.outer_momentum}")
         if self.outer_bits not in OUTER_BITS:
-            raise ValueError(f"swarm.outer_bits must be one of {', '.join(map(str, OUTER_BITS))}, got {self.outer_bits}")
+            raise ValueError(f"swarm.outer_bits must be one of {', '.join(map(str, OUTER_BITS))}, "
+                             f"got {self.outer_bits}")
         if not self.outer_timeout_s > 0:
             raise ValueError(f"swarm.outer_timeout_s must be > 0 seconds, got {self.outer_timeout_s}")
         if not self.outer_norm_ratio > 1:

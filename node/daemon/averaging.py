@@ -29,7 +29,8 @@ class StageAveraging:
     """The averager of `worker`'s stage, started on the first assignment that names two pipelines or
     more (`follow(assignment)` with each one), stopped with `stop()`."""
 
-    def __init__(self, cfg: NodeConfig, folder: Path, run_id: str, worker: StageWorker, beats: Heartbeats, node_id: str):
+    def __init__(self, cfg: NodeConfig, folder: Path, run_id: str, worker: StageWorker, beats: Heartbeats,
+                 node_id: str):
         self.cfg, self.folder, self.run_id, self.node_id = cfg, folder, run_id, node_id
         self.w, self.beats = worker, beats
         self.starting: asyncio.Task | None = None
@@ -91,8 +92,8 @@ class StageAveraging:
                                      swarm.outer_norm_ratio, state=w.outer.state)
             averager.start()
         except Exception as exc:  # the pipeline trains on alone: its outer steps keep its weights
-            log.error("%s: the averager of stage %d did not start (%s); the stage trains without averaging", self.node_id,
-                      w.stage, exc)
+            log.error("%s: the averager of stage %d did not start (%s); the stage trains without averaging",
+                      self.node_id, w.stage, exc)
             return
         self.averager = averager
         self.beats.averager = await host.address()

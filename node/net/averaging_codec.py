@@ -6,7 +6,8 @@ from __future__ import annotations
 import math
 
 import torch
-from hivemind.compression import CompressionBase, CompressionInfo, Float16Compression, NoCompression, deserialize_torch_tensor
+from hivemind.compression import (CompressionBase, CompressionInfo, Float16Compression, NoCompression,
+                                  deserialize_torch_tensor)
 from hivemind.compression.serialization import _BASE_COMPRESSION_TYPES
 from hivemind.proto import runtime_pb2
 

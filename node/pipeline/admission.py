@@ -53,13 +53,15 @@ class Admission:
             raise BadMicroBatch(f"a {kind.value} never travels {item.direction}")
         expected = transport.peer(BACKWARD if item.direction is FORWARD else FORWARD)
         if expected and item.sender and item.sender != expected:
-            raise BadMicroBatch(f"a {item.direction} {kind.value} from {item.sender}, who is not the neighbour on that side ({expected})")
+            raise BadMicroBatch(f"a {item.direction} {kind.value} from {item.sender}, who is not the neighbour "
+                                f"on that side ({expected})")
 
     def grad_sumsq(self, value: float, at_least: float = 0.0) -> float:
         """A gradient norm squared from a neighbour: a finite number in [at_least, MAX_GRAD_SUMSQ]
         (at_least: what this stage itself added to it on the way back)."""
         if not (math.isfinite(value) and at_least <= value <= MAX_GRAD_SUMSQ):
-            raise BadMicroBatch(f"gradient norm squared {value!r} is not a finite number in [{at_least:g}, {MAX_GRAD_SUMSQ:g}]")
+            raise BadMicroBatch(f"gradient norm squared {value!r} is not a finite number in "
+                                f"[{at_least:g}, {MAX_GRAD_SUMSQ:g}]")
         return value
 
     def header(self, mb: pb.MicroBatch) -> None:

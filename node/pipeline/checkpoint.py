@@ -7,92 +7,38 @@ and the chunking that carries a file to and from the coordinator."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 
 from ..config import RunConfig
-from .checkpoint_errors import BadMetadata, CheckpointError, CheckpointTooLarge, CorruptCheckpoint, ForeignCheckpoint
+from .checkpoint_errors import (BadMetadata, CheckpointError, CheckpointTooLarge, CorruptCheckpoint,
+                                ForeignCheckpoint)
+from .checkpoint_files import (CHUNK_BYTES, DIGEST_KEY, digest, durable_replace, owner_only, read_chunks,
+                               read_verified)
 from .checkpoint_meta import CheckpointMeta, MetaForm
 from .state import StepRecord
 
 log = logging.getLogger("tahnode.checkpoint")
 
 NAME = re.compile(r"stage(\d+)-of(\d+)-step(\d+)\.safetensors$")
-CHUNK_BYTES = 1 << 20  # a checkpoint travels in chunks of this size
-DIGEST_KEY = "sha256"  # metadata key of the checksum
 CORRUPT_SUFFIX = ".corrupt"  # a corrupt file is renamed to this, so that nothing lists it again
 EXTRA_LIMIT_PER_DIM = 64  # codec state in a checkpoint: at most this many elements per model channel (AMAQ keeps one)
 
-__all__ = ["has_outer", "BadMetadata", "CheckpointError", "CheckpointTooLarge", "CorruptCheckpoint", "ForeignCheckpoint", "Checkpoint",
-           "CheckpointStore", "ChunkWriter", "StageSaver", "check_fits", "digest", "load", "optimized", "read_chunks", "read_verified",
-           "stage_shapes"]
-
-
-def digest(tensors: dict[str, torch.Tensor], meta: dict[str, str]) -> str:
-    """SHA-256 over the metadata (all but the checksum itself) and every tensor's name, dtype,
-    shape and bytes, in name order."""
-    h = hashlib.sha256(json.dumps({k: v for k, v in meta.items() if k != DIGEST_KEY}, sort_keys=True).encode())
-    for name in sorted(tensors):
-        t = tensors[name].detach().contiguous().cpu()
-        h.update(json.dumps([name, str(t.dtype), list(t.shape)]).encode())
-        h.update(t.reshape(-1).view(torch.uint8).numpy())
-    return h.hexdigest()
-
-
-def read_verified(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """The tensors and metadata of a checkpoint file, after checking its SHA-256; raises
-    CorruptCheckpoint (a file without a checksum too: whoever wrote it, nothing vouches for it)."""
-    try:
-        with safe_open(str(path), framework="pt") as f:
-            meta = f.metadata() or {}
-            tensors = {k: f.get_tensor(k) for k in f.keys()}
-    except Exception as exc:  # safetensors raises several types for a damaged file
-        raise CorruptCheckpoint(f"checkpoint {path} is unreadable: {exc}") from None
-    recorded = meta.get(DIGEST_KEY)
-    if recorded is None:
-        raise CorruptCheckpoint(f"checkpoint {path} has no checksum: it cannot be verified, so it is not used")
-    if digest(tensors, meta) != recorded:
-        raise CorruptCheckpoint(f"checkpoint {path} is corrupt: its contents do not match the SHA-256 recorded in it")
-    return tensors, meta
-
-
-def durable_replace(tmp: Path, final: Path) -> None:
-    """Flush `tmp` to disk, rename it to `final` and flush the directory: after a crash the name
-    holds either the old file or the whole new one."""
-    with open(tmp, "rb") as fh:
-        os.fsync(fh.fileno())
-    os.replace(tmp, final)
-    fd = os.open(final.parent, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+__all__ = ["has_outer", "BadMetadata", "CheckpointError", "CheckpointTooLarge", "CorruptCheckpoint",
+           "ForeignCheckpoint", "Checkpoint", "CheckpointStore", "ChunkWriter", "StageSaver", "check_fits", "digest",
+           "load", "optimized", "read_chunks", "read_verified", "stage_shapes"]
 
 
 def checkpoint_name(stage: int, num_stages: int, step: int) -> str:
     """The file name of stage `stage` of `num_stages` at step `step` (matches NAME)."""
     return f"stage{stage}-of{num_stages}-step{step}.safetensors"
-
-
-def read_chunks(path: str | Path, size: int = CHUNK_BYTES) -> Iterator[tuple[bytes, bool]]:
-    """(data, last) pieces of a file; the last piece is shorter than `size` (possibly empty)."""
-    with open(path, "rb") as fh:
-        while True:
-            data = fh.read(size)
-            last = len(data) < size
-            yield data, last
-            if last:
-                return
 
 
 def stage_shapes(model: torch.nn.Module, outer: bool = False) -> dict[str, tuple[int, ...]]:
@@ -110,7 +56,8 @@ def stage_shapes(model: torch.nn.Module, outer: bool = False) -> dict[str, tuple
     return shapes
 
 
-def check_fits(tensors: dict[str, torch.Tensor], shapes: dict[str, tuple[int, ...]], what: str, extra_limit: int) -> None:
+def check_fits(tensors: dict[str, torch.Tensor], shapes: dict[str, tuple[int, ...]], what: str,
+               extra_limit: int) -> None:
     """A checkpoint's tensors fit a stage: every weight present, nothing unknown, every shape right,
     floating point, and at most `extra_limit` elements of codec state (its shapes those of `shapes`'
     `extra/...` entries, where given). Raises CorruptCheckpoint: loading it would fail (or worse,
@@ -122,7 +69,8 @@ def check_fits(tensors: dict[str, torch.Tensor], shapes: dict[str, tuple[int, ..
         elif name not in shapes:
             raise CorruptCheckpoint(f"{what} does not fit the stage: it holds an unknown tensor {name!r}")
         if name in shapes and tuple(t.shape) != shapes[name]:
-            raise CorruptCheckpoint(f"{what} does not fit the stage: {name} has shape {list(t.shape)}, not {list(shapes[name])}")
+            raise CorruptCheckpoint(f"{what} does not fit the stage: {name} has shape {list(t.shape)}, "
+                                    f"not {list(shapes[name])}")
         if not t.is_floating_point():
             raise CorruptCheckpoint(f"{what} does not fit the stage: {name} is {t.dtype}, not floating point")
     missing = [n for n in shapes if n.startswith("model/") and n not in tensors]
@@ -130,11 +78,6 @@ def check_fits(tensors: dict[str, torch.Tensor], shapes: dict[str, tuple[int, ..
         raise CorruptCheckpoint(f"{what} does not fit the stage: it lacks {', '.join(missing[:3])}")
     if extra > extra_limit:
         raise CorruptCheckpoint(f"{what} holds {extra} elements of codec state, more than {extra_limit}")
-
-
-def owner_only(path: Path) -> None:
-    """Checkpoints hold a stage's weights: readable by their owner only."""
-    os.chmod(path, 0o600)
 
 
 class ChunkWriter:
@@ -224,7 +167,8 @@ class CheckpointStore:
         if confirmed is None:
             old = found[: -self.keep]
         else:
-            old = [c for c in found if c.step <= confirmed][: -self.keep] + [c for c in found if c.step > confirmed][: -self.keep]
+            old = ([c for c in found if c.step <= confirmed][: -self.keep]
+                   + [c for c in found if c.step > confirmed][: -self.keep])
         for ckpt in old:
             ckpt.path.unlink(missing_ok=True)
 
@@ -246,7 +190,8 @@ class CheckpointStore:
         data parallel)."""
         self.dir.mkdir(parents=True, exist_ok=True)
         aliases = tied_aliases(model)
-        tensors = {f"model/{k}": v.detach().contiguous().cpu() for k, v in model.state_dict().items() if k not in aliases}
+        tensors = {f"model/{k}": v.detach().contiguous().cpu() for k, v in model.state_dict().items()
+                   if k not in aliases}
         names = {id(p): n for n, p in model.named_parameters()}
         opt_steps = {}
         for group in optimizer.param_groups:
@@ -262,7 +207,8 @@ class CheckpointStore:
             tensors[f"extra/{k}"] = v.detach().contiguous().cpu()
         for k, v in (outer or {}).items():
             tensors[f"outer/{k}"] = v.detach().contiguous().cpu()
-        meta = {"step": str(step), "stage": str(stage), "num_stages": str(num_stages), "run": run_json, "optim_steps": json.dumps(opt_steps)}
+        meta = {"step": str(step), "stage": str(stage), "num_stages": str(num_stages), "run": run_json,
+                "optim_steps": json.dumps(opt_steps)}
         if unreported:
             meta["unreported"] = json.dumps(unreported)
         if pipeline:
@@ -293,7 +239,8 @@ def tied_aliases(model: torch.nn.Module) -> dict[str, str]:
 
 def optimized(tensors: dict[str, torch.Tensor]) -> set[str]:
     """The parameters a checkpoint's tensors hold AdamW moments of."""
-    return {name[len("optim/"):-len("/exp_avg")] for name in tensors if name.startswith("optim/") and name.endswith("/exp_avg")}
+    return {name[len("optim/"):-len("/exp_avg")] for name in tensors
+            if name.startswith("optim/") and name.endswith("/exp_avg")}
 
 
 def load(ckpt: Checkpoint, model: torch.nn.Module, optimizer: torch.optim.Optimizer, run: RunConfig,
@@ -306,7 +253,8 @@ def load(ckpt: Checkpoint, model: torch.nn.Module, optimizer: torch.optim.Optimi
     tensors, raw = read_verified(ckpt.path)
     meta = CheckpointMeta.parse(raw, MetaForm(ckpt.stage, ckpt.num_stages, ckpt.step, run, f"checkpoint {ckpt.path}"),
                                 optimized(tensors))
-    shapes = {**stage_shapes(model, outer=has_outer(run)), **{f"extra/{k}": tuple(v.shape) for k, v in (codec_state or {}).items()}}
+    shapes = {**stage_shapes(model, outer=has_outer(run)),
+              **{f"extra/{k}": tuple(v.shape) for k, v in (codec_state or {}).items()}}
     check_fits(tensors, shapes, f"checkpoint {ckpt.path}", extra_limit=EXTRA_LIMIT_PER_DIM * model.cfg.dim)
     state = {k[len("model/"):]: v for k, v in tensors.items() if k.startswith("model/")}
     for alias, name in tied_aliases(model).items():  # a tied head is stored once, as the embedding
@@ -314,7 +262,8 @@ def load(ckpt: Checkpoint, model: torch.nn.Module, optimizer: torch.optim.Optimi
             state.setdefault(alias, state[name])
     missing, unexpected = model.load_state_dict(state, strict=False)
     if missing or unexpected:
-        raise ForeignCheckpoint(f"checkpoint {ckpt.path} does not fit stage {ckpt.stage}: missing {missing[:3]}, unexpected {unexpected[:3]}")
+        raise ForeignCheckpoint(f"checkpoint {ckpt.path} does not fit stage {ckpt.stage}: missing {missing[:3]}, "
+                                f"unexpected {unexpected[:3]}")
     params = dict(model.named_parameters())
     device = next(model.parameters()).device
     for name, p in params.items():
@@ -341,7 +290,8 @@ class StageSaver:
         self.store, self.stage, self.num_stages, self.run = store, stage, run.stages, run
         self.run_json = run.to_json()
         self.on_saved = on_saved
-        self.fetch = None  # async fetch(step) -> bool: the daemon downloads a checkpoint of the stage from the coordinator
+        # async fetch(step) -> bool: the daemon downloads a checkpoint of the stage from the coordinator
+        self.fetch = None
         self.saved_step = -1
         self.unreported: list[StepRecord] = []  # what the checkpoint restored last held of steps not reported yet
         self.outer = None  # pipelines in data parallel: the OuterSync whose outer weights checkpoints keep
@@ -354,14 +304,15 @@ class StageSaver:
             return True
         return self.fetch is not None and self.store is not None and await self.fetch(step)
 
-    def save(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer, codecs, unreported: list | None = None) -> None:
+    def save(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer, codecs,
+             unreported: list | None = None) -> None:
         """Save the state of committed step `step` (once; nothing at step 0 or without a store)."""
         if self.store is None or step == 0 or step == self.saved_step:
             return
         self.saved_step = step
         outer = self.outer.checkpoint_tensors() if self.outer is not None else None
-        path = self.store.save(self.stage, self.num_stages, step, model, optimizer, self.run_json, codecs.tensors() or None,
-                               unreported, outer, self.pipeline)
+        path = self.store.save(self.stage, self.num_stages, step, model, optimizer, self.run_json,
+                               codecs.tensors() or None, unreported, outer, self.pipeline)
         log.info("stage %d saved step %d to %s", self.stage, step, path)
         if self.on_saved:
             self.on_saved(str(path), step)
@@ -394,6 +345,7 @@ class StageSaver:
         codecs.load({k: v for k, v in extra.items() if not k.startswith("outer/")}, ckpt.step)
         if self.outer is not None:
             self.outer.restore({k[len("outer/"):]: v for k, v in extra.items() if k.startswith("outer/")}, ckpt.step)
-        self.unreported = list(meta.unreported) if meta.pipeline == self.pipeline else []  # another pipeline's steps: not ours
+        # another pipeline's steps: not ours
+        self.unreported = list(meta.unreported) if meta.pipeline == self.pipeline else []
         log.info("stage %d loaded %s (step %d)", self.stage, ckpt.path, ckpt.step)
         return ckpt.step

@@ -66,11 +66,14 @@ class CheckpointMeta:
             if not isinstance(text, str) or not NUMBER.fullmatch(text) or int(text) != expected:
                 raise BadMetadata(f"{what}: its metadata gives {key} {str(text)[:20]!r}, not {expected}")
         run = meta.get("run")
-        if not isinstance(run, str) or len(run) > MAX_RUN_CHARS or not isinstance(saved := _json(run, what, "run"), dict):
-            raise BadMetadata(f"{what}: its run configuration is not a JSON object of at most {MAX_RUN_CHARS} characters")
+        if (not isinstance(run, str) or len(run) > MAX_RUN_CHARS
+                or not isinstance(saved := _json(run, what, "run"), dict)):
+            raise BadMetadata(f"{what}: its run configuration is not a JSON object of at most "
+                              f"{MAX_RUN_CHARS} characters")
         same_run(saved, json.loads(form.run.to_json()), what)
         pipeline = meta.get("pipeline", "0")
-        if not isinstance(pipeline, str) or not NUMBER.fullmatch(pipeline) or int(pipeline) >= form.run.swarm.data_slots:
+        if (not isinstance(pipeline, str) or not NUMBER.fullmatch(pipeline)
+                or int(pipeline) >= form.run.swarm.data_slots):
             raise BadMetadata(f"{what}: its pipeline {str(pipeline)[:20]!r} is not one of the run's "
                               f"0..{form.run.swarm.data_slots - 1}")
         return cls(form.step, form.stage, form.num_stages, run, _optim_steps(meta, form.step, optimized, what),
@@ -91,7 +94,8 @@ def same_run(saved: dict, ours: dict, what: str) -> None:
         else:
             same = theirs == mine
         if not same:
-            raise ForeignCheckpoint(f"{what} belongs to another run ({key} differs); move it away or use another --checkpoint-dir")
+            raise ForeignCheckpoint(f"{what} belongs to another run ({key} differs); move it away or use another "
+                                    "--checkpoint-dir")
 
 
 def kept_unreported(records: Iterable[StepRecord], step: int) -> list[StepRecord]:
@@ -136,9 +140,11 @@ def _optim_steps(meta: Mapping[str, str], step: int, optimized: Collection[str],
         raise BadMetadata(f"{what}: its optim_steps is not a JSON object")
     for name, count in steps.items():
         if name not in optimized:
-            raise BadMetadata(f"{what}: it gives an AdamW step count of {name[:80]!r}, a parameter it holds no moments of")
+            raise BadMetadata(f"{what}: it gives an AdamW step count of {name[:80]!r}, "
+                              "a parameter it holds no moments of")
         if not _real(count) or count != int(count) or not 0 <= count <= step:
-            raise BadMetadata(f"{what}: the AdamW step count of {name} is {str(count)[:20]}, not a whole number in 0..{step}")
+            raise BadMetadata(f"{what}: the AdamW step count of {name} is {str(count)[:20]}, "
+                              f"not a whole number in 0..{step}")
     return {name: int(count) for name, count in steps.items()}
 
 
@@ -149,13 +155,15 @@ def _unreported(meta: Mapping[str, str], form: MetaForm, what: str) -> tuple[Ste
     if entries and form.stage != form.run.loss_stage:
         raise BadMetadata(f"{what}: it carries unreported steps, and stage {form.stage} computes no loss")
     if len(entries) > min(MAX_UNREPORTED, form.step):
-        raise BadMetadata(f"{what}: it carries {len(entries)} unreported steps, more than {min(MAX_UNREPORTED, form.step)}")
+        raise BadMetadata(f"{what}: it carries {len(entries)} unreported steps, "
+                          f"more than {min(MAX_UNREPORTED, form.step)}")
     samples = form.run.train.micro_batches * form.run.train.batch_size
     records = []
     for k, entry in enumerate(entries):
         step = form.step - len(entries) + k  # one run of steps up to the checkpoint's
-        if not (isinstance(entry, list) and len(entry) == 4 and _integer(entry[0]) and entry[0] == step and _real(entry[1])
-                and isinstance(entry[2], list) and len(entry[2]) <= samples and _real(entry[3]) and entry[3] >= 0
+        if not (isinstance(entry, list) and len(entry) == 4 and _integer(entry[0]) and entry[0] == step
+                and _real(entry[1]) and isinstance(entry[2], list) and len(entry[2]) <= samples
+                and _real(entry[3]) and entry[3] >= 0
                 and all(_integer(i) and 0 <= i < MAX_SAMPLE_ID for i in entry[2])):
             raise BadMetadata(f"{what}: its unreported entry {k} is not [step {step}, a finite loss, at most {samples} "
                               f"sample ids, seconds >= 0]")

@@ -31,7 +31,8 @@ class ReplicaGroup:
         if run.swarm.auto:
             raise ValueError("a replica group needs a number of pipelines, not auto")
         self.run = run
-        self.replicas = [PipelineReplica(run, dataset, device, init_from, train_samples, pipeline=p) for p in range(run.swarm.pipelines)]
+        self.replicas = [PipelineReplica(run, dataset, device, init_from, train_samples, pipeline=p)
+                         for p in range(run.swarm.pipelines)]
         self.outer = [[OuterOptimizer(model.parameters(), run.swarm) for model in r.models] for r in self.replicas]
         self.averaging_bytes = 0   # what every replica sent for the outer steps, all together
         self.outer_steps = 0

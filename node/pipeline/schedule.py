@@ -53,7 +53,8 @@ class Split:
         if train.pipeline_micro_batches:  # validated to divide the samples
             return [train.pipeline_micro_batches]
         smallest = max(1, -(-train.min_micro_batch_tokens // train.seq_len))
-        return [m for m in range(train.micro_batches, samples // smallest + 1) if samples % m == 0] or [train.micro_batches]
+        return ([m for m in range(train.micro_batches, samples // smallest + 1) if samples % m == 0]
+                or [train.micro_batches])
 
     @classmethod
     def of(cls, train: TrainConfig, stages: int) -> "Split":

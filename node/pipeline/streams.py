@@ -44,7 +44,8 @@ class CodecStreams:
         self.run_cfg = run
         sends = {FORWARD: run.neighbour(stage, 1) is not None, BACKWARD: run.neighbour(stage, -1) is not None}
         self.states: dict[Direction, CodecState] = {
-            d: self.codecs[d].sender_state(run.model.dim, device) if sends[d] else CodecState() for d in (FORWARD, BACKWARD)}
+            d: self.codecs[d].sender_state(run.model.dim, device) if sends[d] else CodecState()
+            for d in (FORWARD, BACKWARD)}
         self.t, self.device, self.stats = transport, device, stats
         self.overlap = run.train.host_copy == "overlap"  # encode(out=...) hands back a PendingPayload
         self.sending: dict[Direction, tuple[int, CodecContext]] = {}
@@ -57,7 +58,8 @@ class CodecStreams:
 
     def codec_for(self, direction: Direction, step: int):
         """The codec that encodes `direction` at optimizer step `step` (codec.forward_high_*)."""
-        if direction is FORWARD and self.high is not None and self.run_cfg.codec.high_phase(step, self.run_cfg.train.steps):
+        if (direction is FORWARD and self.high is not None
+                and self.run_cfg.codec.high_phase(step, self.run_cfg.train.steps)):
             return self.high
         return self.codecs[direction]
 
@@ -83,8 +85,8 @@ class CodecStreams:
         self.stats.counted(direction, size, tensor)
         return result, gen
 
-    def encode_output(self, tensor: torch.Tensor, sample_ids, step: int,
-                      out: pb.EncodedTensor | None = None) -> tuple[pb.EncodedTensor | memoryview | PendingPayload, int, int]:
+    def encode_output(self, tensor: torch.Tensor, sample_ids, step: int, out: pb.EncodedTensor | None = None
+                      ) -> tuple[pb.EncodedTensor | memoryview | PendingPayload, int, int]:
         """A forward output to send: encoded, its generation, and the power of two it was multiplied
         by first: 0 unless its largest magnitude reaches 2^OUTPUT_TOP, where fp16 zero-points and
         scales near their overflow; such an output is moved down exactly, so that any finite output
@@ -106,12 +108,14 @@ class CodecStreams:
         msg, gen = self.encode(BACKWARD, tensor * 2.0 ** k if k else tensor, sample_ids, out=out)
         return msg, gen, k
 
-    def decode(self, direction: Direction, stream: int, mb: pb.MicroBatch, dtype: torch.dtype, payload=None) -> torch.Tensor:
+    def decode(self, direction: Direction, stream: int, mb: pb.MicroBatch, dtype: torch.dtype,
+               payload=None) -> torch.Tensor:
         """The received tensor, decoded by the run's codec of that direction, with the parameters the
         run sends (a message of another codec or of other parameters is refused: its codec's state,
         e.g. AQ-SGD's cache, is not the peer's to grow, nor its decoder's memory the peer's to size).
         `payload`: the tensor's payload where it travelled apart (tahnode.net.body)."""
-        if mb.tensor.checksum != pb.CRC32C:  # zlib's CRC-32 (older senders) costs a receiver 5x the CPU: not the sender's pick
+        # zlib's CRC-32 (older senders) costs a receiver 5x the CPU: not the sender's pick
+        if mb.tensor.checksum != pb.CRC32C:
             raise codecs.CodecError(f"{direction} message checked with CRC-32; this swarm's messages carry CRC-32C")
         own = [self.codecs[direction]] + ([self.high] if direction is FORWARD and self.high is not None else [])
         if not any(codec.sent(mb.tensor) for codec in own):
@@ -139,7 +143,8 @@ class CodecStreams:
         new = len(set(ctx.sample_ids) - ctx.aqsgd_cache.rows.keys())
         if len(ctx.aqsgd_cache) + new > most:
             raise codecs.CodecError(f"a message of step {step} with {new} new sample ids would cache "
-                                    f"{len(ctx.aqsgd_cache) + new} samples on this stream; its sender can have sent {most}")
+                                    f"{len(ctx.aqsgd_cache) + new} samples on this stream; its sender can have "
+                                    f"sent {most}")
 
     def _clock(self) -> float:
         """time.perf_counter() once the compute stream's queued work is done: on a GPU, codec_seconds
