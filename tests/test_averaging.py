@@ -19,7 +19,8 @@ from hivemind.proto import runtime_pb2  # noqa: E402
 
 from tahnode.codecs.blockwise import BlockwiseError, quantize  # noqa: E402
 from tahnode.net import averaging_codec, averaging_parts as parts  # noqa: E402
-from tahnode.net.averaging import GRACE_S, BadVector, StageAverager, UnsupportedBits, usable  # noqa: E402
+from tahnode.net.averaging import BadVector, StageAverager, UnsupportedBits  # noqa: E402
+from tahnode.net.averaging_rules import GRACE_S, usable  # noqa: E402
 from tahnode.train.group_mean import butterfly_mean, wire_bytes  # noqa: E402
 
 SIZE = 6000

@@ -1,6 +1,7 @@
 """The architecture cannot rot silently: no module imports from a layer above its own (design.md
-section 2), every subpackage ships in the wheel, modules and classes stay small, and every module
-says what it is in a docstring of at least two lines."""
+section 2) and no modules of a subpackage import each other round about, every subpackage ships in
+the wheel, modules and classes stay small, and every module says what it is in a docstring of at
+least two lines."""
 
 from __future__ import annotations
 
@@ -108,6 +109,55 @@ def test_the_layering_check_catches_upward_and_sideways_imports():
     assert violations("tahnode.kernels.naive_ref", "from .. import codecs\n")
     assert not violations("tahnode.pipeline.worker", "from ..net.transport import FORWARD\nfrom .state import Stats\n")
     assert not violations("tahnode.cli", "from .tools import demo\nfrom .coordinator.server import serve\n")
+
+
+def import_graph(found: dict[str, Path]) -> dict[str, set[str]]:
+    """Module -> the modules of its own subpackage it imports (anywhere in it: at the top, in a
+    function, under TYPE_CHECKING), the subpackage's __init__ left out."""
+    graph = {}
+    for name, path in found.items():
+        if path.name == "__init__.py":
+            continue
+        package = name.rpartition(".")[0]
+        graph[name] = {t for t in imports_of(name, path.read_text(), False)
+                       if t in found and t != name and t.rpartition(".")[0] == package and found[t].name != "__init__.py"}
+    return graph
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The circles of `graph` (each once, its modules sorted): modules that import each other, round
+    about, are one object spread over several files."""
+    found, done = set(), set()
+
+    def walk(node: str, path: list[str]) -> None:
+        if node in path:
+            found.add(tuple(sorted(path[path.index(node):])))
+            return
+        if node in done:
+            return
+        for nxt in sorted(graph.get(node, ())):
+            walk(nxt, path + [node])
+        done.add(node)
+
+    for node in sorted(graph):
+        walk(node, [])
+    return [list(c) for c in sorted(found)]
+
+
+def test_no_circle_of_imports_inside_a_subpackage():
+    graph = import_graph(modules())
+    assert "tahnode.pipeline.core" in graph["tahnode.pipeline.worker"]
+    assert circles(graph) == []
+
+
+def test_the_circle_check_finds_circles_and_nothing_else():
+    assert circles({"a.x": {"a.y"}, "a.y": {"a.z"}, "a.z": {"a.x"}, "a.w": {"a.x"}}) == [["a.x", "a.y", "a.z"]]
+    assert circles({"a.x": {"a.y", "a.z"}, "a.y": {"a.z"}, "a.z": set()}) == []
+    # the helper that names the worker only for its type annotations still closes a circle
+    hidden = "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .worker import StageWorker\n"
+    graph = {"tahnode.pipeline.inbox": set(imports_of("tahnode.pipeline.inbox", hidden, False)),
+             "tahnode.pipeline.worker": {"tahnode.pipeline.inbox"}}
+    assert circles(graph) == [["tahnode.pipeline.inbox", "tahnode.pipeline.worker"]]
 
 
 def test_every_subpackage_ships_in_the_wheel():

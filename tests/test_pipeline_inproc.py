@@ -281,7 +281,7 @@ def test_stop_during_the_last_gradient_waits_for_its_step_end(dataset, tmp_path)
                 time.sleep(0.3)
             return backward(item, mb)
 
-        stage1.backward = slow_last_backward
+        stage1.inbox.ops.backward = slow_last_backward  # what the inbox hands a gradient to
         tasks = [asyncio.ensure_future(w.run(50)) for w in swarm.workers]
         await asyncio.wait_for(inside.wait(), 60)
         await stage1.stop()

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tahnode.net.averaging import CHUNK_TIMEOUT_S
+from tahnode.net.averaging_rules import CHUNK_TIMEOUT_S
 from tahnode.pipeline.checkpoint import read_verified
 from swarm import Swarm
 

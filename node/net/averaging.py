@@ -1,14 +1,14 @@
 """The replicas of a stage (one per pipeline) averaging their pseudo-gradients each outer step through
-hivemind's DecentralizedAverager (checked and counted in averaging_parts): `StageAverager`, and its tallies."""
+hivemind's DecentralizedAverager (checked and counted in averaging_parts, by the rules of averaging_rules):
+`StageAverager`."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 import time
-from collections import Counter
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Callable
+from typing import Callable
 
 import torch
 
@@ -20,16 +20,6 @@ __all__ = ["AveragingRound", "StageAverager", "AveragingError", "UnsupportedBits
            "AveragerNotRunning", "BITS"]
 
 BITS = (4, 8, 16, 32)        # 4/8: tahnode.codecs.blockwise; 16: float16; 32: float32 as is
-MIN_MATCHMAKING_S = 0.5      # the least time a replica looks for its group
-REQUEST_TIMEOUT_S = 0.3      # how long a would-be leader may take to answer (below MIN_MATCHMAKING_S: hivemind)
-# a sender silent this long between two parts (of at most 512 KiB: 0.4 s at 10 Mbit/s) is dropped, a
-# reducer after twice this: a replica that dies in an all-reduce costs the others 15 s at most, within
-# the outer step's deadline (swarm.outer_timeout_s, 30 s); with 20 s it cost them 70 s
-CHUNK_TIMEOUT_S = 5.0
-GRACE_S = 1.5                # after the deadline, the time the leader's "begin" message may take to arrive
-ALLREDUCE_TIMEOUT_S = 600.0  # the most an all-reduce may take once its group formed
-CONTROL_TIMEOUT_S = 30.0     # the most the averager's process may take to answer a control message
-STATE_KEY = "tahnode"        # served metadata is wrapped: hivemind takes an empty dict for "no state"
 
 State = Callable[[], "tuple[dict, list[torch.Tensor]]"]
 
@@ -183,41 +173,3 @@ def checked_state(loaded: tuple, template: list[torch.Tensor]) -> tuple[dict, li
         if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
             return None
     return metadata, [tensor.clone() for tensor in tensors]
-
-
-def usable(part: torch.Tensor | None, shape) -> torch.Tensor | None:
-    """`part` as float32 if it is a floating tensor of `shape` with every value finite, else None."""
-    if not torch.is_tensor(part) or tuple(part.shape) != tuple(shape) or not part.is_floating_point():
-        return None
-    part = part.detach().to(torch.float32)
-    return part if bool(torch.isfinite(part).all()) else None
-
-
-class Ledger:
-    """What the averager's process tallies until the parent takes it after a round: parts refused per
-    peer, the serialized bytes it sent and received; and the peers allowed in its groups (none: all)."""
-
-    def __init__(self):
-        self.members: frozenset[str] = frozenset()
-        self.refused: Counter = Counter()
-        self.sent = self.received = 0
-        self.partial = False  # a part's average never came back in the last round
-
-    def admits(self, peer) -> bool:
-        return not self.members or str(peer) in self.members
-
-    def refuse(self, peer) -> None:
-        self.refused[str(peer)] += 1
-
-    def mark_partial(self) -> None:
-        self.partial = True
-
-    def take(self) -> tuple[dict[str, int], int, int, bool]:
-        tally = (dict(self.refused), self.sent, self.received, self.partial)
-        self.refused, self.sent, self.received, self.partial = Counter(), 0, 0, False
-        return tally
-
-    async def counting_received(self, stream: AsyncIterator) -> AsyncIterator:
-        async for message in stream:
-            self.received += message.ByteSize()
-            yield message

@@ -28,8 +28,8 @@ from hivemind.utils.asyncio import amap_in_executor, as_aiter, azip, enter_async
 from hivemind.utils.timed_storage import get_dht_time
 
 from ..train.group_mean import accepted, admitted
-from .averaging import (ALLREDUCE_TIMEOUT_S, CHUNK_TIMEOUT_S, CONTROL_TIMEOUT_S, GRACE_S, MIN_MATCHMAKING_S,
-                        REQUEST_TIMEOUT_S, STATE_KEY, Ledger, usable)
+from .averaging_rules import (ALLREDUCE_TIMEOUT_S, CHUNK_TIMEOUT_S, CONTROL_TIMEOUT_S, GRACE_S, MIN_MATCHMAKING_S,
+                              REQUEST_TIMEOUT_S, STATE_KEY, Ledger, usable)
 from .averaging_codec import compression_for, decoded  # noqa: F401  (compression_for: StageAverager's)
 
 log = logging.getLogger("tahnode.averaging")
@@ -213,7 +213,8 @@ class CheckedRunner(AllReduceRunner):
         """Part `part_index`'s average in this replica's codec, made once (admitted parts are finite,
         and so is their mean)."""
         if part_index not in self.means:
-            self.means[part_index] = self.tensor_part_container.compression.compress(mean, CompressionInfo.from_tensor(mean))
+            self.means[part_index] = self.tensor_part_container.compression.compress(
+                mean, CompressionInfo.from_tensor(mean))
         return self.means[part_index]
 
 

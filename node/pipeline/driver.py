@@ -7,17 +7,16 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
-from typing import TYPE_CHECKING
+from typing import Awaitable, Callable
 
 from ..net.transport import FORWARD
 from ..proto import tahnode_pb2 as pb
 from ..train.data import SampleSchedule, TokenDataset
 from ..train.optim import grad_sumsq
+from .core import StageCore
+from .outer_sync import OuterSync
 from .schedule import SavedBytes, Split, SplitTuner, Window
 from .state import DivergedStep, PipelineError
-
-if TYPE_CHECKING:
-    from .worker import StageWorker
 
 log = logging.getLogger("tahnode.pipeline")
 
@@ -27,17 +26,21 @@ SYNC_WAIT_MAX_S = 5.0  # the longest stage 0 waits for a Sync's answer before as
 
 
 class StepDriver:
-    """The step loop of stage 0 (`drive`), fed by the worker's inbox through `backward_done`,
-    `sync_answered` and `abort_step`."""
+    """The step loop of stage 0 (`drive`), fed by the stage's inbox through `backward_done`,
+    `sync_answered` and `abort_step`. It takes the stage's parts (`core`), the worker's forward of a
+    micro-batch and commit of a step, the rollback of the stage (Resync) and its outer sync."""
 
-    def __init__(self, worker: "StageWorker", dataset: TokenDataset | None):
-        self.w = worker
-        t = worker.train
-        self.split = Split.of(t, worker.num_stages)
+    def __init__(self, core: StageCore, dataset: TokenDataset | None, forward_first: Callable[..., tuple],
+                 commit: Callable[[pb.StepEnd], Awaitable[float]], roll_back: Callable[[int], Awaitable[bool]],
+                 outer: OuterSync | None):
+        self.w, self.forward_first, self.commit, self.roll_back, self.outer = (
+            core, forward_first, commit, roll_back, outer)
+        t = core.train
+        self.split = Split.of(t, core.num_stages)
         self.tuner = SplitTuner(Split.counts(t), self.split.micro_batches)
         self.dataset = dataset
-        self.samples = SampleSchedule.for_run(worker.run_cfg, len(dataset)) if dataset else None
-        self.window = Window.initial(worker.num_stages, self.split, t.schedule)
+        self.samples = SampleSchedule.for_run(core.run_cfg, len(dataset)) if dataset else None
+        self.window = Window.initial(core.num_stages, self.split, t.schedule)
         self.sample_bytes = 0.0  # activations saved here per sample (measured on the first micro-batch)
         self.all_backward = asyncio.Event()
         self.abort = asyncio.Event()
@@ -60,7 +63,8 @@ class StepDriver:
         st = self.w.state
         if ack.abort:
             self.abort.set()
-        elif self.sync_reply is not None and not self.sync_reply.done() and (ack.step, ack.attempt) == (st.step, st.attempt):
+        elif (self.sync_reply is not None and not self.sync_reply.done()
+                and (ack.step, ack.attempt) == (st.step, st.attempt)):
             self.sync_reply.set_result(ack)
 
     # -- the loop ----------------------------------------------------------------------------------
@@ -69,19 +73,20 @@ class StepDriver:
         ids = self.samples.ids_at(self.w.state.step, index * split.batch_size, split.batch_size, self.w.pipeline)
         tokens, labels = self.dataset.batch(ids)
         if self.sample_bytes:
-            return self.w.forward_first(index, split.micro_batches, ids, tokens, labels)
+            return self.forward_first(index, split.micro_batches, ids, tokens, labels)
         with SavedBytes(self.w.model) as saved:
-            result = self.w.forward_first(index, split.micro_batches, ids, tokens, labels)
+            result = self.forward_first(index, split.micro_batches, ids, tokens, labels)
         self.sample_bytes = max(1.0, saved.bytes / split.batch_size)
         self.window.cap(self._memory_cap(split))
-        log.info("stage 0: a micro-batch of %d samples saves %.1f MB of activations; the memory budget holds %d in flight",
-                 split.batch_size, self.sample_bytes * split.batch_size / 2**20, self._memory_cap(split))
+        log.info("stage 0: a micro-batch of %d samples saves %.1f MB of activations; the memory budget holds %d "
+                 "in flight", split.batch_size, self.sample_bytes * split.batch_size / 2**20, self._memory_cap(split))
         return result
 
     def _memory_cap(self, split: Split) -> int:
         """Micro-batches of `split` whose saved activations fit in the memory budget (at least 1)."""
         budget = self.w.train.memory_budget_mb * 2**20
-        return max(1, int(budget // (self.sample_bytes * split.batch_size))) if self.sample_bytes else split.micro_batches
+        return (max(1, int(budget // (self.sample_bytes * split.batch_size))) if self.sample_bytes
+                else split.micro_batches)
 
     def _begin_step(self) -> None:
         """This step's cut (the tuner's), and a window for it: as many places, in samples, as the
@@ -89,7 +94,8 @@ class StepDriver:
         old, self.split = self.split, Split.with_count(self.w.train, self.tuner.count)
         if self.split != old:
             fresh = Window.initial(self.w.num_stages, self.split, self.w.train.schedule)
-            self.window = Window(max(fresh.size, self.window.size * self.split.micro_batches // old.micro_batches), fresh.limit)
+            self.window = Window(max(fresh.size, self.window.size * self.split.micro_batches // old.micro_batches),
+                                 fresh.limit)
             self.window.cap(self._memory_cap(self.split))
             log.info("stage 0: steps are now %d micro-batches of %d samples (window %d)", self.split.micro_batches,
                      self.split.batch_size, self.window.size)
@@ -104,7 +110,8 @@ class StepDriver:
         done, _ = await asyncio.wait({admitted, drained}, return_when=asyncio.FIRST_COMPLETED)
         drained.cancel()
         if admitted not in done and self.window.grow():
-            log.debug("stage 0: %d micro-batches in flight (the forward link went idle waiting for the window)", self.window.size)
+            log.debug("stage 0: %d micro-batches in flight (the forward link went idle waiting for the window)",
+                      self.window.size)
         return await admitted
 
     async def _sync(self, attempt: int, regroup: bool = False) -> None:
@@ -118,14 +125,16 @@ class StepDriver:
         while True:
             self.abort.clear()
             if regroup:
-                await w.outer.regroup()
-                wait = max(wait, w.outer.swarm.outer_timeout_s)  # every stage may wait that long for a replica's state
+                await self.outer.regroup()
+                # every stage may wait that long for a replica's state
+                wait = max(wait, self.outer.swarm.outer_timeout_s)
             await w.compute(w.restart_step, st.committed, attempt)
             self.window = Window(self.window.size, self.window.limit)  # none in flight; what it learned stays
             if w.num_stages == 1:
                 return
             self.sync_reply = asyncio.get_running_loop().create_future()
-            sync = pb.Sync(step=st.step, attempt=attempt, last_commit=st.last_commit, rollback=rollback, regroup=regroup)
+            sync = pb.Sync(step=st.step, attempt=attempt, last_commit=st.last_commit, rollback=rollback,
+                           regroup=regroup)
             await w.send(FORWARD, sync=sync)
             try:
                 ack = await asyncio.wait_for(asyncio.shield(self.sync_reply), timeout=wait)
@@ -136,16 +145,18 @@ class StepDriver:
             low = min(ack.min_committed, st.committed)
             if ack.max_committed == low and st.committed == low:
                 return
-            if w.outer is not None and w.outer.active:
+            if self.outer is not None and self.outer.active:
                 log.warning("stages are at steps %d..%d: every stage returns to its stage's latest outer step", low,
                             max(ack.max_committed, st.committed))
                 regroup, attempt = True, attempt + 1
                 continue
             # a stage came back from an older checkpoint (e.g. a standby took it over): every stage
             # returns to that step and the steps after it are trained again
-            log.warning("stages are at steps %d..%d: rolling every stage back to step %d", low, max(ack.max_committed, st.committed), low)
-            if st.committed != low and not await w.resync.roll_back(low):
-                raise PipelineError(f"stage 0 cannot roll back to step {low}: no checkpoint of it here or in the coordinator's store")
+            log.warning("stages are at steps %d..%d: rolling every stage back to step %d", low,
+                        max(ack.max_committed, st.committed), low)
+            if st.committed != low and not await self.roll_back(low):
+                raise PipelineError(f"stage 0 cannot roll back to step {low}: no checkpoint of it here or in the "
+                                    "coordinator's store")
             rollback = True
             attempt += 1
 
@@ -194,7 +205,7 @@ class StepDriver:
         w, st = self.w, self.w.state
         # a fresh attempt number per incarnation of stage 0: leftovers of a previous one never match
         attempt = random.randrange(1, 1 << 30)
-        outer = w.outer
+        outer = self.outer
         if outer is not None and outer.expected > 1:  # other pipelines train: start from their latest outer step
             await outer.wait_ready()
         await self._sync(attempt, regroup=outer is not None and outer.active)
@@ -211,7 +222,7 @@ class StepDriver:
                 await self._sync(attempt)
                 continue
             total = st.partial_sumsq + await w.compute(grad_sumsq, w.opt.params)
-            seconds = await w.commit(pb.StepEnd(step=st.step, attempt=st.attempt, grad_sumsq=total))
+            seconds = await self.commit(pb.StepEnd(step=st.step, attempt=st.attempt, grad_sumsq=total))
             if not replayed:
                 self.tuner.record(seconds)
             replayed = False

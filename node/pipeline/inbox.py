@@ -8,27 +8,41 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import Awaitable, Callable
 
 from ..net.transport import BACKWARD, FORWARD, EnvelopeKind, Inbound
 from ..proto import tahnode_pb2 as pb
 from .admission import BadMicroBatch
+from .core import StageCore
+from .driver import StepDriver
+from .resync import Resync
 from .schedule import InboxOrder
-from .state import DivergedStep
-
-if TYPE_CHECKING:
-    from .worker import StageWorker
+from .state import STALE, DivergedStep
 
 log = logging.getLogger("tahnode.pipeline")
 
-__all__ = ["Inbox"]
+__all__ = ["Inbox", "StageOps"]
+
+
+@dataclass
+class StageOps:
+    """What the inbox hands its envelopes to: the worker's forward and backward of a micro-batch (on the
+    compute thread), its commit of a step, the stage's side of the Sync protocol, and on stage 0 the
+    driver of the steps."""
+
+    forward: Callable[[Inbound, pb.MicroBatch], object]
+    backward: Callable[[Inbound, pb.MicroBatch], object]
+    commit: Callable[[pb.StepEnd], Awaitable[float]]
+    resync: Resync
+    driver: StepDriver | None
 
 
 class Inbox:
-    """The envelope side of a StageWorker (`serve` until the run ends for the stage)."""
+    """The envelope side of a stage (`serve` until the run ends for the stage)."""
 
-    def __init__(self, worker: "StageWorker"):
-        self.w = worker
+    def __init__(self, core: StageCore, ops: StageOps):
+        self.w, self.ops = core, ops
         self.handling = asyncio.Lock()  # held while one envelope is being handled
 
     async def serve(self) -> None:
@@ -69,9 +83,11 @@ class Inbox:
         elif kind is EnvelopeKind.STEP_END:
             await self._on_step_end(item, env.step_end)
         elif kind is EnvelopeKind.SYNC:
-            await w.resync.on_sync(env.sync)
+            await self.ops.resync.on_sync(env.sync)
         elif kind is EnvelopeKind.SYNC_ACK:
-            await w.resync.on_sync_ack(env.sync_ack)
+            ack = await self.ops.resync.on_sync_ack(env.sync_ack)
+            if self.ops.driver is not None:
+                self.ops.driver.sync_answered(ack)
         elif kind is EnvelopeKind.SHUTDOWN:
             if not w.last:
                 await w.send(FORWARD, shutdown=env.shutdown)
@@ -86,11 +102,9 @@ class Inbox:
         w.replay_step(reason, tell=True)
 
     async def _on_micro_batch(self, item: Inbound, mb: pb.MicroBatch) -> None:
-        from .worker import STALE
-
         w = self.w
         try:
-            result = await w.compute(w.forward if item.direction == FORWARD else w.backward, item, mb)
+            result = await w.compute(self.ops.forward if item.direction == FORWARD else self.ops.backward, item, mb)
         except BadMicroBatch as exc:
             self.refused(item, mb, exc)
             return
@@ -110,8 +124,8 @@ class Inbox:
             return
         if result is not None:
             await w.send(BACKWARD, result[1], envelope=result[0])
-        if w.first:
-            w.driver.backward_done(w.state.all_backward)
+        if self.ops.driver is not None:
+            self.ops.driver.backward_done(w.state.all_backward)
 
     async def _on_step_end(self, item: Inbound, end: pb.StepEnd) -> None:
         w = self.w
@@ -122,7 +136,7 @@ class Inbox:
             except BadMicroBatch as exc:  # commit in step with the others, clipping by what this stage knows
                 w.offence(item, exc)
                 end = pb.StepEnd(step=end.step, attempt=end.attempt, grad_sumsq=st.sent_sumsq)
-            await w.commit(end)
+            await self.ops.commit(end)
         elif end.step < st.committed:
             log.debug("stage %d dropped step end %d: already applied (from a sync)", w.stage, end.step)
         else:  # ahead of this stage: it missed steps (restarted behind the others, its neighbour not yet told): resync

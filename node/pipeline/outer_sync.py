@@ -10,15 +10,13 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import torch
 
 from ..net.averaging import AveragingError, AveragingRound
 from ..train.outer import OuterOptimizer
-
-if TYPE_CHECKING:
-    from .worker import StageWorker
+from .core import StageCore
 
 log = logging.getLogger("tahnode.pipeline")
 
@@ -76,22 +74,22 @@ class ServedState:
 
 
 class OuterSync:
-    """The outer weights of worker `w`'s stage and its averager (None: a single pipeline's stage).
+    """The outer weights of a stage (`core`: its parts) and its averager (None: a single pipeline's stage).
     `expected` is how many pipelines train now (the coordinator's word): with one, there is
     nothing to average and the stage's weights are its outer weights at every boundary."""
 
-    def __init__(self, worker: "StageWorker", averager: Averager | None = None):
-        self.w, self.swarm = worker, worker.run_cfg.swarm
-        self.outer = OuterOptimizer(worker.model.parameters(), self.swarm)
+    def __init__(self, core: StageCore, averager: Averager | None = None):
+        self.w, self.swarm = core, core.run_cfg.swarm
+        self.outer = OuterOptimizer(core.model.parameters(), self.swarm)
         self.averager = averager
         self.ready = asyncio.Event()  # set once it has an averager (the daemon starts one when pipelines train)
         if averager is not None:
             self.ready.set()
         self.expected = 1
-        self.anchor_step = worker.committed  # the step the outer weights are of
+        self.anchor_step = core.committed    # the step the outer weights are of
         self.needs_regroup = False           # the last boundary found no group while pipelines train
         self.alone_at: int | None = None     # that boundary's step (its outer weights are its own, not the group's)
-        self.source = worker.pipeline        # the pipeline whose outer step made outer weights of alone_at
+        self.source = core.pipeline          # the pipeline whose outer step made outer weights of alone_at
         self.admitted: int | None = None     # replicas its averager admits, itself included (None: it admits any)
         self.stats = OuterStats()
         self._lock = threading.Lock()        # the outer weights, against the thread that serves them to newcomers
@@ -111,7 +109,8 @@ class OuterSync:
             try:
                 await asyncio.wait_for(self.ready.wait(), self.swarm.outer_timeout_s)
             except asyncio.TimeoutError:
-                log.warning("stage %d: its averager did not start within %.3g s", self.w.stage, self.swarm.outer_timeout_s)
+                log.warning("stage %d: its averager did not start within %.3g s", self.w.stage,
+                            self.swarm.outer_timeout_s)
 
     def due(self, committed: int) -> bool:
         """Whether the replicas average after `committed` steps (every outer_every, and the run's last)."""
@@ -132,7 +131,8 @@ class OuterSync:
         try:
             result = await self.averager.average(pseudo, outer_round(committed, self.swarm.outer_every), self.expected,
                                                  self.swarm.outer_timeout_s)
-        except AveragingError as exc:  # its own pseudo-gradient not finite (it diverged), or its averager's process ended
+        except AveragingError as exc:
+            # its own pseudo-gradient not finite (it diverged), or its averager's process ended
             log.error("stage %d: outer step after step %d without the others: %s", self.w.stage, committed, exc)
             result = AveragingRound(None, 0)
         self._count(result)
@@ -142,8 +142,8 @@ class OuterSync:
             log.warning("stage %d: no replica of it came to outer step %d within %.3g s; it keeps its weights",
                         self.w.stage, outer_round(committed, self.swarm.outer_every), self.swarm.outer_timeout_s)
         elif result.mean is not None:
-            log.info("stage %d: outer step after step %d with %d replicas (%.2f s, %d bytes sent)", self.w.stage, committed,
-                     result.group, result.seconds, result.bytes_sent)
+            log.info("stage %d: outer step after step %d with %d replicas (%.2f s, %d bytes sent)", self.w.stage,
+                     committed, result.group, result.seconds, result.bytes_sent)
 
     async def _wait_members(self) -> None:
         """Before a round: until its averager admits a replica of every pipeline (a stage new to
@@ -254,7 +254,8 @@ class OuterSync:
         step they are of, and whether they are its own (no group at that step) rather than a group's."""
         with self._lock:
             tensors = [t.clone() for t in self.outer.tensors().values()]
-            return {"step": self.anchor_step, "alone": self.alone_at == self.anchor_step, "source": self.source}, tensors
+            return ({"step": self.anchor_step, "alone": self.alone_at == self.anchor_step, "source": self.source},
+                    tensors)
 
     async def regroup(self) -> int:
         """Return to the stage's latest outer step: a replica's in another pipeline if it is newer

@@ -6,16 +6,15 @@ with pipelines in data parallel, the regroup: back to the stage's latest outer s
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from typing import Awaitable, Callable
 
 from ..net.transport import BACKWARD, FORWARD
 from ..proto import tahnode_pb2 as pb
 from ..train.model import init_weights
 from ..train.optim import StageOptimizer
+from .core import StageCore
+from .outer_sync import OuterSync
 from .state import PipelineError
-
-if TYPE_CHECKING:
-    from .worker import StageWorker
 
 log = logging.getLogger("tahnode.pipeline")
 
@@ -23,10 +22,11 @@ __all__ = ["Resync"]
 
 
 class Resync:
-    """Stage `w`'s side of the replay protocol (stage 0 drives it: tahnode.pipeline.driver)."""
+    """A stage's side of the replay protocol (stage 0 drives it: tahnode.pipeline.driver): its parts,
+    the worker's commit (a Sync may carry the step end this stage missed) and its outer sync (a regroup)."""
 
-    def __init__(self, worker: "StageWorker"):
-        self.w = worker
+    def __init__(self, core: StageCore, commit: Callable[[pb.StepEnd], Awaitable[float]], outer: OuterSync | None):
+        self.w, self.commit, self.outer = core, commit, outer
 
     async def roll_back(self, step: int) -> bool:
         """Return to the committed state of `step`; False (stage 0 is told, the stage goes on as it
@@ -35,7 +35,8 @@ class Resync:
         if await w.saver.ensure(step):
             await w.compute(self.rollback, step)
             return True
-        reason = f"stage {w.stage} cannot roll back to step {step}: no checkpoint of it here or in the coordinator's store"
+        reason = (f"stage {w.stage} cannot roll back to step {step}: no checkpoint of it here or in the "
+                  "coordinator's store")
         log.error("%s", reason)
         w.replay_step(reason, tell=True)
         return False
@@ -58,28 +59,29 @@ class Resync:
         """Stage 0 restarts step `sync.step` (rolling every stage back to it, if asked): follow,
         then pass the Sync on (or, the last stage, answer it)."""
         w, st = self.w, self.w.state
-        if sync.regroup and w.outer is not None:
-            await w.outer.regroup()
+        if sync.regroup and self.outer is not None:
+            await self.outer.regroup()
         elif sync.rollback and st.committed != sync.step and not await self.roll_back(sync.step):
             return
         lc = sync.last_commit
         if lc.step + 1 == sync.step and st.committed == lc.step and st.awaits_step_end():
             log.info("stage %d applies step %d from the sync", w.stage, lc.step)
-            await w.commit(lc)
+            await self.commit(lc)
         await w.compute(w.restart_step, sync.step, sync.attempt)
         if w.last:
-            ack = pb.SyncAck(step=sync.step, attempt=sync.attempt, min_committed=st.committed, max_committed=st.committed)
+            ack = pb.SyncAck(step=sync.step, attempt=sync.attempt, min_committed=st.committed,
+                             max_committed=st.committed)
             await w.send(BACKWARD, sync_ack=ack)
         else:
             await w.send(FORWARD, sync=sync)
 
-    async def on_sync_ack(self, ack: pb.SyncAck) -> None:
-        """An answer on its way back to stage 0: add this stage's committed step to its range."""
+    async def on_sync_ack(self, ack: pb.SyncAck) -> pb.SyncAck:
+        """An answer on its way back to stage 0: add this stage's committed step to its range and pass
+        it on (stage 0: the answer, for its driver)."""
         w = self.w
         if not ack.abort:
             ack.min_committed = min(ack.min_committed, w.committed)
             ack.max_committed = max(ack.max_committed, w.committed)
-        if w.first:
-            w.driver.sync_answered(ack)
-        else:
+        if not w.first:
             await w.send(BACKWARD, sync_ack=ack)
+        return ack

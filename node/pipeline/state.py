@@ -13,9 +13,10 @@ from ..net.transport import BACKWARD, FORWARD
 from ..proto import tahnode_pb2 as pb
 
 __all__ = ["PipelineError", "DivergedStep", "Pending", "StepState", "StopRequest", "Stopping", "StepRecord", "Stats",
-           "BAD_MICRO_BATCH"]
+           "BAD_MICRO_BATCH", "STALE"]
 
 BAD_MICRO_BATCH = "bad_micro_batch"  # the refusal count of the micro-batches a stage refused (heartbeats' stats)
+STALE = object()  # what the worker's compute returns for a micro-batch of an attempt that was dropped meanwhile
 
 
 class PipelineError(RuntimeError):
@@ -52,7 +53,8 @@ class StepState:
     pending: dict[int, Pending] = field(default_factory=dict)
     done_backward: int = 0             # micro-batches of this step whose backward ran here
     partial_sumsq: float = 0.0         # gradient sum of squares of the later stages
-    sent_sumsq: float = 0.0            # what this stage sent back: the later stages' and its own (the StepEnd's is no less)
+    # what this stage sent back: the later stages' and its own (the StepEnd's is no less)
+    sent_sumsq: float = 0.0
     loss_sum: float = 0.0              # last stage: sum over micro-batches of loss x samples
     samples: list[int] = field(default_factory=list)    # last stage: the step's sample ids so far
 

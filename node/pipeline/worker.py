@@ -8,7 +8,6 @@ also drives the steps (tahnode.pipeline.driver)."""
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import logging
 from typing import Callable
 
@@ -20,113 +19,43 @@ from ..net.body import Body, PendingBody, body_of
 from ..net.transport import BACKWARD, FORWARD, Direction, Inbound, Transport
 from ..proto import tahnode_pb2 as pb
 from ..train.data import TokenDataset
-from ..train.model import COMPUTE_DTYPES, StageModel, build_stage
-from ..train.optim import StageOptimizer, grad_sumsq
-from .admission import Admission, BadMicroBatch
-from .checkpoint import CheckpointStore, StageSaver, has_outer
-from .checkpoint_meta import kept_unreported
+from ..train.model import StageModel
+from ..train.optim import grad_sumsq
+from .admission import BadMicroBatch
+from .checkpoint import CheckpointStore, has_outer
+from .core import StageCore
 from .driver import StepDriver
-from .inbox import Inbox
+from .inbox import Inbox, StageOps
 from .outer_sync import REGROUP, Averager, OuterSync
 from .resync import Resync
-from .schedule import Split
-from .state import DivergedStep, Pending, PipelineError, Stats, StepRecord, StepState, Stopping, StopRequest
-from .streams import CodecStreams
+from .state import STALE, DivergedStep, Pending, PipelineError, StepRecord, StopRequest
 
 log = logging.getLogger("tahnode.pipeline")
 
 __all__ = ["StageWorker", "PipelineError", "STALE"]
 
-STALE = object()  # what compute returns for a micro-batch of an attempt that was dropped meanwhile
-
-
-class StageWorker:
+class StageWorker(StageCore):
     """Holds stage `stage` of `run` in pipeline `pipeline` (whose samples stage 0 trains); drive with
-    `run()` (stage 0 also drives the steps)."""
+    `run()` (stage 0 also drives the steps). Its parts are StageCore's; its helpers take those parts
+    and the few operations of the worker they call."""
 
-    def __init__(self, run: RunConfig, stage: int, transport: Transport, device: str = "cpu", store: CheckpointStore | None = None,
-                 dataset: TokenDataset | None = None, on_step: Callable[["StageWorker"], None] | None = None,
-                 model: StageModel | None = None, on_saved: Callable[[str, int], None] | None = None, pipeline: int = 0,
+    def __init__(self, run: RunConfig, stage: int, transport: Transport, device: str = "cpu",
+                 store: CheckpointStore | None = None, dataset: TokenDataset | None = None,
+                 on_step: Callable[["StageWorker"], None] | None = None, model: StageModel | None = None,
+                 on_saved: Callable[[str, int], None] | None = None, pipeline: int = 0,
                  averager: Averager | None = None):
-        self.run_cfg, self.stage, self.pipeline = run, stage, pipeline
-        self.t = transport
-        self.model = (model or build_stage(run.model, stage, run.stages, seed=self.train.seed, dtype=self.dtype)).to(device)
-        self.opt = StageOptimizer(self.model.parameters(), self.train)
-        self.stats = Stats(tokens_per_step=self.train.micro_batches * self.train.batch_size * self.train.seq_len)
-        self.codecs = CodecStreams(run, stage, transport, self.device, self.stats)
-        self.admission = Admission(run)
-        self.saver = StageSaver(store, stage, run, on_saved)
+        super().__init__(run, stage, transport, device, store, model, on_saved, pipeline)
         self.on_step = on_step
-        self.pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"stage{stage}-compute")
-        split = Split.of(self.train, run.stages)
-        self.state = StepState(micro_batches=split.micro_batches, samples_per_step=split.samples)
-        self.driver = StepDriver(self, dataset) if self.first else None
-        self.resync = Resync(self)
-        self.inbox = Inbox(self)
         # pipelines in data parallel (a run that may have more than one): the replicas' outer steps
         self.outer = OuterSync(self, averager) if has_outer(run) else None
         self.saver.outer, self.saver.pipeline = self.outer, pipeline  # its checkpoints keep the outer weights
-        self.ending = Stopping()
+        self.resync = Resync(self, self.commit, self.outer)
+        self.driver = StepDriver(self, dataset, self.forward_first, self.commit, self.resync.roll_back, self.outer) \
+            if self.first else None
+        if self.driver is not None:
+            self.abort_step = self.driver.abort_step
+        self.inbox = Inbox(self, StageOps(self.forward, self.backward, self.commit, self.resync, self.driver))
         self.t.on_link_down(self._link_down)
-
-    # -- what the stage is ----------------------------------------------------------------------
-    @property
-    def train(self):
-        return self.run_cfg.train
-
-    @property
-    def num_stages(self) -> int:
-        return self.run_cfg.stages
-
-    @property
-    def first(self) -> bool:
-        return self.stage == 0
-
-    @property
-    def last(self) -> bool:
-        return self.stage == self.run_cfg.stages - 1
-
-    @property
-    def computes_loss(self) -> bool:
-        """The stage with the head: the last, or stage 0 in a ring (RunConfig.ring)."""
-        return self.stage == self.run_cfg.loss_stage
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return COMPUTE_DTYPES[self.train.dtype]
-
-    @property
-    def stopping(self) -> bool:
-        return self.ending.request is not None
-
-    @property
-    def stop_request(self) -> StopRequest | None:
-        return self.ending.request
-
-    @property
-    def shutdown(self) -> asyncio.Event:
-        """Set once the stage's run is over (finished, or stopped)."""
-        return self.ending.done
-
-    @property
-    def device(self) -> torch.device:
-        return next(self.model.parameters()).device
-
-    @property
-    def committed(self) -> int:
-        return self.state.committed
-
-    # -- helpers ----------------------------------------------------------------------------
-    async def compute(self, fn, *args):
-        """Run `fn` on the compute thread (every change to the step state happens there)."""
-        return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
-
-    async def send(self, direction: Direction, gen: int | None = None, envelope: pb.Envelope | Body | PendingBody | None = None,
-                   **body) -> None:
-        """Send `envelope` (or an envelope's body), or an envelope with `body`; with the link's
-        current generation unless `gen` is given."""
-        await self.t.send(direction, envelope if envelope is not None else pb.Envelope(**body),
-                          self.t.generation(direction) if gen is None else gen)
 
     def _link_down(self, direction: Direction, reason: str) -> None:
         if self.stopping or self.shutdown.is_set():
@@ -134,12 +63,6 @@ class StageWorker:
         log.warning("stage %d: %s; the step will be replayed", self.stage, reason)
         # a failed backward link is reported to stage 0 by the stage on its other end
         self.replay_step(reason, tell=direction == FORWARD)
-
-    def offence(self, item: Inbound, exc: Exception) -> None:
-        """A received envelope that is not the sender's to send (or not this direction's): counted
-        against its sender and dropped; the run goes on without it."""
-        self.stats.refused_from(item.sender)
-        log.warning("stage %d dropped an envelope from %s: %s", self.stage, item.sender or "?", exc)
 
     def _message(self, direction: Direction, tensor: torch.Tensor, ids: list[int], src: pb.MicroBatch | None = None,
                  **fields) -> tuple[Body | PendingBody, int]:
@@ -165,41 +88,9 @@ class StageWorker:
             else:
                 payload, gen, mb.scale_log2 = self.codecs.encode_output(tensor, ids, self.state.step, out=mb.tensor)
         except CodecError as exc:
-            raise DivergedStep(f"stage {self.stage} cannot encode its own {'gradient' if gradient else 'output'} of step "
-                               f"{self.state.step}: {exc}") from None
+            raise DivergedStep(f"stage {self.stage} cannot encode its own {'gradient' if gradient else 'output'} "
+                               f"of step {self.state.step}: {exc}") from None
         return (PendingBody(env, payload) if isinstance(payload, PendingPayload) else body_of(env, payload)), gen
-
-    def replay_step(self, reason: str, tell: bool) -> None:
-        """Have stage 0 replay the step in flight; a later stage tells it (if `tell`) through the
-        backward chain."""
-        if self.first:
-            self.driver.abort_step()
-        elif tell:
-            ack = pb.SyncAck(step=self.state.step, attempt=self.state.attempt, abort=True, reason=reason)
-            asyncio.get_running_loop().create_task(self.send(BACKWARD, sync_ack=ack))
-
-    def restart_step(self, step: int, attempt: int) -> None:
-        """Drop the partial work of the current step and compute (step, attempt) from its start."""
-        self.state.restart(step, attempt)
-        self.model.zero_grad(set_to_none=True)
-        self.codecs.zero_grad()
-
-    # -- checkpoints --------------------------------------------------------------------------
-    def resume(self) -> int:
-        """Load the newest checkpoint of this stage, if any; returns the committed step."""
-        loaded = self.saver.load_latest(self.model, self.opt.opt, self.codecs)
-        if loaded:
-            self.resumed_at(loaded)
-            self.stats.outbox = list(self.saver.unreported)  # killed before it reported them
-        return loaded
-
-    def resumed_at(self, step: int) -> None:
-        self.state.committed = step
-        self.restart_step(step, self.state.attempt)
-
-    def save(self) -> None:
-        unreported = [[r.step, r.loss, list(r.sample_ids), r.seconds] for r in kept_unreported(self.stats.outbox, self.committed)]
-        self.saver.save(self.committed, self.model, self.opt.opt, self.codecs, unreported)
 
     # -- compute (runs on the compute thread) -------------------------------------------------
     def forward_first(self, index: int, count: int, ids: list[int], tokens: torch.Tensor,
@@ -210,8 +101,8 @@ class StageWorker:
         st.micro_batches = count
         out = self.model(tokens.to(self.device))
         st.pending[index] = Pending(None, self.codecs.sent(out), ids)
-        return self._message(FORWARD, out, ids, step=st.step, index=index, labels=labels.to(torch.int32).numpy().tobytes(),
-                             attempt=st.attempt, count=count)
+        return self._message(FORWARD, out, ids, step=st.step, index=index,
+                             labels=labels.to(torch.int32).numpy().tobytes(), attempt=st.attempt, count=count)
 
     def _stale(self, item: Inbound, mb: pb.MicroBatch):
         """Drop a micro-batch of another attempt; its stream's codec state still takes it in (the
@@ -331,11 +222,6 @@ class StageWorker:
     async def handle(self, item: Inbound) -> None:
         await self.inbox.handle(item)
 
-    def finish(self) -> None:
-        """The run is over for this stage."""
-        self.stats.finished = True
-        self.shutdown.set()
-
     # -- running -------------------------------------------------------------------------------
     async def run(self, steps: int) -> None:
         if self.first:
@@ -358,15 +244,11 @@ class StageWorker:
         try:
             await asyncio.wait_for(self.shutdown.wait(), drain_s)
         except asyncio.TimeoutError:
-            log.warning("stage %d: the StepEnd of step %d did not come within %.0f s", self.stage, self.stop_request.drain_step, drain_s)
+            log.warning("stage %d: the StepEnd of step %d did not come within %.0f s", self.stage,
+                        self.stop_request.drain_step, drain_s)
             self.shutdown.set()
         await self.t.flush(2.0)
         await self.compute(self.save)
-
-    def drained(self) -> bool:
-        """Stopping, and the step awaited by stop() is committed (or none was awaited)."""
-        r = self.stop_request
-        return r is not None and (r.drain_step is None or self.state.committed > r.drain_step)
 
     def close(self) -> None:
         """Release the compute thread (the worker is not used afterwards)."""

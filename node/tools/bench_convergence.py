@@ -20,7 +20,7 @@ from pathlib import Path
 
 from ..net.memory import reuse_message_buffers
 from .bench_report import write_section
-from .bench_swarm import CodecPair
+from .swarm_cells import CodecPair
 from .convergence_pipelines import add_pipeline_args, pipeline_report, pipeline_specs
 from .convergence_report import plot, summarize, table
 from .convergence_runs import RunResult, RunSpec, train_one
@@ -34,36 +34,41 @@ DEFAULT_PAIRS = ("none/none;none/pertoken;tahquant/naive;tahquant/none;tahquant/
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="tahnode bench convergence", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--pairs", default=None, help="codec pairs FWD[:k=v,...]/BWD[:k=v,...], comma-separated; the first "
-                    f"is the reference unless none/none is among them (default {DEFAULT_PAIRS}; with --pipelines, the last "
-                    "of them, the product's default: tahquant's layout 3 with its schedule; tahquant written bare is "
+    ap.add_argument("--pairs", default=None,
+                    help="codec pairs FWD[:k=v,...]/BWD[:k=v,...], comma-separated; the first is the reference unless "
+                    f"none/none is among them (default {DEFAULT_PAIRS}; with --pipelines, the last of them, the "
+                    "product's default: tahquant's layout 3 with its schedule; tahquant written bare is "
                     "the paper's algorithm, layout 1). Separate pairs with ';' when their parameters have commas")
-    ap.add_argument("--seeds", type=int, default=3, metavar="N", help="train every pair with seeds 0..N-1: weights and data "
-                    "order (default 3)")
+    ap.add_argument("--seeds", type=int, default=3, metavar="N", help="train every pair with seeds 0..N-1: weights and "
+                    "data order (default 3)")
     ap.add_argument("--first-seed", type=int, default=0, help="start the seeds here (default 0)")
-    ap.add_argument("--model", default="llama-tiny", help="model preset, TOML or Hugging Face config (default llama-tiny)")
+    ap.add_argument("--model", default="llama-tiny",
+                    help="model preset, TOML or Hugging Face config (default llama-tiny)")
     ap.add_argument("--stages", type=int, default=3, help="pipeline stages the model is cut into (default 3)")
     ap.add_argument("--steps", type=int, default=300, help="optimizer steps per run (default 300)")
     ap.add_argument("--seq-len", type=int, default=128, help="tokens per sample (default 128)")
-    ap.add_argument("--tokens-per-message", type=int, default=4096, help="tokens in one micro-batch, i.e. in one message "
-                    "between stages (default 4096: 32 samples of 128)")
+    ap.add_argument("--tokens-per-message", type=int, default=4096, help="tokens in one micro-batch, i.e. in one "
+                    "message between stages (default 4096: 32 samples of 128)")
     ap.add_argument("--messages-per-step", type=int, default=2, help="micro-batches per optimizer step (default 2)")
     ap.add_argument("--config", default="", help="a TOML file whose [train] table sets lr, warmup_steps, min_lr, ... "
                     "(default: the built-in [train] defaults)")
-    ap.add_argument("--data", default="", help="a token file from `tahnode data prepare` (default: the built-in corpus)")
+    ap.add_argument("--data", default="",
+                    help="a token file from `tahnode data prepare` (default: the built-in corpus)")
     ap.add_argument("--data-mb", type=float, default=16.0, help="size of the built-in corpus in MB (default 16)")
     ap.add_argument("--init-from", default="", help="fine-tune this Hugging Face checkpoint folder instead of training "
                     "from scratch")
     ap.add_argument("--device", default="cpu", help="cpu (default) or cuda[:N]")
     ap.add_argument("--dtype", default="", help="float32 or bfloat16 (default: float32 on cpu, bfloat16 on cuda)")
     ap.add_argument("--eval-every", type=int, default=25, help="held-out loss every this many steps (default 25)")
-    ap.add_argument("--eval-samples", type=int, default=512, help="held-out samples, at the end of the data (default 512)")
+    ap.add_argument("--eval-samples", type=int, default=512,
+                    help="held-out samples, at the end of the data (default 512)")
     ap.add_argument("--jobs", type=int, default=0, help="runs at once (default: one per CPU core on cpu, 4 on a GPU)")
     ap.add_argument("--rates", default="10,50", help="link rates in Mbit/s for the time-to-loss column (default 10,50)")
-    ap.add_argument("--workdir", default="bench-convergence", help="each run's result as JSON; runs already there with the "
-                    "same settings are not trained again (default bench-convergence)")
+    ap.add_argument("--workdir", default="bench-convergence", help="each run's result as JSON; runs already there "
+                    "with the same settings are not trained again (default bench-convergence)")
     ap.add_argument("--name", default="convergence", help="the doc section and plot name (default convergence)")
-    ap.add_argument("--doc", default="docs/benchmarks-log.md", help="where the table goes (default docs/benchmarks-log.md)")
+    ap.add_argument("--doc", default="docs/benchmarks-log.md",
+                    help="where the table goes (default docs/benchmarks-log.md)")
     ap.add_argument("--plots", default="docs/plots", help="where the PNG plot goes (default docs/plots)")
     ap.add_argument("--no-doc", action="store_true", help="print the table only; leave the doc and plots alone")
     ap.add_argument("--json", action="store_true", help="print every run's result as one JSON list on the last line")
@@ -90,7 +95,8 @@ def jobs_for(args) -> int:
 def plan(args) -> list[RunSpec]:
     """Every (pair, seed) run, seed-major so that the first results already compare pairs."""
     if args.tokens_per_message % args.seq_len:
-        raise ValueError(f"--tokens-per-message {args.tokens_per_message} is not whole samples of --seq-len {args.seq_len}")
+        raise ValueError(f"--tokens-per-message {args.tokens_per_message} is not whole samples of "
+                         f"--seq-len {args.seq_len}")
     for name in ("seeds", "steps", "stages", "messages_per_step", "eval_every", "eval_samples"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
@@ -126,9 +132,11 @@ def run_all(specs: list[RunSpec], workdir: Path, jobs: int) -> list[RunResult]:
         with ctx.Manager() as manager, Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                                                 TimeElapsedColumn()) as bar, \
                 ProcessPoolExecutor(max_workers=min(jobs, len(todo)), mp_context=ctx,
-                                    initializer=reuse_message_buffers) as pool:  # messages cross the host as in a daemon
+                                    # messages cross the host as in a daemon
+                                    initializer=reuse_message_buffers) as pool:
             queue = manager.Queue()
-            overall = bar.add_task(f"{len(todo)} runs ({len(specs) - len(todo)} done before)", total=len(todo) * todo[0].steps)
+            overall = bar.add_task(f"{len(todo)} runs ({len(specs) - len(todo)} done before)",
+                                   total=len(todo) * todo[0].steps)
             futures = {pool.submit(train_one, spec, queue): spec for spec in todo}
             tasks: dict[str, tuple[int, int]] = {}  # run key -> (its task, steps counted)
             while any(not f.done() for f in futures) or not queue.empty():
@@ -184,14 +192,14 @@ def report(results: list[RunResult], specs: list[RunSpec], args, command: str) -
     spec = specs[0]
     run = spec.run_config()
     plots = [plot(summaries, reference, Path(args.plots) / f"{args.name}.png")]
-    setting = (f"Model: {spec.model} in {spec.stages} stages, {spec.steps} steps of {spec.messages_per_step} messages of "
-               f"{spec.samples_per_message} × {spec.seq_len} tokens, {spec.dtype} on {spec.device}; lr {run.train.lr:g} "
-               f"({run.train.warmup_steps} warm-up steps, cosine to {run.train.min_lr:g}); "
+    setting = (f"Model: {spec.model} in {spec.stages} stages, {spec.steps} steps of {spec.messages_per_step} "
+               f"messages of {spec.samples_per_message} × {spec.seq_len} tokens, {spec.dtype} on {spec.device}; "
+               f"lr {run.train.lr:g} ({run.train.warmup_steps} warm-up steps, cosine to {run.train.min_lr:g}); "
                + (f"fine-tuning {spec.init_from}; " if spec.init_from else "from scratch; ")
                + f"held-out loss over the last {spec.eval_samples} samples of the data, never trained on, every "
                f"{spec.eval_every} steps. " + (_pipelines_note(rates[0], args.swarm_steps) if args.pipelines else
-               f"Gaps compare each seed with the reference ({reference}) of the same seed. Link time = tokens × width × "
-               "bits per element of a link's busier direction / rate: what the link alone needs."))
+               f"Gaps compare each seed with the reference ({reference}) of the same seed. Link time = tokens × "
+               "width × bits per element of a link's busier direction / rate: what the link alone needs."))
     write_section(Path(args.doc), f"bench-convergence-{args.name}", f"Convergence: {args.name}",
                   [text, "", setting, "", f"Command: `{command}`"], plots, spec.device)
     return text
@@ -200,13 +208,14 @@ def report(results: list[RunResult], specs: list[RunSpec], args, command: str) -
 def _pipelines_note(rate: float, swarm_steps: int) -> str:
     shorter = (f"P pipelines and their reference train {swarm_steps} steps, the learning-rate schedule over those; one "
                "pipeline alone the steps above. " if swarm_steps else "")
-    return (shorter + "P pipelines train steps of the messages above each, on samples of their own; the reference is one pipeline "
-            "with P times the messages per step (over the run, the same samples; one synchronous step), of the same seed. Averaging "
-            "bytes: what the replicas sent each other for their outer steps (butterfly all-reduce of blockwise-coded "
-            "pseudo-gradients), over the activations and gradients every pipeline sent. Replica spread: the largest "
-            "difference between two replicas' outer weights after an outer step. Wall-clock: a step takes its link time "
-            f"at {rate:g} Mbit/s (tokens × width × bits of the busier direction / rate), an outer step the time one "
-            "replica needs to send its share; against one pipeline alone (of the same seed) training all its steps.")
+    return (shorter + "P pipelines train steps of the messages above each, on samples of their own; the reference is "
+            "one pipeline with P times the messages per step (over the run, the same samples; one synchronous step), "
+            "of the same seed. Averaging bytes: what the replicas sent each other for their outer steps (butterfly "
+            "all-reduce of blockwise-coded pseudo-gradients), over the activations and gradients every pipeline sent. "
+            "Replica spread: the largest difference between two replicas' outer weights after an outer step. "
+            f"Wall-clock: a step takes its link time at {rate:g} Mbit/s (tokens × width × bits of the busier "
+            "direction / rate), an outer step the time one replica needs to send its share; against one pipeline "
+            "alone (of the same seed) training all its steps.")
 
 
 def main(argv: list[str] | None = None) -> int:

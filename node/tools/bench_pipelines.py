@@ -16,7 +16,7 @@ from pathlib import Path
 
 from ..config.toml import toml_table
 from .bench_report import markdown_table, pyplot_for, save_figure, write_section
-from .bench_swarm import DEFAULT_PAIRS, CodecPair
+from .swarm_cells import DEFAULT_PAIRS, CodecPair
 from .swarm import LocalSwarm, SwarmError, SwarmSpec
 
 __all__ = ["PipelineRow", "PipelineBench", "pipeline_limits", "run_pipelines", "COLUMNS"]
@@ -100,14 +100,16 @@ def measure(cfg: PipelineBench, rate: float, pipelines: int) -> PipelineRow:
     row_dir = cfg.workdir / f"{cfg.stages}st-{rate:g}mbit-{pipelines}p"
     row_dir.mkdir(parents=True, exist_ok=True)
     (row_dir / "run.toml").write_text(cfg.run_toml(steps))
-    flags = ["--model", cfg.model, "--config", str(row_dir / "run.toml"), "--pipelines", str(pipelines), "--standbys", "0",
-             "--outer-every", str(cfg.outer_every), "--min-chain-share", "0"]
+    flags = ["--model", cfg.model, "--config", str(row_dir / "run.toml"), "--pipelines", str(pipelines),
+             "--standbys", "0", "--outer-every", str(cfg.outer_every), "--min-chain-share", "0"]
     spec = SwarmSpec(nodes=pipelines * cfg.stages, stages=cfg.stages, bandwidth_bps=rate * 1e6, prefix=cfg.prefix,
-                     workdir=row_dir, run_flags=flags, auto=True, placement_flags=["--settle", "2", "--probe-wait", "4"])
+                     workdir=row_dir, run_flags=flags, auto=True,
+                     placement_flags=["--settle", "2", "--probe-wait", "4"])
     swarm = LocalSwarm.up(spec)
     try:
         started = swarm.wait(lambda s: sum(p["complete"] for p in s.get("pipelines", [])) == pipelines
-                             and min(p["step"] or 0 for p in s["pipelines"]) >= cfg.warmup, 600, f"{pipelines} pipelines")
+                             and min(p["step"] or 0 for p in s["pipelines"]) >= cfg.warmup,
+                             600, f"{pipelines} pipelines")
         before = data_bytes(swarm, started) if rate else {}  # the probes' bytes left out: from the measured steps on
         state = swarm.wait(lambda s: s["training"]["finished"], 600 + 60 * steps, f"{steps} steps of every pipeline")
         ledger = swarm.state("ledger")["steps"]
@@ -123,12 +125,14 @@ def measure(cfg: PipelineBench, rate: float, pipelines: int) -> PipelineRow:
     row.final_loss = statistics.fmean(e["loss"] for e in ledger if e["step"] == steps - 1)
     outer = {n["id"]: n.get("outer", {}) for n in state["nodes"]}
     if after:  # a node's averaging: the bytes its averager counted over the run, per step
-        per_step = {n: ((after[n] - before.get(n, 0)) / cfg.steps, outer.get(n, {}).get("bytes_sent", 0) / steps) for n in after}
+        per_step = {n: ((after[n] - before.get(n, 0)) / cfg.steps, outer.get(n, {}).get("bytes_sent", 0) / steps)
+                    for n in after}
         busiest = max(per_step, key=lambda n: sum(per_step[n]))
         row.data_bytes_per_step, row.averaging_bytes_per_step = per_step[busiest]
         row.link_limit = pipelines * cfg.tokens_per_step * rate * 1e6 / (8 * sum(per_step[busiest]))
     outers = [o for o in outer.values() if o.get("steps")]
-    row.outer_seconds = statistics.fmean(o["seconds"] / (o["steps"] + o.get("alone", 0)) for o in outers) if outers else 0.0
+    row.outer_seconds = (statistics.fmean(o["seconds"] / (o["steps"] + o.get("alone", 0)) for o in outers)
+                         if outers else 0.0)
     return row
 
 
@@ -178,11 +182,11 @@ def report(rows: list[PipelineRow], cfg: PipelineBench, doc: Path, plots: Path, 
     write_section(doc, f"{name}-pipelines", f"Pipelines in data parallel: {name}", [
         text, "", f"Model: {cfg.model} in {cfg.stages} stages, {cfg.tokens_per_step} tokens per step per pipeline "
         f"({cfg.seq_len} tokens per sample), codecs: {cfg.codecs}; every node joins with --stage auto and the "
-        f"coordinator forms the pipelines; the replicas average every {cfg.outer_every} steps. {cfg.warmup} warm-up steps, "
-        f"then {cfg.steps} measured steps (tokens over their whole wall time, outer steps included); each step cut into "
-        f"{cfg.pipeline_micro_batches} micro-batches (pipelines that tune their cuts apart wait for each other at every outer "
-        "step). Every directed link is a tc class at the rate; the link limit counts a node's averaging bytes on top of its "
-        "busiest data direction.",
+        f"coordinator forms the pipelines; the replicas average every {cfg.outer_every} steps. {cfg.warmup} "
+        f"warm-up steps, then {cfg.steps} measured steps (tokens over their whole wall time, outer steps included); "
+        f"each step cut into {cfg.pipeline_micro_batches} micro-batches (pipelines that tune their cuts apart wait for "
+        "each other at every outer step). Every directed link is a tc class at the rate; the link limit counts a "
+        "node's averaging bytes on top of its busiest data direction.",
         "", f"Command: `{command}`"], [plot(rows, plots / f"{name}-pipelines.png")])
     return text
 
@@ -206,11 +210,13 @@ def main(args, command: str) -> int:
         pair = None if args.pairs == DEFAULT_PAIRS else CodecPair.parse(args.pairs.split(",")[0])
         cfg = PipelineBench(model=args.model or "llama-thin-3", stages=int(args.stages.split(",")[0]), pair=pair,
                             pipeline_micro_batches=args.pipeline_micro_batches or 8,
-                            tokens_per_step=args.tokens_per_step, seq_len=args.seq_len, micro_batches=args.micro_batches or 4,
+                            tokens_per_step=args.tokens_per_step, seq_len=args.seq_len,
+                            micro_batches=args.micro_batches or 4,
                             outer_every=args.outer_every, warmup=args.warmup, steps=args.steps, prefix=args.prefix,
                             workdir=Path(args.workdir) / "pipelines")
         if cfg.tokens_per_step % (cfg.seq_len * cfg.micro_batches):
-            raise ValueError(f"--tokens-per-step {cfg.tokens_per_step} must be whole micro-batches of --seq-len {cfg.seq_len}")
+            raise ValueError(f"--tokens-per-step {cfg.tokens_per_step} must be whole micro-batches of "
+                             f"--seq-len {cfg.seq_len}")
         netns.check_root()
     except (ValueError, netns.NetnsError) as exc:
         print(f"tahnode bench swarm: {exc}", file=sys.stderr)

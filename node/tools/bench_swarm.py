@@ -14,181 +14,19 @@ import argparse
 import json
 import statistics
 import sys
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 
-from ..config import RunConfig, TransportKind
-from ..config.run import CodecConfig
+from ..config import TransportKind
 from ..config.swarm import SwarmConfig
-from ..config.toml import toml_table
 from . import netns
+from .bench_pipelines import main as pipelines_main
 from .bench_report import markdown_table, plot_losses, plot_throughput, write_section
 from .swarm import LocalSwarm, Shaper, SwarmError, SwarmSpec
+from .swarm_cells import COLUMNS, DEFAULT_PAIRS, MAIN_PAIRS, BenchConfig, Cell, CodecPair, Row
+from .swarm_convergence import report_convergence
 
-__all__ = ["CodecPair", "Row", "Cell", "BenchConfig", "main"]
-
-# `default`: the pair a run sends by default (its [codec] table unset: tahquant's layout 3 with its
-# precision schedule forward, pertoken backward); `tahquant` written bare is the paper's layout 1
-DEFAULT_PAIRS = "none/none,default,group/naive,aqsgd/naive,aqsgd/naive:bits=8,amaq/naive,tahquant/naive,tahquant/tahquant"
-NO_SCHEDULE = {"forward_high_params": {}}  # the [codec] settings of a pair written without '@': no precision schedule
-MAIN_PAIRS = ("none/none", "default", "tahquant/naive", "tahquant/tahquant")
-COLUMNS = ("link Mbit/s", "RTT ms", "stages", "codec fwd/bwd", "transport", "tokens/s", "limit tokens/s", "limit", "share of limit",
-           "bits/elem fwd/bwd", "busiest direction bytes/step", "final loss", "peak RSS MB")
-CONVERGENCE_COLUMNS = ("codec fwd/bwd", "steps", "seeds", "final loss (mean of last 10, mean over seeds)",
-                       "vs none: mean (per seed)", "bits/elem fwd/bwd", "tokens/s")
-
-
-@dataclass(frozen=True)
-class CodecPair:
-    """A forward and a backward codec with their parameters, written `fwd[:k=v,...]/bwd[:k=v,...]`;
-    the forward one may carry a precision schedule, `fwd[:k=v]@start=S,end=E,k=v` (the run's first
-    S and last E share of steps with those parameters: codec.forward_high_*)."""
-
-    label: str
-    forward: str
-    forward_params: dict
-    backward: str
-    backward_params: dict
-    schedule: dict = field(default_factory=dict)  # the [codec] settings of the schedule (forward_high_*)
-
-    def codec_table(self) -> dict:
-        """The run config's [codec] table that sends this pair."""
-        return {"forward": self.forward, "backward": self.backward, "forward_params": self.forward_params,
-                "backward_params": self.backward_params, **(self.schedule or NO_SCHEDULE)}
-
-    @classmethod
-    def parse(cls, text: str) -> "CodecPair":
-        """`text` as above, or `default`: the pair a run sends when its [codec] table is unset."""
-        from ..codecs import get_codec, parse_param_args
-
-        if text.strip() == "default":
-            c = CodecConfig()
-            schedule = {"forward_high_params": c.high_params, "forward_high_start": c.forward_high_start,
-                        "forward_high_end": c.forward_high_end}
-            return cls("default", c.forward, c.forward_codec_params, c.backward, c.backward_params, schedule)
-        halves = text.strip().split("/")
-        if len(halves) != 2:
-            raise ValueError(f"a codec pair is FORWARD/BACKWARD (e.g. tahquant/naive), got {text!r}")
-        forward, _, high = halves[0].partition("@")
-        parsed = []
-        for half in (forward, halves[1]):
-            name, _, params = half.partition(":")
-            values = parse_param_args(name, [p for p in params.split(",") if p])
-            get_codec(name, **values)  # unknown names and bad values fail here, not in the swarm
-            parsed.append((name, values))
-        (fw, fwp), (bw, bwp) = parsed
-        if bw == "naive" and "bits" not in bwp:
-            bwp = {"bits": 6}  # the paper's gradient codec
-        return cls(text.strip(), fw, fwp, bw, bwp, cls._schedule(fw, high))
-
-    @staticmethod
-    def _schedule(forward: str, text: str) -> dict:
-        if not text:
-            return {}
-        from ..codecs import parse_param_args
-
-        items = dict(p.partition("=")[::2] for p in text.split(",") if p)
-        try:
-            start, end = float(items.pop("start", 0)), float(items.pop("end", 0))
-        except ValueError:
-            raise ValueError(f"a schedule's start and end are shares of the run's steps, got {text!r}") from None
-        high = parse_param_args(forward, [f"{k}={v}" for k, v in items.items()])
-        return {"forward_high_params": high, "forward_high_start": start, "forward_high_end": end}
-
-
-@dataclass
-class Row:
-    rate_mbps: float          # 0: unshaped
-    rtt_ms: float
-    stages: int
-    pair: str
-    transport: str = "grpc"   # the nodes' data plane: grpc or p2p
-    tokens_per_s: float = 0.0
-    limit_tokens_per_s: float = 0.0
-    limit: str = ""           # "link" or "compute"
-    share: float = 0.0
-    bits_fwd: float = 0.0
-    bits_bwd: float = 0.0
-    busiest_bytes_per_step: float = 0.0
-    final_loss: float = 0.0
-    peak_rss_mb: float = 0.0
-    step_seconds: list[float] = field(default_factory=list)
-    losses: list[float] = field(default_factory=list)
-    seed: int = 0             # the run's seed (weights, data order): --seeds repeats a row with others
-
-    def cells(self) -> list[str]:
-        link = "unshaped" if not self.rate_mbps else f"{self.rate_mbps:g}"
-        return [link, f"{self.rtt_ms:g}", str(self.stages), self.pair, self.transport, f"{self.tokens_per_s:,.0f}",
-                f"{self.limit_tokens_per_s:,.0f}", self.limit, f"{100 * self.share:.0f}%",
-                f"{self.bits_fwd:.2f} / {self.bits_bwd:.2f}", f"{self.busiest_bytes_per_step:,.0f}", f"{self.final_loss:.4f}",
-                f"{self.peak_rss_mb:,.0f}"]
-
-    @property
-    def series(self) -> str:
-        """What a plot's legend calls the row's line: its codec pair, and its transport if not gRPC."""
-        return self.pair if self.transport == "grpc" else f"{self.pair} over {self.transport}"
-
-
-@dataclass(frozen=True)
-class Cell:
-    """One row to run: where, which codecs, and with which seed."""
-
-    rate: float
-    rtt: float
-    stages: int
-    pair: CodecPair
-    transport: TransportKind
-    seed: int = 0
-
-    @property
-    def dirname(self) -> str:
-        pair = self.pair.label.replace("/", "_").replace(":", "-").replace(",", "-")
-        return (f"{self.stages}st-{self.rate:g}mbit-{self.rtt:g}ms-{pair}" + ("" if self.transport is TransportKind.GRPC
-                else f"-{self.transport}") + (f"-seed{self.seed}" if self.seed else ""))
-
-    def describe(self) -> str:
-        link = f"{self.rate:g} Mbit/s" if self.rate else "unshaped"
-        return (f"{self.stages} stages, {link}, RTT {self.rtt:g} ms, {self.pair.label}, {self.transport}"
-                + (f", seed {self.seed}" if self.seed else ""))
-
-
-@dataclass
-class BenchConfig:
-    """How every row trains and is measured (the matrix itself is `plan`'s)."""
-
-    pairs: list[CodecPair]
-    steps: int = 4             # measured steps
-    unshaped_steps: int = 6    # measured steps of the unshaped rows: they set the compute limits
-    warmup: int = 4            # the pipeline tries its cuts in these (tahnode.pipeline.schedule.SplitTuner)
-    tokens_per_step: int = 32768
-    seq_len: int = 128
-    micro_batches: int = 0     # the user's split of a step (0: train.micro_batches' default)
-    pipeline_micro_batches: int = 0  # the pipeline's (0: auto)
-    model: str = "llama-thin"
-    shaper: Shaper = Shaper.TC
-    prefix: str = "tnb-"
-    workdir: Path = Path("bench-swarm")
-    lr_warmup_steps: int = 1   # short runs: the learning rate reaches its peak after one step
-    device: str = "cpu"        # the nodes' --device (cuda: every stage on this machine's GPU)
-
-    def run_toml(self, pair: CodecPair, steps: int, seed: int) -> str:
-        samples = self.tokens_per_step // self.seq_len
-        micro = self.micro_batches or 4
-        train = {"steps": steps, "seq_len": self.seq_len, "micro_batches": micro, "batch_size": samples // micro,
-                 "pipeline_micro_batches": self.pipeline_micro_batches, "seed": seed, "checkpoint_every": 10**6,
-                 "warmup_steps": self.lr_warmup_steps}
-        return toml_table("train", train) + toml_table("codec", pair.codec_table())
-
-    def validate(self) -> "BenchConfig":
-        samples = self.tokens_per_step // self.seq_len
-        if self.tokens_per_step % self.seq_len or samples % (self.micro_batches or 4):
-            raise ValueError(f"--tokens-per-step {self.tokens_per_step} must be whole micro-batches of --seq-len {self.seq_len}")
-        for pair in self.pairs:  # the run config each row will use must be valid before anything starts
-            RunConfig.build(self.model, None, **{"train.seq_len": self.seq_len, "codec.forward": pair.forward,
-                                                 "codec.forward_params": pair.forward_params, "codec.backward": pair.backward,
-                                                 "codec.backward_params": pair.backward_params})
-        return self
-
+__all__ = ["CodecPair", "Row", "Cell", "BenchConfig", "COLUMNS", "main", "with_limits"]
 
 def data_links(stages: int) -> list[tuple[str, str]]:
     """The directed links between consecutive stages' nodes (n1 holds stage 0)."""
@@ -206,12 +44,13 @@ def measure(cfg: BenchConfig, cell: Cell) -> Row:
     row_dir.mkdir(parents=True, exist_ok=True)
     (row_dir / "run.toml").write_text(cfg.run_toml(pair, steps, cell.seed))
     spec = SwarmSpec(nodes=stages, bandwidth_bps=rate * 1e6, rtt_s=rtt / 1e3, shaper=cfg.shaper, prefix=cfg.prefix,
-                     workdir=row_dir, run_flags=["--model", cfg.model, "--config", str(row_dir / "run.toml")], transport=transport,
-                     device=cfg.device)
+                     workdir=row_dir, run_flags=["--model", cfg.model, "--config", str(row_dir / "run.toml")],
+                     transport=transport, device=cfg.device)
     swarm = LocalSwarm.up(spec)
     try:
         timeout = 600 + 60 * steps
-        state = swarm.wait(lambda s: s["training"]["finished"] and s["training"]["step"] >= steps, timeout, f"{steps} steps")
+        state = swarm.wait(lambda s: s["training"]["finished"] and s["training"]["step"] >= steps, timeout,
+                           f"{steps} steps")
         ledger = swarm.state("ledger")["steps"]
         if spec.shaper is Shaper.TC:
             sent = {link: swarm.link_bytes(*link) for link in data_links(stages)}
@@ -221,7 +60,8 @@ def measure(cfg: BenchConfig, cell: Cell) -> Row:
         LocalSwarm.down(spec.prefix, row_dir)
     t = state["training"]
     measured = [p["seconds"] for p in ledger[cfg.warmup:]]
-    return Row(rate, rtt, stages, pair.label, transport.value, tokens_per_s=cfg.tokens_per_step / statistics.median(measured),
+    return Row(rate, rtt, stages, pair.label, transport.value,
+               tokens_per_s=cfg.tokens_per_step / statistics.median(measured),
                bits_fwd=t["bits_per_element"], bits_bwd=t["backward_bits_per_element"],
                busiest_bytes_per_step=max(sent.values(), default=0) / steps, final_loss=ledger[-1]["loss"],
                peak_rss_mb=t.get("peak_rss_bytes", 0) / 2**20, step_seconds=[p["seconds"] for p in ledger],
@@ -246,50 +86,58 @@ def with_limits(rows: list[Row], tokens_per_step: int) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="tahnode bench swarm", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--rates", default="10,50,200,0", help="link rates in Mbit/s, comma-separated; 0 = unshaped (default 10,50,200,0)")
+    ap.add_argument("--rates", default="10,50,200,0",
+                    help="link rates in Mbit/s, comma-separated; 0 = unshaped (default 10,50,200,0)")
     ap.add_argument("--rtts", default="0,50", help="round-trip times in ms, comma-separated (default 0,50)")
     ap.add_argument("--stages", default="3,4", help="stage counts, comma-separated (default 3,4)")
-    ap.add_argument("--pairs", default=DEFAULT_PAIRS, help=f"codec pairs FWD[:k=v]/BWD[:k=v], comma-separated (default {DEFAULT_PAIRS}; "
+    ap.add_argument("--pairs", default=DEFAULT_PAIRS,
+                    help=f"codec pairs FWD[:k=v]/BWD[:k=v], comma-separated (default {DEFAULT_PAIRS}; "
                     "backward naive means 6 bits; `default` is the pair a run sends by default, tahquant's layout 3 "
                     "with its precision schedule forward and pertoken backward; tahquant written bare is the paper's "
                     "algorithm, layout 1)")
-    ap.add_argument("--all-pairs-at-4-stages", action="store_true", help="run every pair with 4 stages too (default: only "
-                    + ", ".join(MAIN_PAIRS) + ")")
+    ap.add_argument("--all-pairs-at-4-stages", action="store_true",
+                    help="run every pair with 4 stages too (default: only " + ", ".join(MAIN_PAIRS) + ")")
     ap.add_argument("--steps", type=int, default=4, help="measured steps per row (default 4)")
     ap.add_argument("--unshaped-steps", type=int, default=6, help="measured steps of the unshaped rows, which set the "
                     "compute limits (default 6)")
-    ap.add_argument("--warmup", type=int, default=4, help="steps before the measured ones, in which the pipeline tries its "
-                    "cuts (default 4)")
+    ap.add_argument("--warmup", type=int, default=4, help="steps before the measured ones, in which the pipeline "
+                    "tries its cuts (default 4)")
     ap.add_argument("--tokens-per-step", type=int, default=32768, help="tokens per optimizer step (default 32768)")
     ap.add_argument("--seq-len", type=int, default=128, help="tokens per sample (default 128)")
-    ap.add_argument("--micro-batches", type=int, default=0, help="the step's samples as this many micro-batches (default 4)")
+    ap.add_argument("--micro-batches", type=int, default=0,
+                    help="the step's samples as this many micro-batches (default 4)")
     ap.add_argument("--pipeline-micro-batches", type=int, default=0,
                     help="micro-batches the pipeline cuts a step into (default 0: auto, tahnode.pipeline.schedule; "
                     "with --pipelines 8, the same for every pipeline)")
-    ap.add_argument("--model", default="", help="model preset or TOML (default llama-thin: dim 64, so links dominate; with "
-                    "--convergence llama-tiny; with --pipelines llama-thin-3, a quarter of its compute)")
-    ap.add_argument("--transports", default="grpc", help="the nodes' data planes to compare, comma-separated: grpc, p2p "
-                    "(p2p needs pip install 'tahnode[p2p]'; default grpc)")
-    ap.add_argument("--shaper", default=Shaper.TC.value, choices=[s.value for s in Shaper], help="tc (root; default) or userspace")
-    ap.add_argument("--device", default="cpu", help="where the stages compute: cpu (default) or cuda[:N] (they share the GPU)")
+    ap.add_argument("--model", default="", help="model preset or TOML (default llama-thin: dim 64, so links dominate; "
+                    "with --convergence llama-tiny; with --pipelines llama-thin-3, a quarter of its compute)")
+    ap.add_argument("--transports", default="grpc", help="the nodes' data planes to compare, comma-separated: grpc, "
+                    "p2p (p2p needs pip install 'tahnode[p2p]'; default grpc)")
+    ap.add_argument("--shaper", default=Shaper.TC.value, choices=[s.value for s in Shaper],
+                    help="tc (root; default) or userspace")
+    ap.add_argument("--device", default="cpu",
+                    help="where the stages compute: cpu (default) or cuda[:N] (they share the GPU)")
     ap.add_argument("--name", default="swarm", help="the doc section and plot names (default swarm)")
-    ap.add_argument("--doc", default="docs/benchmarks-log.md", help="where the table goes (default docs/benchmarks-log.md)")
+    ap.add_argument("--doc", default="docs/benchmarks-log.md",
+                    help="where the table goes (default docs/benchmarks-log.md)")
     ap.add_argument("--plots", default="docs/plots", help="where the PNG plots go (default docs/plots)")
     ap.add_argument("--workdir", default="bench-swarm", help="logs and run files of every row (default bench-swarm)")
     ap.add_argument("--prefix", default="tnb-", help="namespace prefix of the swarms it starts (default tnb-)")
     ap.add_argument("--convergence", type=int, nargs="?", const=300, default=0, metavar="STEPS",
-                    help="instead of the matrix: train llama-tiny (or --model) for STEPS steps (default 300; 1024 tokens per step, 3 stages, "
-                    "unshaped) with " + ", ".join(MAIN_PAIRS) + ", --seeds times each, and compare "
-                    "their final losses")
+                    help="instead of the matrix: train llama-tiny (or --model) for STEPS steps (default 300; "
+                    "1024 tokens per step, 3 stages, unshaped) with " + ", ".join(MAIN_PAIRS)
+                    + ", --seeds times each, and compare their final losses")
     ap.add_argument("--seeds", type=int, default=3, metavar="N", help="with --convergence: train every pair with seeds "
                     "0..N-1 (weights and data order) and compare each with none/none of the same seed (default 3; "
                     "one run's final loss moves by several percent with the seed, and by a percent or two with "
                     "any change of rounding)")
-    ap.add_argument("--pipelines", default="", metavar="P,...", help="instead of the matrix: P pipelines of --stages' first "
+    ap.add_argument("--pipelines", default="", metavar="P,...",
+                    help="instead of the matrix: P pipelines of --stages' first "
                     "count in data parallel, for each P (e.g. 1,2) and --rates, against the limit with their averaging "
                     "(tahnode.tools.bench_pipelines)")
     ap.add_argument("--outer-every", type=int, default=SwarmConfig().outer_every,
-                    help=f"with --pipelines: steps between outer steps (default {SwarmConfig().outer_every}, the run's)")
+                    help=f"with --pipelines: steps between outer steps (default {SwarmConfig().outer_every}, "
+                         "the run's)")
     ap.add_argument("--json", action="store_true", help="print the rows as one JSON list on the last line")
     return ap
 
@@ -330,11 +178,6 @@ def run_rows(cfg: BenchConfig, todo: list[Cell]) -> list[Row]:
     return rows
 
 
-def final_loss(row: Row, last: int = 10) -> float:
-    tail = row.losses[-last:]
-    return sum(tail) / len(tail)
-
-
 def report_matrix(rows: list[Row], cfg: BenchConfig, args, command: str) -> str:
     with_limits(rows, cfg.tokens_per_step)
     plots = [plot_throughput(rows, Path(args.plots) / f"{args.name}-throughput.png"),
@@ -342,8 +185,9 @@ def report_matrix(rows: list[Row], cfg: BenchConfig, args, command: str) -> str:
     text = markdown_table(COLUMNS, [r.cells() for r in rows])
     write_section(Path(args.doc), args.name, f"Swarm on shaped links: {args.name}", [
         text, "", f"Model: {cfg.model}, {cfg.tokens_per_step} tokens per step ({cfg.seq_len} tokens per sample); "
-        f"{cfg.warmup} warm-up steps (the pipeline tries its cuts there), then {cfg.steps} measured steps per shaped row and "
-        f"{cfg.unshaped_steps} per unshaped row (median step time); {cfg.shaper} shaper; stages on {cfg.device}.", "",
+        f"{cfg.warmup} warm-up steps (the pipeline tries its cuts there), then {cfg.steps} measured steps per "
+        f"shaped row and {cfg.unshaped_steps} per unshaped row (median step time); {cfg.shaper} shaper; "
+        f"stages on {cfg.device}.", "",
         f"Command: `{command}`"], plots, cfg.device)
     return text
 
@@ -352,23 +196,22 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     command = ("tahnode bench swarm " + " ".join(sys.argv[3:] if argv is None else argv)).strip()
     if args.pipelines:
-        from .bench_pipelines import main as pipelines_main
-
         return pipelines_main(args, command)
     try:
         pairs = [CodecPair.parse(p) for p in args.pairs.split(",") if p.strip()]
         if args.convergence:
             pairs = [p for p in pairs if p.label in MAIN_PAIRS] if args.pairs == DEFAULT_PAIRS else pairs
             cfg = BenchConfig(pairs=pairs, steps=0, unshaped_steps=args.convergence, warmup=0, tokens_per_step=1024,
-                              seq_len=64, model=args.model or "llama-tiny", shaper=Shaper(args.shaper), prefix=args.prefix,
-                              workdir=Path(args.workdir), lr_warmup_steps=10).validate()
+                              seq_len=64, model=args.model or "llama-tiny", shaper=Shaper(args.shaper),
+                              prefix=args.prefix, workdir=Path(args.workdir), lr_warmup_steps=10).validate()
             if args.seeds < 1:
                 raise ValueError(f"--seeds must be at least 1, got {args.seeds}")
             todo = [Cell(0.0, 0.0, 3, pair, TransportKind.GRPC, seed) for seed in range(args.seeds) for pair in pairs]
         else:
             cfg = BenchConfig(pairs=pairs, steps=args.steps, unshaped_steps=args.unshaped_steps, warmup=args.warmup,
-                              tokens_per_step=args.tokens_per_step, seq_len=args.seq_len, micro_batches=args.micro_batches,
-                              pipeline_micro_batches=args.pipeline_micro_batches, model=args.model or "llama-thin", shaper=Shaper(args.shaper),
+                              tokens_per_step=args.tokens_per_step, seq_len=args.seq_len,
+                              micro_batches=args.micro_batches, pipeline_micro_batches=args.pipeline_micro_batches,
+                              model=args.model or "llama-thin", shaper=Shaper(args.shaper),
                               prefix=args.prefix, workdir=Path(args.workdir), device=args.device).validate()
             todo = plan(args, pairs)
         if cfg.shaper is Shaper.TC:
@@ -379,8 +222,6 @@ def main(argv: list[str] | None = None) -> int:
     rows = run_rows(cfg, todo)
     if not rows:
         return 1
-    from .swarm_convergence import report_convergence
-
     text = (report_convergence if args.convergence else report_matrix)(rows, cfg, args, command)
     print(text)
     print(f"written to {args.doc}; plots in {args.plots}")

@@ -13,7 +13,7 @@ import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from .bench_swarm import NO_SCHEDULE
+from .swarm_cells import NO_SCHEDULE
 
 __all__ = ["RunSpec", "RunResult", "train_one"]
 

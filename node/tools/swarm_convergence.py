@@ -7,7 +7,7 @@ import statistics
 from pathlib import Path
 
 from .bench_report import markdown_table, plot_convergence, write_section
-from .bench_swarm import CONVERGENCE_COLUMNS, BenchConfig, Row, final_loss
+from .swarm_cells import CONVERGENCE_COLUMNS, BenchConfig, Row, final_loss
 
 __all__ = ["convergence_cells", "mean_curves", "report_convergence"]
 

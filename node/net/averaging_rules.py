@@ -1,0 +1,62 @@
+"""The rules both sides of a stage's averaging share (StageAverager in the node's process, hivemind's
+averager in its own: tahnode.net.averaging_parts): the deadlines of a round, the key of the served
+state, which part is usable, and the ledger of what was refused, sent and received."""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import AsyncIterator
+
+import torch
+
+__all__ = ["Ledger", "usable", "MIN_MATCHMAKING_S", "REQUEST_TIMEOUT_S", "CHUNK_TIMEOUT_S", "GRACE_S",
+           "ALLREDUCE_TIMEOUT_S", "CONTROL_TIMEOUT_S", "STATE_KEY"]
+
+MIN_MATCHMAKING_S = 0.5      # the least time a replica looks for its group
+REQUEST_TIMEOUT_S = 0.3      # how long a would-be leader may take to answer (below MIN_MATCHMAKING_S: hivemind)
+# a sender silent this long between two parts (of at most 512 KiB: 0.4 s at 10 Mbit/s) is dropped, a
+# reducer after twice this: a replica that dies in an all-reduce costs the others 15 s at most, within
+# the outer step's deadline (swarm.outer_timeout_s, 30 s); with 20 s it cost them 70 s
+CHUNK_TIMEOUT_S = 5.0
+GRACE_S = 1.5                # after the deadline, the time the leader's "begin" message may take to arrive
+ALLREDUCE_TIMEOUT_S = 600.0  # the most an all-reduce may take once its group formed
+CONTROL_TIMEOUT_S = 30.0     # the most the averager's process may take to answer a control message
+STATE_KEY = "tahnode"        # served metadata is wrapped: hivemind takes an empty dict for "no state"
+
+
+def usable(part: torch.Tensor | None, shape) -> torch.Tensor | None:
+    """`part` as float32 if it is a floating tensor of `shape` with every value finite, else None."""
+    if not torch.is_tensor(part) or tuple(part.shape) != tuple(shape) or not part.is_floating_point():
+        return None
+    part = part.detach().to(torch.float32)
+    return part if bool(torch.isfinite(part).all()) else None
+
+
+class Ledger:
+    """What the averager's process tallies until the parent takes it after a round: parts refused per
+    peer, the serialized bytes it sent and received; and the peers allowed in its groups (none: all)."""
+
+    def __init__(self):
+        self.members: frozenset[str] = frozenset()
+        self.refused: Counter = Counter()
+        self.sent = self.received = 0
+        self.partial = False  # a part's average never came back in the last round
+
+    def admits(self, peer) -> bool:
+        return not self.members or str(peer) in self.members
+
+    def refuse(self, peer) -> None:
+        self.refused[str(peer)] += 1
+
+    def mark_partial(self) -> None:
+        self.partial = True
+
+    def take(self) -> tuple[dict[str, int], int, int, bool]:
+        tally = (dict(self.refused), self.sent, self.received, self.partial)
+        self.refused, self.sent, self.received, self.partial = Counter(), 0, 0, False
+        return tally
+
+    async def counting_received(self, stream: AsyncIterator) -> AsyncIterator:
+        async for message in stream:
+            self.received += message.ByteSize()
+            yield message
