@@ -134,3 +134,4 @@ def test_a_swarm_with_a_shorter_schedule_is_compared_with_its_reference_and_time
     assert row[:3] == ["4", "every 2 steps, 4-bit, lr 1", "2"]
     assert row[4].startswith("+0.50% ± 0.50")  # +1% and 0% against the reference of their own seed and length
     assert row[7] == "8 of 10" and row[8] == "0.38×"  # steps 5 and 10 (7.5) to one pipeline's 1.0; over its 20 steps
+    assert row[9] == "0.50×"  # the reference with four times the batch reaches 1.0 at its step 10 of the single's 20

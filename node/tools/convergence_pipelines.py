@@ -16,19 +16,21 @@ from .convergence_runs import RunResult, RunSpec
 
 __all__ = ["add_pipeline_args", "pipeline_specs", "pipeline_report", "COLUMNS"]
 
-COLUMNS = ("pipelines", "outer step", "seeds", "held-out loss (mean)", "vs 1 pipeline × P batch: mean ± s.e. (per seed)",
-           "averaging / activation bytes", "replica spread", "steps to 1 pipeline's final loss",
-           "wall-clock to it vs 1 pipeline at {rate} Mbit/s")
+COLUMNS = ("pipelines", "outer step", "seeds", "held-out loss (mean)",
+           "vs 1 pipeline × P batch: mean ± s.e. (per seed)", "averaging / activation bytes", "replica spread",
+           "steps to 1 pipeline's final loss",
+           "wall-clock to it vs 1 pipeline at {rate} Mbit/s", "the same, P× the batch in one step (the bound)")
 
 
-SWARM_LABEL = re.compile(r"(.*) \d+ pipelines H=\d+( \d+ steps)?")  # a swarm run's label: its pair's, then what pipeline_specs adds
+# a swarm run's label: its pair's, then what pipeline_specs adds
+SWARM_LABEL = re.compile(r"(.*) \d+ pipelines H=\d+( \d+ steps)?")
 
 
 def add_pipeline_args(ap) -> None:
     g = ap.add_argument_group("pipelines in data parallel (the [swarm] table)")
-    g.add_argument("--pipelines", default="", metavar="P,...", help="train P pipelines kept in step by outer steps, for each "
-                   "P, beside one pipeline with P× the batch (the same samples) and one pipeline alone; default pair only "
-                   "unless --pairs is given")
+    g.add_argument("--pipelines", default="", metavar="P,...",
+                   help="train P pipelines kept in step by outer steps, for each P, beside one pipeline with P× the "
+                        "batch (the same samples) and one pipeline alone; default pair only unless --pairs is given")
     run = SwarmConfig()
     g.add_argument("--outer-every", default=str(run.outer_every), metavar="H,...",
                    help=f"steps between outer steps, for each H (default {run.outer_every}, the run's)")
@@ -37,10 +39,10 @@ def add_pipeline_args(ap) -> None:
     g.add_argument("--outer-lr", type=float, default=1.0, help="the outer step's learning rate (default 1)")
     g.add_argument("--outer-momentum", type=float, default=0.0, help="the outer step's Nesterov momentum (default 0)")
     g.add_argument("--swarm-steps", type=int, default=0, metavar="N",
-                   help="steps of the P pipelines and of their reference with P× the batch, the learning-rate schedule "
-                        "over those (default: --steps); one pipeline alone trains --steps: with P× the samples a step, "
-                        "a swarm may train a shorter schedule, and the wall-clock column says when it reaches that "
-                        "pipeline's final loss")
+                   help="steps of the P pipelines and of their reference with P× the batch, the learning-rate "
+                        "schedule over those (default: --steps); one pipeline alone trains --steps: with P× the "
+                        "samples a step, a swarm may train a shorter schedule, and the wall-clock column says when "
+                        "it reaches that pipeline's final loss")
 
 
 def _numbers(text: str, flag: str) -> list[int]:
@@ -71,7 +73,8 @@ def pipeline_specs(base: list[RunSpec], args) -> list[RunSpec]:
             for h in everies:
                 swarm = {"pipelines": p, "outer_every": h, "outer_bits": args.outer_bits, "outer_lr": args.outer_lr,
                          "outer_momentum": args.outer_momentum}
-                out.append(dataclasses.replace(spec, pair=f"{spec.pair} {p} pipelines H={h}{shorter}", steps=steps, swarm=swarm))
+                label = f"{spec.pair} {p} pipelines H={h}{shorter}"
+                out.append(dataclasses.replace(spec, pair=label, steps=steps, swarm=swarm))
     return out
 
 
@@ -115,12 +118,18 @@ def pipeline_report(results: list[RunResult], specs: list[RunSpec], rate_mbps: f
         singles = {r.seed: by_key.get((pair, r.seed)) for r in summary.runs}
         steps = [steps_to_reach(r.evals, singles[r.seed].final_eval) for r in summary.runs if singles.get(r.seed)]
         wall = [_wall_share(r, spec, singles[r.seed], rate_mbps) for r in summary.runs if singles.get(r.seed)]
+        # the bound any averaging meets: one pipeline with P times the batch (no outer steps) to the same loss
+        refs = {r.seed: r for r in runs if r.pair == reference}
+        ref_wall = [_wall_share(refs[r.seed], spec, singles[r.seed], rate_mbps) for r in summary.runs
+                    if singles.get(r.seed) and r.seed in refs]
         total = len(summary.runs[0].losses) if summary.runs else 0
+        per_seed = ", ".join(f"{g:+.2f}" for g in gaps)
         rows.append([f"{spec.pipelines}", _outer_label(spec), str(len(summary.runs)),
                      f"{statistics.fmean(r.final_eval for r in summary.runs):.4f}",
-                     f"{statistics.fmean(gaps):+.2f}% ± {se:.2f} ({', '.join(f'{g:+.2f}' for g in gaps)})" if gaps else "—",
+                     f"{statistics.fmean(gaps):+.2f}% ± {se:.2f} ({per_seed})" if gaps else "—",
                      f"{100 * ratio:.1f}%", f"{spread:.2g}",
-                     _mean_or_dash(steps, lambda v: f"{v:.0f} of {total}"), _mean_or_dash(wall, lambda v: f"{v:.2f}×")])
+                     _mean_or_dash(steps, lambda v: f"{v:.0f} of {total}"), _mean_or_dash(wall, lambda v: f"{v:.2f}×"),
+                     _mean_or_dash(ref_wall, lambda v: f"{v:.2f}×")])
     return markdown_table(tuple(c.format(rate=f"{rate_mbps:g}") for c in COLUMNS), rows)
 
 

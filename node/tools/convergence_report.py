@@ -16,7 +16,8 @@ __all__ = ["PairSummary", "summarize", "table", "plot", "steps_to_reach", "COLUM
 
 COLUMNS = ("codec fwd/bwd", "bits/elem fwd / bwd", "seeds", "held-out loss (mean)", "vs reference: mean (per seed)",
            "rel. error per crossing fwd / bwd", "tokens to the reference's final held-out loss",
-           "link time to it at {rates} Mbit/s", "link time to this pair's final loss at {rates} Mbit/s: this pair / the reference")
+           "link time to it at {rates} Mbit/s",
+           "link time to this pair's final loss at {rates} Mbit/s: this pair / the reference")
 
 
 def steps_to_reach(evals: list[list[float]], target: float) -> float:
@@ -58,7 +59,8 @@ class PairSummary:
 
     def race(self, rate_mbps: float) -> str:
         """Link time to this pair's own final loss, for this pair and for the reference (mean over seeds)."""
-        ours = statistics.fmean(r.tokens_per_step * r.evals[-1][0] for r in self.runs if not r.diverged) if self.runs else math.nan
+        live = [r.tokens_per_step * r.evals[-1][0] for r in self.runs if not r.diverged]
+        ours = statistics.fmean(live) if self.runs else math.nan
         theirs = [t for t in self.reference_tokens_to_own.values() if math.isfinite(t)]
         if not theirs or not math.isfinite(ours):
             return "—"
@@ -88,7 +90,9 @@ def summarize(results: list[RunResult], reference: str) -> list[PairSummary]:
 def _duration(seconds: float) -> str:
     if not math.isfinite(seconds):
         return "—"
-    return f"{seconds / 3600:.1f} h" if seconds >= 5400 else f"{seconds / 60:.1f} min" if seconds >= 90 else f"{seconds:.0f} s"
+    if seconds >= 5400:
+        return f"{seconds / 3600:.1f} h"
+    return f"{seconds / 60:.1f} min" if seconds >= 90 else f"{seconds:.0f} s"
 
 
 def _cells(s: PairSummary, rates: list[float]) -> list[str]:
@@ -100,25 +104,29 @@ def _cells(s: PairSummary, rates: list[float]) -> list[str]:
     reached = [t for t in s.tokens_to_target.values() if math.isfinite(t)]
     if s.tokens_to_target and len(reached) == len(s.tokens_to_target):
         tokens = statistics.fmean(reached)
-        to_target, times = f"{tokens / 1e6:.2f} M", " / ".join(_duration(s.link_seconds(tokens, rate)) for rate in rates)
+        to_target = f"{tokens / 1e6:.2f} M"
+        times = " / ".join(_duration(s.link_seconds(tokens, rate)) for rate in rates)
     else:
         missed = len(s.tokens_to_target) - len(reached)
-        to_target, times = (f"not reached in {missed} of {len(s.tokens_to_target)} seeds" if s.tokens_to_target else "—"), "—"
+        to_target = f"not reached in {missed} of {len(s.tokens_to_target)} seeds" if s.tokens_to_target else "—"
+        times = "—"
     return [s.pair, f"{s.mean('bits_fwd'):.2f} / {s.mean('bits_bwd'):.2f}", str(len(s.runs)),
             f"{loss:.4f}" if math.isfinite(loss) else "diverged", gap,
-            f"{s.mean('error_fwd'):.3f} / {s.mean('error_bwd'):.3f}", to_target, times, " ; ".join(s.race(r) for r in rates)]
+            f"{s.mean('error_fwd'):.3f} / {s.mean('error_bwd'):.3f}", to_target, times,
+            " ; ".join(s.race(r) for r in rates)]
 
 
 def table(summaries: list[PairSummary], rates: list[float]) -> str:
-    columns = tuple(c.format(rates=" ; ".join(f"{r:g}" for r in rates) if "this pair" in c else " / ".join(f"{r:g}" for r in rates))
-                    for c in COLUMNS)
+    listed = {sep: sep.join(f"{r:g}" for r in rates) for sep in (" ; ", " / ")}
+    columns = tuple(c.format(rates=listed[" ; " if "this pair" in c else " / "]) for c in COLUMNS)
     return markdown_table(columns, [_cells(s, rates) for s in summaries])
 
 
 def _mean_curve(runs: list[RunResult], attribute: str) -> tuple[list[float], list[float]]:
     if attribute == "evals":
         n = min(len(r.evals) for r in runs)
-        return [runs[0].evals[i][0] for i in range(n)], [statistics.fmean(r.evals[i][1] for r in runs) for i in range(n)]
+        steps = [runs[0].evals[i][0] for i in range(n)]
+        return steps, [statistics.fmean(r.evals[i][1] for r in runs) for i in range(n)]
     n = min(len(r.losses) for r in runs)
     return list(range(1, n + 1)), [statistics.fmean(r.losses[i] for r in runs) for i in range(n)]
 
@@ -146,12 +154,15 @@ def plot(summaries: list[PairSummary], reference: str, out: Path, smooth: int = 
             xs, train = _mean_curve(live, "losses")
             train = _smooth(train, smooth)
             n = min(len(train), len(ref_train))
-            right.plot(xs[:n], [100 * (train[i] / ref_train[i] - 1) for i in range(n)], color=f"C{k % 10}", label=s.pair)
-    late = [loss for line in left.get_lines() for step, loss in zip(*line.get_data()) if step >= 0.15 * max(line.get_xdata())]
+            above = [100 * (train[i] / ref_train[i] - 1) for i in range(n)]
+            right.plot(xs[:n], above, color=f"C{k % 10}", label=s.pair)
+    late = [loss for line in left.get_lines() for step, loss in zip(*line.get_data())
+            if step >= 0.15 * max(line.get_xdata())]
     if late:  # the first steps' fall would flatten the differences that matter
         span = max(late) - min(late)
         left.set_ylim(min(late) - 0.05 * span, max(late) + 0.05 * span)
     left.set(xlabel="step", ylabel="held-out loss", title="held-out loss (mean over seeds; from 15% of the run)")
     right.axhline(0, color="0.5", lw=0.8)
-    right.set(xlabel="step", ylabel=f"% above {reference}", title=f"training loss vs {reference} (smoothed over {smooth} steps)")
+    right.set(xlabel="step", ylabel=f"% above {reference}",
+              title=f"training loss vs {reference} (smoothed over {smooth} steps)")
     return save_figure(plt, fig, (left, right), out, legend_size=7)
