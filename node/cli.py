@@ -13,16 +13,17 @@ from .config.flags import add_run_flags, run_config_from
 from .config.node import COORDINATOR_P2P_LISTEN, NODE_P2P_LISTEN
 from .net.errors import P2PError
 from .net.loop import use_fast_event_loop
+from .tools.certs_cli import _add_certs_command, _certs
 
 BENCHES = {  # `tahnode bench NAME`: tahnode.tools.bench_NAME.main
     "kernels": "Triton codec kernels vs x.clone() and the reference (needs a GPU)",
     "swarm": "training on a local swarm with shaped links, against the physical limit (root for tc)",
     "soak": "a swarm trains for --minutes while memory and open files of every process are sampled",
     "nat": "probed throughput of relayed and direct p2p links to volunteers behind NAT (root, nftables)",
-    "coordinator": "a real coordinator against --nodes simulated volunteers: time to place them, heartbeat latency, its CPU "
-                   "and memory, probe traffic, HTTP endpoints",
-    "convergence": "codec pairs x seeds trained on the pipeline's math in one process: held-out loss against uncompressed "
-                   "training, bits per element, time to the same loss",
+    "coordinator": "a real coordinator against --nodes simulated volunteers: time to place them, heartbeat latency, "
+                   "its CPU and memory, probe traffic, HTTP endpoints",
+    "convergence": "codec pairs x seeds trained on the pipeline's math in one process: held-out loss against "
+                   "uncompressed training, bits per element, time to the same loss",
     "abuse": "a real coordinator's memory and status latency while one token holder sends oversized heartbeats and "
              "Sybil joins",
     "copies": "how many times a message's payload is copied on the host from codec to wire (counted; needs cc)",
@@ -42,12 +43,15 @@ def _add_codec_commands(sub) -> None:
     )
     ev.add_argument("file", help="tensor file: .pt (torch.save of one tensor) or .safetensors")
     ev.add_argument("--codec", required=True, choices=sorted(CODECS), help="codec to evaluate")
-    ev.add_argument("--param", action="append", metavar="K=V", help="codec parameter, repeatable (e.g. --param rho=0.7)")
+    ev.add_argument("--param", action="append", metavar="K=V",
+                    help="codec parameter, repeatable (e.g. --param rho=0.7)")
     ev.add_argument("--key", help="tensor name inside a .safetensors file (or dict .pt) holding several")
     ev.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default: cpu)")
     ev.add_argument("--repeat", type=int, default=3, help="timed repetitions after one warm-up (median reported)")
-    ev.add_argument("--drift", type=float, default=0.1, help="aqsgd only: change of the activations between visits, in std units")
-    ev.add_argument("--json", action="store_true", help="print one JSON object instead of text (sqnr_db is null for an exact reconstruction)")
+    ev.add_argument("--drift", type=float, default=0.1,
+                    help="aqsgd only: change of the activations between visits, in std units")
+    ev.add_argument("--json", action="store_true",
+                    help="print one JSON object instead of text (sqnr_db is null for an exact reconstruction)")
 
 
 def _add_tls_flags(p, what: str) -> None:
@@ -67,22 +71,12 @@ def _tls_mode(args):
     return TlsMode.OFF if args.insecure else TlsMode(args.tls)
 
 
-def _add_certs_command(sub) -> None:
-    ce = sub.add_parser("certs", help="make (on first use) and show a TLS certificate: the coordinator's or a node's",
-                        description="Show the TLS certificate a coordinator (in its --store) or a node (in its "
-                        "--checkpoint-dir) serves with, making it first if there is none yet. Volunteers pin the "
-                        "coordinator's with `tahnode join --coordinator-fingerprint FINGERPRINT`.")
-    ce.add_argument("--dir", default="tahnode-store", help="the coordinator's --store or a node's --checkpoint-dir "
-                    "(default tahnode-store)")
-    ce.add_argument("--json", action="store_true", help="print one JSON object")
-
-
 def _add_export_command(sub) -> None:
     ex = sub.add_parser("export", help="write a trained swarm's model as a Hugging Face checkpoint folder",
                         description="Merge every stage's checkpoint of one step (the newest that every stage has, or "
                         "--step) from the coordinator's --store (or a folder of stage checkpoints) into OUT: sharded "
-                        "safetensors with their index, config.json, generation_config.json and the run's tokenizer files; "
-                        "transformers' AutoModelForCausalLM.from_pretrained(OUT) loads it.")
+                        "safetensors with their index, config.json, generation_config.json and the run's tokenizer "
+                        "files; transformers' AutoModelForCausalLM.from_pretrained(OUT) loads it.")
     ex.add_argument("--checkpoint-dir", required=True, help="the coordinator's --store, one of its run-* folders, or a "
                     "folder of stageK-ofN-stepS.safetensors files")
     ex.add_argument("--out", required=True, help="the folder to write (must not exist, or be empty)")
@@ -96,33 +90,8 @@ def _export(args) -> int:
     done = export(args.checkpoint_dir, args.out, args.step, int(args.shard_mb * 2**20))
     print(f"exported step {done.step} of {done.stages} stages to {done.out}: {done.tensors} tensors, "
           f"{done.bytes / 2**20:.1f} MB in {done.shards} shard(s)"
-          + ("; tokenizer files copied" if done.tokenizer else "; no tokenizer files (byte-level data, or not on this machine)"))
-    return 0
-
-
-def _certs(args) -> int:
-    import json
-    from pathlib import Path
-
-    from .net.identity import KEY_FILE
-    from .net.tls import CERT_FILE, PINNED_COORDINATOR_FILE, TlsCertificate, fingerprint
-
-    folder = Path(args.dir)
-    made = not (folder / CERT_FILE).exists()
-    cert = TlsCertificate.load_or_create(folder)
-    pinned = folder / PINNED_COORDINATOR_FILE
-    info = {"certificate": str(folder / CERT_FILE), "fingerprint": cert.fingerprint, "made": made,
-            "trusted_coordinator": fingerprint(pinned.read_bytes()) if pinned.exists() else None}
-    if args.json:
-        print(json.dumps(info))
-        return 0
-    print(f"{'made' if made else 'certificate'} {info['certificate']}\nfingerprint {cert.fingerprint}")
-    if (folder / KEY_FILE).exists():
-        print("a node's certificate: the coordinator hands it to the node's neighbours, who pin it")
-    else:
-        print(f"volunteers pin it with: tahnode join --coordinator-fingerprint {cert.fingerprint} ...")
-    if info["trusted_coordinator"]:
-        print(f"this node trusts the coordinator certificate {info['trusted_coordinator']} ({pinned})")
+          + ("; tokenizer files copied" if done.tokenizer
+             else "; no tokenizer files (byte-level data, or not on this machine)"))
     return 0
 
 
@@ -134,8 +103,8 @@ def _add_p2p_flags(p, listen: str, node: bool) -> None:
                    help="a peer already in the swarm's DHT (the coordinator prints its own), repeatable" +
                    ("; without --coordinator the node finds the coordinator through it" if node else ""))
     g.add_argument("--announce", action="append", default=[], metavar="MULTIADDR",
-                   help="public multiaddr to announce instead of the ones the daemon sees (e.g. behind port forwarding); "
-                   "a process that announces relays for volunteers behind NAT")
+                   help="public multiaddr to announce instead of the ones the daemon sees (e.g. behind port "
+                   "forwarding); a process that announces relays for volunteers behind NAT")
     g.add_argument("--use-relay", action=argparse.BooleanOptionalAction, default=True,
                    help="may reach peers (and be reached) through circuit relays (default: yes, as in hivemind)")
     g.add_argument("--use-auto-relay", action="store_true",
@@ -158,31 +127,37 @@ def _add_swarm_commands(sub) -> None:
                         "tracks heartbeats and serves the status page (/), /api/v1/state and /metrics.")
     co.add_argument("--listen", default="0.0.0.0:7000", help="control-plane gRPC address (default 0.0.0.0:7000)")
     co.add_argument("--transport", default="grpc", choices=["grpc", "p2p", "both"],
-                    help="where nodes reach the control plane: gRPC on --listen, libp2p (with a DHT that volunteers find "
-                    "it through), or both (default grpc)")
+                    help="where nodes reach the control plane: gRPC on --listen, libp2p (with a DHT that volunteers "
+                    "find it through), or both (default grpc)")
     co.add_argument("--http", default="0.0.0.0:8080", help="status page address (default 0.0.0.0:8080)")
     co.add_argument("--token-file", help=f"file holding the swarm secret every node must present (or set {TOKEN_ENV}); "
                     "without either, the coordinator makes a random one, keeps it in --store as 'token' and prints it")
     co.add_argument("--token", help="the swarm secret itself (other local users can read it on the command line: "
                     "prefer --token-file)")
-    co.add_argument("--heartbeat-timeout", type=float, default=10.0, help="seconds without heartbeats before a node is declared failed")
-    co.add_argument("--store", default="tahnode-store", help="directory of the stage checkpoints nodes upload (for standbys)")
-    co.add_argument("--settle", type=float, default=3.0, help="seconds without new joins before --stage auto nodes are placed")
-    co.add_argument("--probe-wait", type=float, default=4.0, help="then, before the first chain, at most this many seconds "
+    co.add_argument("--heartbeat-timeout", type=float, default=10.0,
+                    help="seconds without heartbeats before a node is declared failed")
+    co.add_argument("--store", default="tahnode-store",
+                    help="directory of the stage checkpoints nodes upload (for standbys)")
+    co.add_argument("--settle", type=float, default=3.0,
+                    help="seconds without new joins before --stage auto nodes are placed")
+    co.add_argument("--probe-wait", type=float, default=4.0,
+                    help="then, before the first chain, at most this many seconds "
                     "for the nodes' small capacity probes and the full probes of the planned chain's links (default 4)")
     co.add_argument("--rebalance-every", type=float, default=30.0, help="seconds between rebalancing checks while "
-                    "training: --stage auto nodes move when a fully probed plan is faster by --hysteresis (0 = never; default 30)")
+                    "training: --stage auto nodes move when a fully probed plan is faster by --hysteresis "
+                    "(0 = never; default 30)")
     co.add_argument("--hysteresis", type=float, default=0.2, help="share by which a new chain must cut the bottleneck "
                     "to replace the current one (default 0.2)")
-    _add_tls_flags(co, "the control plane: TLS with a self-signed certificate kept in --store (`tahnode certs` shows it)")
+    _add_tls_flags(co, "the control plane: TLS with a self-signed certificate kept in --store "
+                   "(`tahnode certs` shows it)")
     _add_p2p_flags(co, COORDINATOR_P2P_LISTEN, node=False)
     add_run_flags(co)
 
     jo = sub.add_parser("join", help="join a swarm and hold one pipeline stage",
                         description="Run a stage daemon: join the coordinator, hold the assigned stage on this "
                         "machine's GPU (or CPU), exchange activations and gradients with the neighbour stages.")
-    jo.add_argument("--coordinator", default="", help="coordinator HOST:PORT, or its p2p multiaddr (default: found through "
-                    "--initial-peers, else 127.0.0.1:7000)")
+    jo.add_argument("--coordinator", default="", help="coordinator HOST:PORT, or its p2p multiaddr (default: found "
+                    "through --initial-peers, else 127.0.0.1:7000)")
     jo.add_argument("--stage", default="auto", help="stage number to hold, or 'auto' to let the coordinator choose")
     jo.add_argument("--listen", default="0.0.0.0:0", help="data-plane address to serve on (default: any port)")
     jo.add_argument("--advertise", default="", help="HOST:PORT other nodes reach this one at (default: from --listen)")
@@ -191,27 +166,32 @@ def _add_swarm_commands(sub) -> None:
     jo.add_argument("--token", help="the swarm secret itself (other local users can read it on the command line: "
                     "prefer --token-file)")
     jo.add_argument("--node-id", default="", help="stable name of this node (default: HOSTNAME-PID)")
-    jo.add_argument("--checkpoint-dir", default="", help="where this node saves its stage (default: tahnode-state/NODE_ID)")
-    jo.add_argument("--data-dir", default="", help="where stage 0 prepares the built-in corpus (default ~/.cache/tahnode)")
-    jo.add_argument("--init-from", default="", help="local Hugging Face Llama/Qwen2 checkpoint directory to load this stage's weights from; its "
+    jo.add_argument("--checkpoint-dir", default="",
+                    help="where this node saves its stage (default: tahnode-state/NODE_ID)")
+    jo.add_argument("--data-dir", default="",
+                    help="where stage 0 prepares the built-in corpus (default ~/.cache/tahnode)")
+    jo.add_argument("--init-from", default="",
+                    help="local Hugging Face Llama/Qwen2 checkpoint directory to load this stage's weights from; its "
                     "config.json must describe the run's model (a field that differs is an error naming it)")
     jo.add_argument("--transport", default=TransportKind.GRPC.value, choices=[k.value for k in TransportKind],
-                    help="data-plane transport to the neighbour stages (default grpc: every node reachable at --advertise; "
-                    "p2p: libp2p, reachable behind NAT with --use-auto-relay)")
+                    help="data-plane transport to the neighbour stages (default grpc: every node reachable at "
+                    "--advertise; p2p: libp2p, reachable behind NAT with --use-auto-relay)")
     jo.add_argument("--threads", type=int, default=0, help="CPU threads for torch (default: every core; give each of "
                     "several stages on one machine its share, as `tahnode demo` and `tahnode swarm up` do)")
     jo.add_argument("--quiet", action="store_true", help="no per-step progress lines")
-    _add_tls_flags(jo, "this node's data plane: TLS with a self-signed certificate kept beside its checkpoints, which the "
-                   "coordinator hands to its neighbours")
+    _add_tls_flags(jo, "this node's data plane: TLS with a self-signed certificate kept beside its checkpoints, which "
+                   "the coordinator hands to its neighbours")
     jo.add_argument("--coordinator-fingerprint", default="", metavar="sha256:HEX",
-                    help="the coordinator's TLS certificate, as its start-up line and `tahnode certs` show it; without it "
-                    "the node trusts the certificate it sees first and refuses any other later")
+                    help="the coordinator's TLS certificate, as its start-up line and `tahnode certs` show it; without "
+                    "it the node trusts the certificate it sees first and refuses any other later")
     em = jo.add_argument_group("emulated network (for test swarms; `tahnode swarm up` sets these)")
     em.add_argument("--emulate-rtt", default="", metavar="DURATION",
                     help="add this round-trip time (e.g. 50ms) to every message this node exchanges, data and control: "
-                    "each message waits half of it before it leaves (in user space; TCP's own acknowledgements are not delayed)")
+                    "each message waits half of it before it leaves (in user space; TCP's own "
+                    "acknowledgements are not delayed)")
     em.add_argument("--emulate-rate", default="", metavar="RATE",
-                    help="pace every outgoing link at this rate (e.g. 20mbit), in user space: for machines where tc cannot shape")
+                    help="pace every outgoing link at this rate (e.g. 20mbit), in user space: for "
+                    "machines where tc cannot shape")
     em.add_argument("--emulate-link", action="append", default=[], metavar="PEER=RATE",
                     help="another rate for the link to one peer node id (e.g. n3=10mbit), repeatable")
     _add_p2p_flags(jo, NODE_P2P_LISTEN, node=True)
@@ -264,7 +244,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:1] == ["bench"] and len(argv) > 1 and argv[1] in BENCHES:  # each its own parser (REMAINDER drops leading --flags)
+    # each its own parser (REMAINDER drops leading --flags)
+    if argv[:1] == ["bench"] and len(argv) > 1 and argv[1] in BENCHES:
         import importlib
         return importlib.import_module(f".tools.bench_{argv[1]}", __package__).main(argv[2:])
     if argv[:1] == ["compose"]:  # its own parser too
@@ -307,7 +288,8 @@ def main(argv: list[str] | None = None) -> int:
 def _setup_logging(level: str = "INFO") -> None:
     import logging
 
-    logging.basicConfig(level=getattr(logging, level.upper(), logging.INFO), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.basicConfig(level=getattr(logging, level.upper(), logging.INFO),
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger("asyncio").setLevel(logging.WARNING)
 
 
@@ -340,8 +322,10 @@ def _coordinator(args) -> int:
                                   hysteresis=args.hysteresis)  # bad values fail here, before any file is made
     token = coordinator_token(args.token, args.token_file, Path(args.store))
     _say_token(token, args.listen)
-    transports = (TransportKind.GRPC, TransportKind.P2P) if args.transport == "both" else (TransportKind(args.transport),)
-    cfg = CoordinatorConfig(listen=args.listen, http=args.http, token=token.secret, heartbeat_timeout=args.heartbeat_timeout,
+    transports = ((TransportKind.GRPC, TransportKind.P2P) if args.transport == "both"
+                  else (TransportKind(args.transport),))
+    cfg = CoordinatorConfig(listen=args.listen, http=args.http, token=token.secret,
+                            heartbeat_timeout=args.heartbeat_timeout,
                             store=args.store, tls=_tls_mode(args), transports=transports,
                             placement=placement,
                             p2p=_p2p_settings(args, COORDINATOR_P2P_LISTEN))
@@ -365,11 +349,12 @@ def _join(args) -> int:
                          f"got {args.coordinator_fingerprint!r}")
     token = resolve_token(args.token, args.token_file)
     if token is None:
-        raise TokenMissing(f"no swarm token: give --token-file FILE or set {TOKEN_ENV} (the coordinator printed it when "
-                           "it started, and keeps it in its store folder as 'token')")
+        raise TokenMissing(f"no swarm token: give --token-file FILE or set {TOKEN_ENV} (the coordinator printed it "
+                           "when it started, and keeps it in its store folder as 'token')")
     if token.warning:
         print(f"tahnode join: warning: {token.warning}", file=sys.stderr, flush=True)
-    cfg = NodeConfig(coordinator=args.coordinator, stage=AUTO_STAGE if args.stage == "auto" else int(args.stage), listen=args.listen,
+    cfg = NodeConfig(coordinator=args.coordinator, stage=AUTO_STAGE if args.stage == "auto" else int(args.stage),
+                     listen=args.listen,
                      advertise=args.advertise, device=args.device, token=token.secret, node_id=args.node_id,
                      checkpoint_dir=args.checkpoint_dir, data_dir=args.data_dir, init_from=args.init_from,
                      progress=not args.quiet, threads=args.threads, transport=TransportKind(args.transport),
@@ -392,7 +377,8 @@ def _data_prepare(args) -> int:
     limit = int(args.limit_mb * 2**20) if args.limit_mb else None
     inputs = [Path(p) for p in args.input] if args.input else default_corpus(limit_bytes=limit)
     info = prepare(inputs, Path(args.out), tokenizer=Path(args.tokenizer) if args.tokenizer else None, progress=True)
-    print(f"wrote {info.n_tokens} tokens ({info.dtype}, vocab {info.vocab_size}) from {info.sources} files to {args.out}")
+    print(f"wrote {info.n_tokens} tokens ({info.dtype}, vocab {info.vocab_size}) from "
+          f"{info.sources} files to {args.out}")
     return 0
 
 

@@ -84,7 +84,8 @@ class Script:
             bad.step_end.grad_sumsq = math.inf
             self.note("step end norm inf")
             return [bad]
-        if body == "micro_batch" and direction == FORWARD and mb.step >= 3 and mb.index == 0 and self.once("activation 3e38"):
+        if (body == "micro_batch" and direction == FORWARD and mb.step >= 3 and mb.index == 0
+                and self.once("activation 3e38")):
             bad = pb.Envelope()
             bad.CopyFrom(env)
             x = torch.frombuffer(bytearray(mb.tensor.payload), dtype=torch.float32).clone()
@@ -167,7 +168,8 @@ def poisoned_checkpoint(run, step: int, edit: dict, folder: Path) -> Path:
     """A checkpoint of stage 1 at `step` whose tensors are the stage's and whose SHA-256 is right,
     its metadata edited by `edit`."""
     model = build_stage(run.model, 1, run.stages, seed=0)
-    path = CheckpointStore(folder).save(1, run.stages, step, model, torch.optim.AdamW(model.parameters()), run.to_json())
+    path = CheckpointStore(folder).save(1, run.stages, step, model, torch.optim.AdamW(model.parameters()),
+                                        run.to_json())
     tensors, meta = read_verified(path)
     meta.update(edit)
     meta[DIGEST_KEY] = digest(tensors, meta)
@@ -181,8 +183,9 @@ def checkpoint_attacks(script: Script, stub, sealer: Sealer, node_id: str) -> No
     with tempfile.TemporaryDirectory() as folder:
         for what, (step, edit) in POISONS.items():
             path = poisoned_checkpoint(script.run_cfg, step, edit, Path(folder))
-            chunks = [sealer.seal(pb.CheckpointChunk(node_id=node_id, stage=1, num_stages=script.run_cfg.stages, step=step,
-                                                     data=data, last=last), COORDINATOR) for data, last in read_chunks(path)]
+            chunks = [sealer.seal(pb.CheckpointChunk(node_id=node_id, stage=1, num_stages=script.run_cfg.stages,
+                                                     step=step, data=data, last=last), COORDINATOR)
+                      for data, last in read_chunks(path)]
             try:
                 stub.UploadCheckpoint(iter(chunks))
                 outcome = "accepted"
@@ -192,25 +195,29 @@ def checkpoint_attacks(script: Script, stub, sealer: Sealer, node_id: str) -> No
     script.poisoned.set()
 
 
-def control_plane_attacks(script: Script, coordinator: str, node_id: str, folder: Path, token: str, status: str) -> None:
+def control_plane_attacks(script: Script, coordinator: str, node_id: str, folder: Path, token: str,
+                          status: str) -> None:
     """Once the daemon joined (its key exists): lie to the coordinator with its own identity."""
     key_file = folder / "node.key"
     script.holding.wait()  # joined, its key made, and given stage 1
-    run = json.loads(urllib.request.build_opener(urllib.request.ProxyHandler({})).open(status, timeout=10).read())["run"]
+    run = json.loads(
+        urllib.request.build_opener(urllib.request.ProxyHandler({})).open(status, timeout=10).read())["run"]
     sealer = Sealer(SwarmKey(token), node_id, run, identity=NodeKey.load_or_create(key_file))
     stub = pb_grpc.CoordinatorStub(grpc.insecure_channel(coordinator))
     checkpoint_attacks(script, stub, sealer, node_id)
     time.sleep(3.0)  # training by now
     attempts = {
         "ledger wipe (LossPoint step 0)": lambda: stub.Heartbeat(sealer.seal(pb.HeartbeatRequest(
-            node_id=node_id, stats=pb.TrainingStats(losses=[pb.LossPoint(step=0, loss=9.0, sample_ids=[1])])), COORDINATOR)),
+            node_id=node_id, stats=pb.TrainingStats(losses=[pb.LossPoint(step=0, loss=9.0, sample_ids=[1])])),
+            COORDINATOR)),
         "60000 links": lambda: stub.Heartbeat(sealer.seal(pb.HeartbeatRequest(node_id=node_id, links=[
             pb.LinkStats(dst=f"ghost-{k}", bytes=k, seconds=1.0) for k in range(60_000)]), COORDINATOR)),
         "checkpoint of step 10^15": lambda: stub.UploadCheckpoint(iter([sealer.seal(pb.CheckpointChunk(
             node_id=node_id, stage=1, num_stages=3, step=10**15, data=b"x" * 100, last=True), COORDINATOR)])),
         "checkpoint of another stage": lambda: stub.UploadCheckpoint(iter([sealer.seal(pb.CheckpointChunk(
             node_id=node_id, stage=0, num_stages=3, step=5, data=b"x" * 100, last=True), COORDINATOR)])),
-        "join as n0": lambda: stub.Join(Sealer(SwarmKey(token), "n0", run, identity=NodeKey.load_or_create(key_file)).seal(
+        "join as n0": lambda: stub.Join(Sealer(SwarmKey(token), "n0", run,
+                                               identity=NodeKey.load_or_create(key_file)).seal(
             pb.JoinRequest(node_id="n0", address="127.0.0.1:1", stage=0), COORDINATOR)),
     }
     for what, call in attempts.items():

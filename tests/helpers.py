@@ -51,7 +51,8 @@ def assert_kernel_gives_the_reference(kernel, ref, x: torch.Tensor, params, devi
     shape, dtype = tuple(x.shape), x.dtype
     payload = ref.encode(x, params)
     assert torch.equal(kernel.encode(x.to(device), params).cpu(), payload), kernel.__name__
-    assert same_bits(kernel.decode(payload.to(device), shape, params, dtype).cpu(), ref.decode(payload, shape, params, dtype))
+    assert same_bits(kernel.decode(payload.to(device), shape, params, dtype).cpu(),
+                     ref.decode(payload, shape, params, dtype))
 
 
 def kernel_test_input(shape, dtype) -> torch.Tensor:

@@ -40,10 +40,13 @@ class Servers:
         self.node_sealer = self.sealer(NODE)
         self.coordinator, self.node = self._call(self._start())
         # NODE's neighbour PEER may send it frames; the coordinator may ask it to measure
-        self.transport.peer_keys.update({PEER: self.key(PEER).public, COORDINATOR: self.registry.sealer.identity.public})
-        self.registry.join(self.sealer(NODE, run="").seal(pb.JoinRequest(node_id=NODE, address=self.node, stage=0), COORDINATOR))
+        self.transport.peer_keys.update({PEER: self.key(PEER).public,
+                                         COORDINATOR: self.registry.sealer.identity.public})
+        self.registry.join(self.sealer(NODE, run="").seal(pb.JoinRequest(node_id=NODE, address=self.node, stage=0),
+                                                          COORDINATOR))
         model = build_stage(self.run_cfg.model, 0, self.run_cfg.stages)  # what the coordinator accepts for stage 0
-        self.checkpoint = CheckpointStore(tmp / "ckpt").save(0, self.run_cfg.stages, 7, model, torch.optim.AdamW(model.parameters()),
+        self.checkpoint = CheckpointStore(tmp / "ckpt").save(0, self.run_cfg.stages, 7, model,
+                                                             torch.optim.AdamW(model.parameters()),
                                                              self.run_cfg.to_json())
 
     def key(self, name: str) -> NodeKey:

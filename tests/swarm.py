@@ -25,24 +25,28 @@ class Swarm:
         self.grpc_port = free_port()
         self.http_port = free_port()
         self.procs: dict[str, subprocess.Popen] = {}
-        self.env = {**os.environ, "PYTHONUNBUFFERED": "1", "TAHNODE_CACHE": str(cache or workdir / "cache"), "TAHNODE_TOKEN": token}
+        self.env = {**os.environ, "PYTHONUNBUFFERED": "1", "TAHNODE_CACHE": str(cache or workdir / "cache"),
+                    "TAHNODE_TOKEN": token}
 
     @property
     def coordinator(self) -> str:
         return f"127.0.0.1:{self.grpc_port}"
 
-    def spawn(self, name: str, args: list[str], prefix: list[str] | None = None, env: dict | None = None) -> subprocess.Popen:
+    def spawn(self, name: str, args: list[str], prefix: list[str] | None = None,
+              env: dict | None = None) -> subprocess.Popen:
         log = open(self.workdir / f"{name}.log", "a")
-        proc = subprocess.Popen([*(prefix or []), *TAHNODE, *args], stdout=log, stderr=subprocess.STDOUT, env={**self.env, **(env or {})})
+        proc = subprocess.Popen([*(prefix or []), *TAHNODE, *args], stdout=log, stderr=subprocess.STDOUT,
+                                env={**self.env, **(env or {})})
         self.procs[name] = proc
         return proc
 
     def start_coordinator(self, *run_flags: str, listen: str | None = None, http: str | None = None) -> None:
-        self.spawn("coordinator", ["coordinator", "--listen", listen or self.coordinator, "--http", http or f"127.0.0.1:{self.http_port}",
-                                   "--store", str(self.workdir / "store"), *run_flags])
+        self.spawn("coordinator",
+                   ["coordinator", "--listen", listen or self.coordinator, "--http",
+                    http or f"127.0.0.1:{self.http_port}", "--store", str(self.workdir / "store"), *run_flags])
 
-    def join(self, name: str, stage: int | str, *extra: str, prefix: list[str] | None = None, coordinator: str | None = None,
-             env: dict | None = None) -> subprocess.Popen:
+    def join(self, name: str, stage: int | str, *extra: str, prefix: list[str] | None = None,
+             coordinator: str | None = None, env: dict | None = None) -> subprocess.Popen:
         """`coordinator`: None for this swarm's, "" for none (the node finds it through --initial-peers)."""
         told = ["--coordinator", self.coordinator if coordinator is None else coordinator] if coordinator != "" else []
         return self.spawn(name, ["join", *told, "--stage", str(stage), "--listen", "127.0.0.1:0",
@@ -67,13 +71,15 @@ class Swarm:
         while time.monotonic() < deadline:
             for name, p in self.procs.items():
                 if p.poll() not in (None, 0):
-                    raise AssertionError(f"{name} exited with {p.returncode} while waiting for {what}:\n{self.log(name)}")
+                    raise AssertionError(f"{name} exited with {p.returncode} while waiting for "
+                                         f"{what}:\n{self.log(name)}")
             state = self.state()
             if state and predicate(state):
                 return state
             time.sleep(0.3)
         logs = "\n".join(f"--- {n}\n{self.log(n)[-3000:]}" for n in self.procs)
-        raise AssertionError(f"timed out after {timeout} s waiting for {what}; last state: {json.dumps(state)[:2000]}\n{logs}")
+        raise AssertionError(f"timed out after {timeout} s waiting for {what}; last state: "
+                             f"{json.dumps(state)[:2000]}\n{logs}")
 
     def wait_finished(self, steps: int, timeout: float = 240) -> dict:
         """Until the last stage reported `steps` steps and every stage its final figures (stage 0's
@@ -94,7 +100,8 @@ class Swarm:
         try:
             return self.procs[name].wait(timeout)
         except subprocess.TimeoutExpired:
-            raise AssertionError(f"{name} still runs after {timeout} s; its log ends:\n{self.log(name)[-4000:]}") from None
+            raise AssertionError(f"{name} still runs after {timeout} s; its log ends:\n"
+                                 f"{self.log(name)[-4000:]}") from None
 
     def stop(self) -> None:
         """SIGTERM to the daemons, then to the coordinator once they are gone: a daemon's last report

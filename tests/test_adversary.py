@@ -40,9 +40,10 @@ def test_a_malicious_stage_holder_kills_nothing_poisons_nothing_and_is_banned(tm
         swarm.join("n0", 0, "--threads", "1")
         swarm.join("n2", 2, "--threads", "1")
         state_url = f"http://127.0.0.1:{swarm.http_port}/api/v1/state"
-        evil = subprocess.Popen([sys.executable, str(Path(__file__).parent / "adversary.py"), str(log), state_url, "--", "--coordinator",
-                                 swarm.coordinator, "--stage", "1", "--listen", "127.0.0.1:0", "--node-id", "evil",
-                                 "--checkpoint-dir", str(tmp_path / "ck" / "evil"), "--device", "cpu", "--threads", "1"],
+        evil = subprocess.Popen([sys.executable, str(Path(__file__).parent / "adversary.py"), str(log), state_url, "--",
+                                 "--coordinator", swarm.coordinator, "--stage", "1", "--listen", "127.0.0.1:0",
+                                 "--node-id", "evil", "--checkpoint-dir", str(tmp_path / "ck" / "evil"),
+                                 "--device", "cpu", "--threads", "1"],
                                 stdout=(tmp_path / "evil.log").open("a"), stderr=subprocess.STDOUT, env=swarm.env)
         swarm.wait_for(lambda s: s["training"]["step"] >= 2, 180, "training with the adversary on stage 1")
         swarm.join("n3", "auto", "--threads", "1")  # the standby that takes the liar's stage
@@ -50,9 +51,11 @@ def test_a_malicious_stage_holder_kills_nothing_poisons_nothing_and_is_banned(tm
         attacks = log.read_text()
         for attack in ATTACKS:
             assert attack in attacks, attacks
-        for attempt in ("ledger wipe", "60000 links", "checkpoint of step 10^15", "checkpoint of another stage", "join as n0"):
+        for attempt in ("ledger wipe", "60000 links", "checkpoint of step 10^15", "checkpoint of another stage",
+                        "join as n0"):
             line = next(line for line in attacks.splitlines() if attempt in line)
-            assert "accepted" not in line or attempt in ("ledger wipe", "60000 links"), line  # a heartbeat goes through; its lie does not
+            # a heartbeat goes through; its lie does not
+            assert "accepted" not in line or attempt in ("ledger wipe", "60000 links"), line
         for attempt in REFUSED:
             line = next((line for line in attacks.splitlines() if attempt in line), attacks)
             assert line.endswith(f"{attempt}: INVALID_ARGUMENT"), line
@@ -62,12 +65,14 @@ def test_a_malicious_stage_holder_kills_nothing_poisons_nothing_and_is_banned(tm
         assert record["status"] == "banned", state["nodes"]
         assert any("banned: evil" in e for e in state["events"])
         standby = next(n for n in state["nodes"] if n["id"] == "n3")  # took stage 1 and trained it to the end
-        assert standby["stage"] == 1 and standby["finished"] and any("assigned: n3 -> stage 1" in e for e in state["events"])
+        assert (standby["stage"] == 1 and standby["finished"]
+                and any("assigned: n3 -> stage 1" in e for e in state["events"]))
         ledger = swarm.ledger()["steps"]
         assert [p["step"] for p in ledger] == list(range(STEPS))  # every committed step, once
-        run = RunConfig.build("llama-tiny", None, **{"train.steps": STEPS, "train.micro_batches": 2, "train.batch_size": 2,
-                                                     "train.seq_len": 32, "train.seed": 3, "codec.forward": "none",
-                                                     "codec.backward": "none", "codec.backward_params": {}})
+        run = RunConfig.build("llama-tiny", None,
+                              **{"train.steps": STEPS, "train.micro_batches": 2, "train.batch_size": 2,
+                                 "train.seq_len": 32, "train.seed": 3, "codec.forward": "none",
+                                 "codec.backward": "none", "codec.backward_params": {}})
         reference = train_local(run, open_dataset(run, str(tmp_path / "cache")))
         # The step-end lie makes stage 2 clip one step by its own norm, not the global one: a real,
         # bounded change of one update. On this tiny run (4 samples of 32 tokens a step) one such

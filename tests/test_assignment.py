@@ -269,7 +269,8 @@ def test_a_ring_counts_the_link_that_closes_it():
     mbps = {(a, b): 100.0 for a in "abc" for b in "abc" if a != b}
     mbps[("c", "a")] = mbps[("a", "c")] = 1.0
     chain = ["a", "b", "c"]
-    line = AssignmentProblem(nodes=chain, num_stages=3, pinned={"a": 0, "b": 1, "c": 2}, mbps=mbps, activation_bytes=1e6)
+    line = AssignmentProblem(nodes=chain, num_stages=3, pinned={"a": 0, "b": 1, "c": 2}, mbps=mbps,
+                             activation_bytes=1e6)
     ring = dataclasses.replace(line, ring=True)
     assert chain_bottleneck(line, chain)[0] == pytest.approx(0.08)
     seconds, what = chain_bottleneck(ring, chain)

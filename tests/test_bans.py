@@ -70,7 +70,8 @@ class Swarm:
         return Sealer(SwarmKey(TOKEN), node, self.reg.sealer.run, self.keys[node])
 
     def join(self, node: str, stage: int) -> pb.JoinReply:
-        return self.reg.join(self.sealer(node).seal(pb.JoinRequest(node_id=node, address=f"127.0.0.1:{7100 + int(node[1:])}",
+        return self.reg.join(self.sealer(node).seal(pb.JoinRequest(node_id=node,
+                                                                   address=f"127.0.0.1:{7100 + int(node[1:])}",
                                                                    stage=stage), COORDINATOR))
 
     def beat(self, node: str, **offences: int) -> pb.HeartbeatReply:

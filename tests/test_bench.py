@@ -46,8 +46,8 @@ def test_shapes_and_rows(tmp_path):
     assert bench_kernels._parse_shape("1,1024,1600") == [(1, 1024, 1600)]
     row = dict(op="tahquant encode", t=50e-6, ref=5e-3, diff="3", shape=(4, 2048, 4096), nbytes=64 * 2**20, clone=45e-6)
     line = bench_kernels.format_row(row, "NVIDIA H100 80GB HBM3", "2.11.0 / 3.6.0", "bf16", "2026-11-23")
-    assert line == ("| 2026-11-23 | NVIDIA H100 80GB HBM3 | 2.11.0 / 3.6.0 | 4×2048×4096 | bf16 | tahquant encode | 50.0 | "
-                    "1342 | 1.11 | 5000 | 100.0 | 3 |")
+    assert line == ("| 2026-11-23 | NVIDIA H100 80GB HBM3 | 2.11.0 / 3.6.0 | 4×2048×4096 | bf16 | tahquant encode | "
+                    "50.0 | 1342 | 1.11 | 5000 | 100.0 | 3 |")
     page = tmp_path / "benchmarks.md"
     page.write_text("# Benchmarks\n\nearlier text\n")
     bench_kernels.append_rows(str(page), [line])
@@ -74,7 +74,8 @@ def test_a_whole_messages_host_path_gives_the_decoded_tensor():
     frames = path.send(x)
     got = path.receive(frames, "cpu")
     assert torch.equal(got, decode(path.codec.encode(x)))
-    assert got.shape == x.shape and float((got.float() - x.float()).norm() / x.float().norm()) < 0.1  # 0.08: 6 bits, outlier channels ×20
+    # 0.08: 6 bits, outlier channels ×20
+    assert got.shape == x.shape and float((got.float() - x.float()).norm() / x.float().norm()) < 0.1
     with pytest.raises(FrameError):  # the same frames again are a replay
         path.receive(frames, "cpu")
 
@@ -103,7 +104,8 @@ def test_a_payload_is_received_into_the_buffer_its_device_asks_for(monkeypatch):
     assert torch.equal(decode(msg, payload=payload), want)
     inline = path.codec.encode(x)
     got = base.payload_tensor(inline, None, base.receive_buffer("cuda"))
-    assert given[1] == len(inline.payload) and torch.equal(got, torch.frombuffer(bytearray(inline.payload), dtype=torch.uint8))
+    assert (given[1] == len(inline.payload)
+            and torch.equal(got, torch.frombuffer(bytearray(inline.payload), dtype=torch.uint8)))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -153,5 +155,6 @@ def test_every_launch_setting_the_sweep_times_gives_the_references_bytes(kernels
         *bench_sweep.RICE_BLOCKS[-1][1])
     assert lines[3] == "tahquant rice encode, rice: the defaults are fastest (1000.0 us)"
     # every setting put back
-    assert defaults == (symtiles_triton.GPU_ENCODE_BLOCK, symtiles_triton.GPU_DECODE_BLOCK, rice_triton.GPU_DECODE_BLOCK)
+    assert defaults == (symtiles_triton.GPU_ENCODE_BLOCK, symtiles_triton.GPU_DECODE_BLOCK,
+                        rice_triton.GPU_DECODE_BLOCK)
 

@@ -21,7 +21,8 @@ def test_a_short_abuse_bench_reports_its_phases(capsys):
     rows = json.loads(capsys.readouterr().out)
     assert [r["phase"] for r in rows] == ["before", "padded frames", "endless frames", "coordinator abuse", "after"]
     for frames in rows[1:3]:  # refused where they are parsed or reassembled, or over the sender's streams at once
-        assert frames["streams"] == [6, 6] and "OK" not in frames["refused_as"] and "INVALID_ARGUMENT" in frames["refused_as"]
+        assert (frames["streams"] == [6, 6] and "OK" not in frames["refused_as"]
+                and "INVALID_ARGUMENT" in frames["refused_as"])
     during = rows[3]
     assert during["heartbeats"] == [25, 0] and during["joins"] == [10, 0] and during["senders"] == [100, 100]
     assert all(r["rss_mb"] > 0 and r["daemon_rss_mb"] > 0 and r["state"]["p50_ms"] is not None for r in rows)

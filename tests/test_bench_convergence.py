@@ -22,12 +22,12 @@ ARGS = ["--steps", "3", "--seeds", "2", "--seq-len", "32", "--tokens-per-message
 def test_the_bench_trains_reports_and_resumes(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("TAHNODE_CACHE", str(tmp_path / "cache"))
     doc, plots, work = tmp_path / "bench.md", tmp_path / "plots", tmp_path / "work"
-    argv = [*ARGS, "--pairs", "none/none,tahquant/pertoken", "--workdir", str(work), "--doc", str(doc), "--plots", str(plots),
-            "--json"]
+    argv = [*ARGS, "--pairs", "none/none,tahquant/pertoken", "--workdir", str(work), "--doc", str(doc), "--plots",
+            str(plots), "--json"]
     assert bench_convergence.main(argv) == 0
     runs = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert sorted((r["pair"], r["seed"]) for r in runs) == [("none/none", 0), ("none/none", 1), ("tahquant/pertoken", 0),
-                                                          ("tahquant/pertoken", 1)]
+    assert sorted((r["pair"], r["seed"]) for r in runs) == [("none/none", 0), ("none/none", 1),
+                                                            ("tahquant/pertoken", 0), ("tahquant/pertoken", 1)]
     for r in runs:
         assert len(r["losses"]) == 3 and [e[0] for e in r["evals"]] == [0, 2, 3] and not r["diverged"]
         assert all(math.isfinite(x) for x in r["losses"])
@@ -51,8 +51,8 @@ def test_bad_arguments_are_refused_before_anything_runs(capsys):
 
 
 def run(pair: str, seed: int, evals, bits=(4.25, 6.125), diverged: str = "") -> RunResult:
-    return RunResult(pair, seed, tokens_per_step=1000, losses=[1.0] * 10, evals=[list(e) for e in evals], bits_fwd=bits[0],
-                     bits_bwd=bits[1], dim=128, diverged=diverged)
+    return RunResult(pair, seed, tokens_per_step=1000, losses=[1.0] * 10, evals=[list(e) for e in evals],
+                     bits_fwd=bits[0], bits_bwd=bits[1], dim=128, diverged=diverged)
 
 
 def test_gaps_and_tokens_compare_each_seed_with_its_own_reference():
@@ -89,7 +89,8 @@ def test_a_run_stops_when_its_bench_has_gone(tmp_path, monkeypatch):
 
     monkeypatch.setenv("TAHNODE_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(multiprocessing, "parent_process", lambda: Gone())
-    spec = bench_convergence.plan(bench_convergence.build_parser().parse_args([*ARGS, "--pairs", "none/none", "--seeds", "1"]))[0]
+    spec = bench_convergence.plan(bench_convergence.build_parser().parse_args([*ARGS, "--pairs", "none/none",
+                                                                               "--seeds", "1"]))[0]
     with pytest.raises(SystemExit, match="the bench that started it has ended"):
         train_one(spec)
 
@@ -113,7 +114,8 @@ def test_a_swarm_with_a_shorter_schedule_is_compared_with_its_reference_and_time
     from tahnode.tools.convergence_runs import RunSpec
 
     base = [RunSpec("none/none", "none", {}, "none", {}, seed, "llama-tiny", 3, 20, 32, 8, 2) for seed in (0, 1)]
-    args = SimpleNamespace(pipelines="4", outer_every="2", outer_bits=4, outer_lr=1.0, outer_momentum=0.0, swarm_steps=10)
+    args = SimpleNamespace(pipelines="4", outer_every="2", outer_bits=4, outer_lr=1.0, outer_momentum=0.0,
+                           swarm_steps=10)
     specs = pipeline_specs(base, args)
     assert [(s.pair, s.steps) for s in specs if s.seed == 0] == [
         ("none/none", 20), ("none/none 1×4 batch 10 steps", 10), ("none/none 4 pipelines H=2 10 steps", 10)]

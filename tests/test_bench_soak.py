@@ -14,7 +14,8 @@ pytestmark = pytest.mark.slow
 
 def test_a_short_soak_writes_its_report_and_plot(tmp_path):
     doc, plots = tmp_path / "bench.md", tmp_path / "plots"
-    out = subprocess.run([sys.executable, "-m", "tahnode.cli", "bench", "soak", "--minutes", "0.45", "--warmup-minutes", "0.15",
+    out = subprocess.run([sys.executable, "-m", "tahnode.cli", "bench", "soak", "--minutes", "0.45",
+                          "--warmup-minutes", "0.15",
                           "--every", "1", "--doc", str(doc), "--plots", str(plots), "--workdir", str(tmp_path / "w"),
                           "--prefix", "tks-", "--json"], capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]

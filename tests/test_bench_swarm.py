@@ -22,7 +22,8 @@ pytestmark = pytest.mark.slow
 
 def test_codec_pairs_parse_with_parameters_and_refuse_unknown_ones():
     pair = CodecPair.parse("aqsgd:bits=4/naive:bits=8")
-    assert (pair.forward, pair.forward_params, pair.backward, pair.backward_params) == ("aqsgd", {"bits": 4}, "naive", {"bits": 8})
+    assert ((pair.forward, pair.forward_params, pair.backward, pair.backward_params)
+            == ("aqsgd", {"bits": 4}, "naive", {"bits": 8}))
     assert CodecPair.parse("tahquant/naive").backward_params == {"bits": 6}  # the paper's gradient codec
     # issue 43: `default` sends what a run sends by default (bare tahquant is the paper's layout 1)
     from tahnode.config.run import CodecConfig
@@ -47,7 +48,8 @@ def test_pipelines_rows_take_the_smaller_limit_and_their_speed_up_over_one_pipel
     from tahnode.tools.bench_pipelines import PipelineRow, pipeline_limits
 
     rows = [PipelineRow(0, 1, 3, 8, tokens_per_s=2000), PipelineRow(0, 2, 3, 8, tokens_per_s=3000),
-            PipelineRow(10, 1, 3, 8, tokens_per_s=450, link_limit=500), PipelineRow(10, 2, 3, 8, tokens_per_s=880, link_limit=1000),
+            PipelineRow(10, 1, 3, 8, tokens_per_s=450, link_limit=500),
+            PipelineRow(10, 2, 3, 8, tokens_per_s=880, link_limit=1000),
             PipelineRow(50, 2, 3, 8, tokens_per_s=2700, link_limit=5000)]
     pipeline_limits(rows)
     assert [(r.limit, r.limit_tokens_per_s, round(r.share, 2), round(r.speedup, 2)) for r in rows] == [
@@ -58,7 +60,8 @@ def test_pipelines_rows_take_the_smaller_limit_and_their_speed_up_over_one_pipel
 
 def test_convergence_compares_each_seed_with_the_reference_of_the_same_seed():
     def run(pair, seed, final, first=5.0):
-        return Row(0, 0, 3, pair, losses=[first] * 5 + [final] * 10, seed=seed, bits_fwd=4.0, tokens_per_s=100.0 * (seed + 1))
+        return Row(0, 0, 3, pair, losses=[first] * 5 + [final] * 10, seed=seed, bits_fwd=4.0,
+                   tokens_per_s=100.0 * (seed + 1))
 
     rows = [run("none/none", 0, 2.0), run("tahquant/naive", 0, 2.1), run("none/none", 1, 1.5, first=4.0),
             run("tahquant/naive", 1, 1.5), run("tahquant/tahquant", 1, 1.2)]  # a pair may lack a seed
@@ -81,7 +84,8 @@ def test_a_short_bench_writes_its_table_plots_and_json(tmp_path):
     doc.write_text("# Benchmarks\n\nkept as it is\n")
     args = [sys.executable, "-m", "tahnode.cli", "bench", "swarm", "--rates", "20", "--rtts", "0", "--stages", "3",
             "--pairs", "none/none,tahquant/naive", "--transports", "grpc,p2p", "--steps", "1", "--warmup", "1",
-            "--tokens-per-step", "4096", "--seq-len", "64", "--shaper", shaper, "--doc", str(doc), "--plots", str(plots),
+            "--tokens-per-step", "4096", "--seq-len", "64", "--shaper", shaper, "--doc", str(doc),
+            "--plots", str(plots),
             "--workdir", str(tmp_path / "work"), "--prefix", f"tb{os.getpid() % 1000}-", "--json", "--device", "cpu"]
     env = {**os.environ, "TAHNODE_CACHE": str(tmp_path / "cache")}
     r = subprocess.run(args, capture_output=True, text=True, timeout=900, env=env)
@@ -93,8 +97,10 @@ def test_a_short_bench_writes_its_table_plots_and_json(tmp_path):
         assert row["tokens_per_s"] > 0 and row["limit"] == "link" and 0 < row["share"]
         assert len(row["losses"]) == 2 and row["peak_rss_mb"] > 50 and row["busiest_bytes_per_step"] > 0
     none_grpc, none_p2p, tah_grpc, tah_p2p = rows
-    assert none_grpc["busiest_bytes_per_step"] > 4 * tah_grpc["busiest_bytes_per_step"]  # 32 bits vs ~4.4 forward, 6 back
-    for grpc_row, p2p_row in ((none_grpc, none_p2p), (tah_grpc, tah_p2p)):  # the same envelopes, framed by either carrier
+    # 32 bits vs ~4.4 forward, 6 back
+    assert none_grpc["busiest_bytes_per_step"] > 4 * tah_grpc["busiest_bytes_per_step"]
+    # the same envelopes, framed by either carrier
+    for grpc_row, p2p_row in ((none_grpc, none_p2p), (tah_grpc, tah_p2p)):
         assert p2p_row["busiest_bytes_per_step"] == pytest.approx(grpc_row["busiest_bytes_per_step"], rel=0.15)
         assert p2p_row["losses"][0] == pytest.approx(grpc_row["losses"][0], rel=1e-3)
     assert none_grpc["losses"][0] == pytest.approx(tah_grpc["losses"][0], rel=0.05)  # the same training
@@ -119,5 +125,6 @@ def test_a_section_written_again_replaces_itself_and_keeps_the_rest(tmp_path):
     text = doc.read_text()
     assert text.startswith("# Benchmarks\n\nkept as it is\n\n## Swarm\n")
     assert text.count("<!-- bench-swarm:swarm:begin -->") == 1 and "first table" not in text and "second table" in text
-    assert text.index("second table") < text.index("a note after the section") < text.index("## NAT") < text.index("nat table")
+    assert (text.index("second table") < text.index("a note after the section") < text.index("## NAT")
+            < text.index("nat table"))
     assert "![a](plots/a.png)" in text and "Machine: " in text

@@ -59,7 +59,8 @@ def test_a_payload_tail_after_another_body_kind_means_what_protobuf_says():
 BODY = bytes(body_of(micro_batch(1, 0, [1]), b"x" * 300).joined())
 
 
-@pytest.mark.parametrize("bad", [BODY[:-1], BODY[:-290], b"\xff" * 7], ids=["last byte cut", "payload cut", "no varint end"])
+@pytest.mark.parametrize("bad", [BODY[:-1], BODY[:-290], b"\xff" * 7],
+                         ids=["last byte cut", "payload cut", "no varint end"])
 def test_a_malformed_body_is_refused(bad):
     with pytest.raises(FrameError, match="malformed envelope"):
         open_envelope(bytearray(bad))
@@ -88,7 +89,8 @@ def test_a_frame_written_from_views_is_a_frame_and_reads_back_as_a_view():
     assert plain.data == b"hello world" and plain.sender == "a" and plain.seq == 9 and plain.signature == b"s"
     got = ReceivedFrame.FromString(raw)
     assert isinstance(got.data, memoryview) and got.data.obj is raw and bytes(got.data) == b"hello world"
-    assert got.head == pb.Frame(sender="a", seq=9, index=1, count=3, mac=b"m" * 32, recipient="b", run="r", signature=b"s")
+    assert got.head == pb.Frame(sender="a", seq=9, index=1, count=3, mac=b"m" * 32, recipient="b", run="r",
+                                signature=b"s")
     out.mac = b""  # writes reach the head, as on a Frame
     assert pb.Frame.FromString(out.SerializeToString()).mac == b""
 
@@ -109,7 +111,8 @@ def test_a_received_frame_keeps_protobufs_meaning_for_odd_encodings():
 def test_the_size_of_a_payload_kept_apart_is_the_size_it_adds_to_its_message():
     for n in (0, 1, 127, 128, 70_000):
         msg = pb.EncodedTensor(codec="none", crc32=1)
-        assert msg.ByteSize() + payload_field_bytes(n) == pb.EncodedTensor(codec="none", crc32=1, payload=b"x" * n).ByteSize()
+        assert (msg.ByteSize() + payload_field_bytes(n)
+                == pb.EncodedTensor(codec="none", crc32=1, payload=b"x" * n).ByteSize())
 
 
 def test_the_body_bytes_are_as_docs_wire_format_gives_them():

@@ -59,8 +59,9 @@ class Chaos:
         if stage is not None:
             args[args.index("--stage") + 1] = str(stage)
         log = open(self.workdir / "logs" / f"{name}.log", "a")
-        proc = subprocess.Popen(["ip", "netns", "exec", self.prefix + name, *args], stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        proc = subprocess.Popen(["ip", "netns", "exec", self.prefix + name, *args], stdout=log,
+                                stderr=subprocess.STDOUT, start_new_session=True,
+                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
         self.pids[name] = proc.pid
 
     def link(self, name: str, up: bool) -> None:
@@ -84,16 +85,17 @@ def corrupt_newest(folder: Path) -> Path:
 def test_training_survives_kill_cut_stop_restart_and_a_corrupt_checkpoint(tmp_path):
     prefix, workdir, cache = f"tc{os.getpid() % 1000}-", tmp_path / "swarm", tmp_path / "cache"
     try:
-        swarm_cmd("up", "--nodes", "4", "--stages", "3", "--rtt", "60ms", "--heartbeat-timeout", "10", "--prefix", prefix,
-                  "--workdir", str(workdir), *FLAGS, env={**os.environ, "TAHNODE_CACHE": str(cache)})
+        swarm_cmd("up", "--nodes", "4", "--stages", "3", "--rtt", "60ms", "--heartbeat-timeout", "10", "--prefix",
+                  prefix, "--workdir", str(workdir), *FLAGS, env={**os.environ, "TAHNODE_CACHE": str(cache)})
         chaos = Chaos(prefix, workdir)
-        chaos.state(lambda s: len([n for n in s["nodes"] if n["status"] == "active"]) == 3 and s["training"]["step"] >= 10,
-                    "placement and 10 steps")
+        chaos.state(lambda s: len([n for n in s["nodes"] if n["status"] == "active"]) == 3
+                    and s["training"]["step"] >= 10, "placement and 10 steps")
 
         # 1. kill -9 the holder of stage 1: the standby takes it over; the killed node comes back as a standby
         victim = chaos.holders()[1]
         chaos.kill(victim)
-        chaos.state(lambda s: any(n["stage"] == 1 and n["status"] == "active" and n["id"] != victim for n in s["nodes"]),
+        chaos.state(lambda s: any(n["stage"] == 1 and n["status"] == "active" and n["id"] != victim
+                                  for n in s["nodes"]),
                     "the standby to take stage 1")
         chaos.restart(victim)
         chaos.state(lambda s: any(n["id"] == victim and n["status"] == "standby" for n in s["nodes"]), "a new standby")
@@ -112,7 +114,8 @@ def test_training_survives_kill_cut_stop_restart_and_a_corrupt_checkpoint(tmp_pa
         chaos.kill(stopped, signal.SIGSTOP)
         time.sleep(18)
         chaos.kill(stopped, signal.SIGCONT)
-        chaos.state(lambda s: any(n["stage"] == 0 and n["status"] == "active" and n["id"] != stopped for n in s["nodes"]),
+        chaos.state(lambda s: any(n["stage"] == 0 and n["status"] == "active" and n["id"] != stopped
+                                  for n in s["nodes"]),
                     "stage 0 taken over")
         chaos.advance(5, "after the stop")
 
@@ -127,7 +130,8 @@ def test_training_survives_kill_cut_stop_restart_and_a_corrupt_checkpoint(tmp_pa
         chaos.kill(holder)
         corrupted = corrupt_newest(workdir / "ck" / holder)
         chaos.restart(holder, stage=2)
-        final = chaos.state(lambda s: s["training"]["finished"] and s["training"]["step"] >= STEPS, f"{STEPS} steps", 600)
+        final = chaos.state(lambda s: s["training"]["finished"] and s["training"]["step"] >= STEPS, f"{STEPS} steps",
+                            600)
         ledger = fetch(json.loads((workdir / "state.json").read_text())["http"], "ledger")["steps"]
         log = chaos.log(holder)
     finally:
@@ -138,9 +142,10 @@ def test_training_survives_kill_cut_stop_restart_and_a_corrupt_checkpoint(tmp_pa
     assert "corrupt" in log
     assert final["epoch"] > 0
     assert [e["step"] for e in ledger] == list(range(STEPS))
-    run = RunConfig.build("llama-tiny", **{"train.steps": STEPS, "train.batch_size": BATCH, "train.micro_batches": MICRO,
-                                           "train.seq_len": SEQ, "train.seed": SEED, "codec.forward": "none",
-                                           "codec.backward": "none", "codec.backward_params": {}})
+    run = RunConfig.build("llama-tiny",
+                          **{"train.steps": STEPS, "train.batch_size": BATCH, "train.micro_batches": MICRO,
+                             "train.seq_len": SEQ, "train.seed": SEED, "codec.forward": "none",
+                             "codec.backward": "none", "codec.backward_params": {}})
     dataset = open_dataset(run, str(cache))
     schedule = SampleSchedule.for_run(run, len(dataset))
     for e in ledger:

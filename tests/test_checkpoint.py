@@ -150,7 +150,8 @@ def test_a_checkpoint_that_does_not_fit_the_stage_is_moved_aside_not_loaded(save
             pass
 
     saver = StageSaver(store, 1, run)
-    assert saver.load_latest(target, opt, NoCodecState()) == 0  # moved aside: the stage starts afresh instead of crashing
+    # moved aside: the stage starts afresh instead of crashing
+    assert saver.load_latest(target, opt, NoCodecState()) == 0
     assert not store.list(1, run.stages) and path.with_name(path.name + ".corrupt").exists()
 
 

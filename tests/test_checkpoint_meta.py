@@ -127,7 +127,8 @@ def test_the_coordinator_refuses_an_upload_with_lying_metadata_and_keeps_its_cop
     names = [n for n, _ in build_stage(servers.run_cfg.model, 0, servers.run_cfg.stages).named_parameters()]
     assert upload(servers, servers.checkpoint.read_bytes(), step=7) is None
     kept = servers.registry.store.path(0, servers.run_cfg.stages, 7).read_bytes()
-    assert upload(servers, poisoned(servers.checkpoint, poisons(names)[poison]), step=7) == grpc.StatusCode.INVALID_ARGUMENT
+    assert (upload(servers, poisoned(servers.checkpoint, poisons(names)[poison]), step=7)
+            == grpc.StatusCode.INVALID_ARGUMENT)
     assert stored(servers) == [7] and servers.registry.store.path(0, servers.run_cfg.stages, 7).read_bytes() == kept
     assert not list(servers.registry.store.dir.glob("*.part"))
 
@@ -137,8 +138,8 @@ def test_the_ledger_keeps_its_steps_when_the_loss_stage_changes_hands(servers, s
     holder report step 0, and the coordinator's ledger went from 8 steps to 1."""
     run, sound, params = saved
     reg = servers.registry
-    reg.join(servers.sealer("n-last", run="").seal(pb.JoinRequest(node_id="n-last", address="127.0.0.1:5", stage=run.loss_stage),
-                                                   COORDINATOR))
+    reg.join(servers.sealer("n-last", run="").seal(pb.JoinRequest(node_id="n-last", address="127.0.0.1:5",
+                                                                  stage=run.loss_stage), COORDINATOR))
     heartbeat(servers, "n-last", [pb.LossPoint(step=k, loss=5.0 - k / 10, sample_ids=[k]) for k in range(8)])
     store = CheckpointStore(tmp_path / "n-last", keep=3)
     store.dir.mkdir()
@@ -194,7 +195,8 @@ def test_checkpoints_ahead_of_the_ledger_neither_push_out_confirmed_ones_nor_bec
     """Issue 39, finding 9: uploads of steps up to the ledger + 200 were taken as they came and the
     store kept its newest 3 whatever they were: a holder's 43, 44 and a made-up 250 pushed out the
     real 40, and every new holder resumed at 250. Files ahead of the ledger now wait apart."""
-    reg, names = servers.registry, [n for n, _ in build_stage(servers.run_cfg.model, 0, servers.run_cfg.stages).named_parameters()]
+    reg, names = (servers.registry,
+                  [n for n, _ in build_stage(servers.run_cfg.model, 0, servers.run_cfg.stages).named_parameters()])
     reg.join(servers.sealer("n-last", run="").seal(pb.JoinRequest(node_id="n-last", address="127.0.0.1:5",
                                                                   stage=servers.run_cfg.loss_stage), COORDINATOR))
 

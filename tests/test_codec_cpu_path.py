@@ -18,8 +18,8 @@ from tahnode.kernels.wire import CodecError
 from helpers import activations, same_bits
 
 SHAPES = [(1, 1, 64), (2, 5, 100), (3, 128, 64), (1, 1024, 1600), (4, 64, 256), (7, 3), (1, 1, 8)]
-PARAMS = [P(), P(alloc=1, rho=0.5), P(group_size=32, bits_high=5, bits_low=2, tau=1.5), P(rho=1.0), P(rho=0.0, bits_low=4),
-          P(group_size=8, bits_high=8, bits_low=7)]
+PARAMS = [P(), P(alloc=1, rho=0.5), P(group_size=32, bits_high=5, bits_low=2, tau=1.5), P(rho=1.0),
+          P(rho=0.0, bits_low=4), P(group_size=8, bits_high=8, bits_low=7)]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=["fp32", "fp16", "bf16"])
@@ -31,7 +31,8 @@ def test_same_bytes_and_values_as_the_reference(shape, dtype):
             continue
         payload = tahquant_ref.encode(x, p)
         assert torch.equal(tahquant_cpu.encode(x, p), payload), p
-        assert same_bits(tahquant_cpu.decode(payload, shape, p, dtype), tahquant_ref.decode(payload, shape, p, dtype)), p
+        assert same_bits(tahquant_cpu.decode(payload, shape, p, dtype),
+                         tahquant_ref.decode(payload, shape, p, dtype)), p
 
 
 @given(st.integers(1, 3), st.integers(1, 40), st.integers(1, 300), st.floats(0.0, 1.0), st.floats(1.0, 4.0),
@@ -43,7 +44,8 @@ def test_same_bytes_on_random_shapes_and_parameters(nseq, seq, channels, rho, ta
     p = P(rho=rho, tau=tau)
     payload = tahquant_ref.encode(x, p)
     assert torch.equal(tahquant_cpu.encode(x, p), payload)
-    assert same_bits(tahquant_cpu.decode(payload, x.shape, p, torch.float32), tahquant_ref.decode(payload, x.shape, p, torch.float32))
+    assert same_bits(tahquant_cpu.decode(payload, x.shape, p, torch.float32),
+                     tahquant_ref.decode(payload, x.shape, p, torch.float32))
 
 
 def corruptions(payload: torch.Tensor):

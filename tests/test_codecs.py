@@ -193,7 +193,8 @@ def test_tahquant_restores_pivots_and_token_order_exactly(dtype):
     tokens, channels = 50, 256
     x = torch.zeros(tokens, channels)
     pos = torch.randint(0, 64, (tokens, 4), generator=gen)
-    vals = torch.randint(1, 64, (tokens, 4), generator=gen).float() * 8 * torch.where(torch.rand(tokens, 4, generator=gen) < 0.5, -1, 1)
+    vals = (torch.randint(1, 64, (tokens, 4), generator=gen).float() * 8
+            * torch.where(torch.rand(tokens, 4, generator=gen) < 0.5, -1, 1))
     for k in range(4):
         x[torch.arange(tokens), 64 * k + pos[:, k]] = vals[:, k]
     x = x.to(dtype)
@@ -296,7 +297,8 @@ def test_same_input_same_bytes_across_runs():
     g = torch.Generator().manual_seed(11)
     x = torch.randn(2, 33, 300, generator=g)
     x[..., 7] *= 40
-    local = hashlib.sha256(b"".join(codecs.serialize(codecs.get_codec(n).encode(x)) for n in ["none", "naive", "group", "tahquant", "amaq"])).hexdigest()
+    local = hashlib.sha256(b"".join(codecs.serialize(codecs.get_codec(n).encode(x))
+                                    for n in ["none", "naive", "group", "tahquant", "amaq"])).hexdigest()
     assert here == again == local
 
 

@@ -47,7 +47,8 @@ def engine(tmp_path_factory):
     if not (shutil.which("dockerd") and shutil.which("docker-compose") and shutil.which("debootstrap")):
         apt = sh("apt-get", "install", "-y", "-qq", *PACKAGES, timeout=600)
         if apt.returncode != 0:
-            apt = subprocess.run(["bash", "-c", "apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "
+            apt = subprocess.run(["bash", "-c",
+                                  "apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "
                                   + " ".join(PACKAGES)], capture_output=True, text=True, timeout=900)
         if apt.returncode != 0:
             pytest.skip(f"a Docker engine could not be installed with apt: {apt.stderr.strip()[-300:]}")
@@ -89,8 +90,8 @@ def test_compose_up_trains_and_down_leaves_nothing(engine):
     project, port = f"tntest{os.getpid() % 10000}", free_port()
     tahnode = [sys.executable, "-m", "tahnode.cli", "compose"]
     try:
-        up = subprocess.run([*tahnode, "up", "--project", project, "--http-port", str(port), "--quiet"], capture_output=True,
-                            text=True, timeout=1800)
+        up = subprocess.run([*tahnode, "up", "--project", project, "--http-port", str(port), "--quiet"],
+                            capture_output=True, text=True, timeout=1800)
         assert up.returncode == 0, up.stderr[-3000:]
         url = f"http://127.0.0.1:{port}"
 
@@ -102,17 +103,20 @@ def test_compose_up_trains_and_down_leaves_nothing(engine):
                     return state
                 time.sleep(1)
             logs = sh("docker", "logs", "--tail", "30", f"{project}_node1_1", timeout=30)
-            raise AssertionError(f"timed out waiting for {what}: {json.dumps(state)[:1500]}\n{logs.stdout}{logs.stderr}")
+            raise AssertionError(f"timed out waiting for {what}: {json.dumps(state)[:1500]}\n"
+                                 f"{logs.stdout}{logs.stderr}")
 
         def active(state: dict) -> set[int]:
             return {n["stage"] for n in state["nodes"] if n["status"] == "active"}
 
-        first = sample(lambda s: active(s) == {0, 1, 2} and s["training"]["step"] >= 2, 600, "3 active stages and 2 steps")
+        first = sample(lambda s: active(s) == {0, 1, 2} and s["training"]["step"] >= 2, 600,
+                       "3 active stages and 2 steps")
         later = sample(lambda s: s["training"]["step"] >= first["training"]["step"] + 5, 300, "5 more steps")
         assert later["training"]["loss"] < later["training"]["loss_first"]
         assert {n["id"] for n in later["nodes"]} == {"node1", "node2", "node3"}
     finally:
-        down = subprocess.run([*tahnode, "down", "--project", project, "--quiet"], capture_output=True, text=True, timeout=300)
+        down = subprocess.run([*tahnode, "down", "--project", project, "--quiet"], capture_output=True, text=True,
+                              timeout=300)
     assert down.returncode == 0, down.stderr[-2000:]
     assert leftovers(project) == {"containers": [], "networks": [], "volumes": []}
 

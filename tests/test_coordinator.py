@@ -38,7 +38,8 @@ def test_bad_requests_are_refused_and_change_nothing(swarm):
     identities: dict[str, NodeKey] = {}
 
     def sealed(msg, key=key):  # sealed and signed by the node the request speaks for
-        return Sealer(key, msg.node_id, run, identities.setdefault(msg.node_id, NodeKey.generate())).seal(msg, COORDINATOR)
+        return Sealer(key, msg.node_id, run,
+                      identities.setdefault(msg.node_id, NodeKey.generate())).seal(msg, COORDINATOR)
 
     with grpc.insecure_channel(swarm.coordinator) as ch:
         stub = pb_grpc.CoordinatorStub(ch)
@@ -58,7 +59,8 @@ def test_bad_requests_are_refused_and_change_nothing(swarm):
         refused(stub.Join, pb.JoinRequest(node_id="nomac", address="127.0.0.1:2", stage=0),
                 grpc.StatusCode.UNAUTHENTICATED, "wrong swarm token")
         refused(stub.Join, joined, grpc.StatusCode.PERMISSION_DENIED, "replayed")  # the same join again, recorded
-        refused(stub.Heartbeat, sealed(pb.HeartbeatRequest(node_id="ghost")), grpc.StatusCode.NOT_FOUND, "unknown node 'ghost'")
+        refused(stub.Heartbeat, sealed(pb.HeartbeatRequest(node_id="ghost")), grpc.StatusCode.NOT_FOUND,
+                "unknown node 'ghost'")
         refused(stub.Join, sealed(pb.JoinRequest(node_id="x", address="127.0.0.1:3", stage=7)),
                 grpc.StatusCode.INVALID_ARGUMENT, "stage 7 does not exist")
         refused(stub.Join, sealed(pb.JoinRequest(node_id="", address="127.0.0.1:3", stage=0)),
@@ -66,7 +68,8 @@ def test_bad_requests_are_refused_and_change_nothing(swarm):
         refused(stub.Join, sealed(pb.JoinRequest(node_id="other", address="127.0.0.1:4", stage=1)),
                 grpc.StatusCode.FAILED_PRECONDITION, "stage 1 is held by node good")
         refused(stub.Leave, sealed(pb.LeaveRequest(node_id="ghost")), grpc.StatusCode.NOT_FOUND, "unknown node")
-        garbage = ch.unary_unary("/tahnode.v1.Coordinator/Join", request_serializer=lambda b: b, response_deserializer=lambda b: b)
+        garbage = ch.unary_unary("/tahnode.v1.Coordinator/Join", request_serializer=lambda b: b,
+                                 response_deserializer=lambda b: b)
         with pytest.raises(grpc.RpcError) as err:
             garbage(b"\xff\xff\xff\xff", timeout=5)
         assert err.value.code() in (grpc.StatusCode.INTERNAL, grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.UNKNOWN)

@@ -211,7 +211,8 @@ def test_pipelines_train_samples_of_their_own():
     single = SampleSchedule(n, bs, mbs, seed=5)
     seen = [i for p in range(slots) for step in range(steps) for m in range(mbs) for i in schedule.ids(step, m, p)]
     assert len(seen) == len(set(seen)) == slots * steps * bs * mbs  # 960 of 1000: within one epoch, none twice
-    assert [schedule.ids(s, m) for s in range(steps) for m in range(mbs)] == [single.ids(s, m) for s in range(steps) for m in range(mbs)]
+    assert ([schedule.ids(s, m) for s in range(steps) for m in range(mbs)]
+            == [single.ids(s, m) for s in range(steps) for m in range(mbs)])
     assert schedule.ids(0, 0, 1) == single.ids_at(steps, 0, bs)  # pipeline 1 starts where a run of pipeline 0 ends
     with pytest.raises(ValueError, match="pipeline 4 is out of range"):
         schedule.ids(0, 0, 4)
@@ -253,7 +254,8 @@ def word_tokenizer(tmp_path: Path, name: str = "tokenizer.json", bos: bool = Fal
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     tok.train_from_iterator(DOCS.values(), trainers.WordLevelTrainer(special_tokens=["<unk>", "<s>", "<eos>"]))
     if bos:
-        tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", tok.token_to_id("<s>"))])
+        tok.post_processor = processors.TemplateProcessing(single="<s> $A",
+                                                           special_tokens=[("<s>", tok.token_to_id("<s>"))])
     path = tmp_path / name
     tok.save(str(path))
     return path
@@ -301,4 +303,5 @@ def test_data_of_a_larger_vocabulary_than_the_model_is_refused(corpus, tmp_path)
             refuse()
     with pytest.raises(ValueError, match="built-in corpus"):
         check_run_data(RunConfig.build(str(small), None), here=False)
-    check_run_data(RunConfig.build(str(small), None, data=str(tmp_path / "elsewhere.bin")), here=False)  # not here: let pass
+    # not here: let pass
+    check_run_data(RunConfig.build(str(small), None, data=str(tmp_path / "elsewhere.bin")), here=False)

@@ -68,7 +68,8 @@ def test_compose_services_and_network(compose):
         assert svc["volumes"] == ["state:/data"], name
         assert svc["env_file"] == "swarm.env" and "environment" not in svc, name  # the token never in this file
         args = svc["build"]["args"]
-        assert interpolate(args["BASE"], {}) == "python:3.11-slim" and interpolate(args["BASE"], {"TAHNODE_BASE": "b"}) == "b"
+        assert (interpolate(args["BASE"], {}) == "python:3.11-slim"
+                and interpolate(args["BASE"], {"TAHNODE_BASE": "b"}) == "b")
     assert interpolate(services["coordinator"]["ports"][0], {}) == "8080:8080"
     assert interpolate(services["coordinator"]["ports"][0], {"TAHNODE_HTTP_PORT": "9000"}) == "9000:8080"
     assert "/api/v1/state" in " ".join(services["coordinator"]["healthcheck"]["test"])

@@ -1,6 +1,7 @@
 """The coordinator's durable state: a registry built again on the same store folder (as after kill -9
 and a restart) has the ledger, the membership epoch, the stage holders and the run id it had; rollbacks are kept
-as they were, and a loss that is not a number never entered the ledger. The same with real processes is in test_coordinator.py."""
+as they were, and a loss that is not a number never entered the ledger. The same with real processes is in
+test_coordinator.py."""
 
 from __future__ import annotations
 
@@ -27,7 +28,8 @@ def registry(tmp_path) -> SwarmRegistry:
 
 
 def beat(reg: SwarmRegistry, node: str, steps: list[int], loss: float = 1.0) -> None:
-    points = [pb.LossPoint(step=s, loss=loss if s != 3 else math.nan, seconds=0.5, sample_ids=[10 * s, 10 * s + 1]) for s in steps]
+    points = [pb.LossPoint(step=s, loss=loss if s != 3 else math.nan, seconds=0.5, sample_ids=[10 * s, 10 * s + 1])
+              for s in steps]
     sealer = Sealer(SwarmKey(TOKEN), node, reg.sealer.run, KEYS.setdefault(node, NodeKey.generate()))
     reg.heartbeat(sealer.seal(pb.HeartbeatRequest(node_id=node, stats=pb.TrainingStats(losses=points)), COORDINATOR))
 
@@ -52,7 +54,8 @@ def test_a_restarted_registry_has_the_ledger_epoch_and_run_it_had(tmp_path):
     assert list(ledger[6].sample_ids) == [60, 61] and ledger[6].seconds == 0.5
     # the stage holders are kept (a stale node cannot take their stages while they come back);
     # the others rejoin by themselves when their heartbeat is refused as unknown
-    assert {k: (n.stage, n.address, n.status) for k, n in again.nodes.items()} == {"n2": (2, "127.0.0.1:1", NodeStatus.ACTIVE)}
+    assert ({k: (n.stage, n.address, n.status) for k, n in again.nodes.items()}
+            == {"n2": (2, "127.0.0.1:1", NodeStatus.ACTIVE)})
     assert again.identities == {"n2": KEYS["n2"].public}  # and only with the key n2 joined with
     stale = Sealer(SwarmKey(TOKEN), "n9", run, KEYS.setdefault("n9", NodeKey.generate()))
     with pytest.raises(StageTaken):

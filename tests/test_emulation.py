@@ -16,7 +16,8 @@ from tahnode.proto import tahnode_pb2 as pb
 
 
 def test_units_and_flags_round_trip():
-    assert parse_rate("50mbit") == 50e6 and parse_rate("1gbit") == 1e9 and parse_rate("200kbit") == 2e5 and parse_rate("20") == 20e6
+    assert (parse_rate("50mbit") == 50e6 and parse_rate("1gbit") == 1e9 and parse_rate("200kbit") == 2e5
+            and parse_rate("20") == 20e6)
     assert parse_duration("50ms") == 0.05 and parse_duration("0.2s") == 0.2 and parse_duration("40") == 0.04
     for bad in ("fast", "-3mbit", "10 parsecs"):
         with pytest.raises(ValueError, match="not a rate"):

@@ -110,7 +110,8 @@ def test_a_received_frame_is_its_wire_bytes_and_no_more():
     raw = frame.SerializeToString()
     got = ReceivedFrame.FromString(raw)
     assert bytes(got.data) == b"hello" and got.wire_bytes == len(raw) and got.head.sender == "a"
-    for bad in (raw + unknown_field(8), unknown_field(8) + raw, raw + b"\x28\x05",  # data (5) as a varint: unknown to protobuf
+    for bad in (raw + unknown_field(8), unknown_field(8) + raw,
+                raw + b"\x28\x05",  # data (5) as a varint: unknown to protobuf
                 earlier_data_field(LARGE_HEAD) + raw, pb.Frame(sender="s" * LARGE_HEAD).SerializeToString()):
         with pytest.raises(DecodeError):
             ReceivedFrame.FromString(bad)

@@ -51,8 +51,8 @@ def test_the_guard_refuses_each_kind_of_bad_seal_and_counts_it():
     assert refused(guard, "run-a", "n0", "n1", 0) is RefusalReason.MISSING
     late = now + int((CLOCK_WINDOW_S + 1) * 1e6)
     assert refused(guard, "run-a", "n0", "n1", late) is RefusalReason.OFF_CLOCK
-    assert dict(guard.refused) == {RefusalReason.REPLAYED: 1, RefusalReason.WRONG_RECIPIENT: 1, RefusalReason.WRONG_RUN: 2,
-                                   RefusalReason.MISSING: 2, RefusalReason.OFF_CLOCK: 1}
+    assert dict(guard.refused) == {RefusalReason.REPLAYED: 1, RefusalReason.WRONG_RECIPIENT: 1,
+                                   RefusalReason.WRONG_RUN: 2, RefusalReason.MISSING: 2, RefusalReason.OFF_CLOCK: 1}
 
 
 def test_a_seal_from_before_the_receiver_started_is_refused_within_the_window():

@@ -35,8 +35,10 @@ def servers(tmp_path_factory):
 
 def snapshot(s: Servers) -> tuple:
     r = s.registry
-    kept = [p.name for p in r.store.dir.iterdir() if not p.name.startswith("seen-counters")]  # the replay guard's own file
-    return (sorted((n.node_id, n.stage, n.status.value) for n in r.nodes.values()), r.epoch, sorted(r.ledger()), sorted(kept))
+    # the replay guard's own file
+    kept = [p.name for p in r.store.dir.iterdir() if not p.name.startswith("seen-counters")]
+    return (sorted((n.node_id, n.stage, n.status.value) for n in r.nodes.values()), r.epoch, sorted(r.ledger()),
+            sorted(kept))
 
 
 def call(s: Servers, path: str, wire: list[bytes]) -> grpc.StatusCode:
@@ -61,7 +63,8 @@ def still_serving(s: Servers) -> None:
 
 
 @FUZZ
-@given(path=st.sampled_from(UNARY + STREAMS + SERVER_STREAMS), chunks=st.lists(st.binary(max_size=300), min_size=1, max_size=4))
+@given(path=st.sampled_from(UNARY + STREAMS + SERVER_STREAMS),
+       chunks=st.lists(st.binary(max_size=300), min_size=1, max_size=4))
 def test_random_bytes_into_every_handler(servers, path, chunks):
     before = snapshot(servers)
     code = call(servers, path, chunks)
@@ -77,13 +80,14 @@ def _signed(s: Servers, path: str, sender: str, fields: dict) -> list:
     if name in ("Forward", "Backward"):
         return list(frames_of(sealer, to, fields["blob"]))
     make = {
-        "Join": lambda: pb.JoinRequest(node_id=sender, address=fields["text"], stage=fields["int"], device=fields["text"],
-                                       memory_bytes=fields["big"], compute_ms=fields["float"]),
+        "Join": lambda: pb.JoinRequest(node_id=sender, address=fields["text"], stage=fields["int"],
+                                       device=fields["text"], memory_bytes=fields["big"], compute_ms=fields["float"]),
         "Heartbeat": lambda: pb.HeartbeatRequest(node_id=sender, layer_ms=fields["float"], stats=pb.TrainingStats(
             step=fields["big"], loss=fields["float"], losses=[pb.LossPoint(step=fields["big"], loss=fields["float"])])),
         "Leave": lambda: pb.LeaveRequest(node_id=sender),
-        "UploadCheckpoint": lambda: pb.CheckpointChunk(node_id=sender, stage=abs(fields["int"]), num_stages=abs(fields["int"]),
-                                                       step=fields["big"], data=fields["blob"], last=fields["flag"]),
+        "UploadCheckpoint": lambda: pb.CheckpointChunk(node_id=sender, stage=abs(fields["int"]),
+                                                       num_stages=abs(fields["int"]), step=fields["big"],
+                                                       data=fields["blob"], last=fields["flag"]),
         "DownloadCheckpoint": lambda: pb.DownloadRequest(node_id=sender, stage=abs(fields["int"]), step=fields["big"]),
         "Ping": lambda: pb.PingRequest(nonce=fields["blob"][:64]),
         "Measure": lambda: pb.MeasureRequest(target_id=fields["text"], target_address=fields["text"]),

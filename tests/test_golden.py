@@ -38,10 +38,12 @@ def test_the_vectors_carry_crc32c_and_the_older_ones_crc32_of_the_same_payloads(
         assert new["decoded_hex"] == old["decoded_hex"]
         for a, b in zip(new["messages_hex"], old["messages_hex"], strict=True):
             ma, mb = codecs.parse_message(bytes.fromhex(a)), codecs.parse_message(bytes.fromhex(b))
-            assert (ma.checksum, mb.checksum) == (pb.CRC32C, pb.CRC32) and ma.payload == mb.payload and ma.crc32 != mb.crc32
+            assert ((ma.checksum, mb.checksum) == (pb.CRC32C, pb.CRC32) and ma.payload == mb.payload
+                    and ma.crc32 != mb.crc32)
 
 
-@pytest.mark.parametrize("vec", VECTORS + CRC32_VECTORS, ids=[v["name"] for v in VECTORS] + [f"{v['name']}-crc32" for v in CRC32_VECTORS])
+@pytest.mark.parametrize("vec", VECTORS + CRC32_VECTORS,
+                         ids=[v["name"] for v in VECTORS] + [f"{v['name']}-crc32" for v in CRC32_VECTORS])
 def test_decode_gives_the_recorded_tensor(vec):
     ctx = CodecContext(sample_ids=vec.get("sample_ids"))
     for wire, want in zip(vec["messages_hex"], vec["decoded_hex"]):

@@ -19,7 +19,8 @@ def test_flush_then_close_loses_nothing_a_slow_peer_has_not_read_yet():
 
     async def scenario() -> list[int]:
         a, b = NodeKey.generate(), NodeKey.generate()
-        sender, receiver = GrpcTransport(Sealer(key, "a", identity=a), "127.0.0.1:0"), GrpcTransport(Sealer(key, "b", identity=b), "127.0.0.1:0")
+        sender, receiver = (GrpcTransport(Sealer(key, "a", identity=a), "127.0.0.1:0"),
+                            GrpcTransport(Sealer(key, "b", identity=b), "127.0.0.1:0"))
         receiver.peer_keys["a"] = a.public  # "a" is its neighbour: its frames are signed by this key
         receiver.inbox = asyncio.Queue(maxsize=1)  # the peer takes envelopes in one by one: gRPC buffers the rest
         await receiver.start()
@@ -60,15 +61,16 @@ def test_received_envelopes_wait_in_their_stream_once_the_inbox_holds_its_byte_b
 
     async def scenario() -> tuple[int, int, list[int]]:
         a, b = NodeKey.generate(), NodeKey.generate()
-        sender, receiver = GrpcTransport(Sealer(key, "a", identity=a), "127.0.0.1:0"), GrpcTransport(Sealer(key, "b", identity=b), "127.0.0.1:0")
+        sender, receiver = (GrpcTransport(Sealer(key, "a", identity=a), "127.0.0.1:0"),
+                            GrpcTransport(Sealer(key, "b", identity=b), "127.0.0.1:0"))
         receiver.peer_keys["a"] = a.public
         receiver.set_envelope_cap(300_000)  # a budget of 4 x 300 kB: four envelopes of 250 kB, not five
         await receiver.start()
         await sender.start()
         sender.set_peer(FORWARD, "b", receiver.address)
         for k in range(count):
-            await sender.send(FORWARD, pb.Envelope(micro_batch=pb.MicroBatch(index=k, tensor=pb.EncodedTensor(payload=bytes(size)))),
-                              sender.generation(FORWARD))
+            await sender.send(FORWARD, pb.Envelope(micro_batch=pb.MicroBatch(
+                index=k, tensor=pb.EncodedTensor(payload=bytes(size)))), sender.generation(FORWARD))
         await asyncio.sleep(2.0)
         queued = sum(1 for item in list(receiver.inbox._queue) if item.envelope is not None)
         held = receiver.inbox_bytes.held
@@ -94,7 +96,8 @@ def test_after_a_flush_the_links_can_be_reset_and_used_for_a_new_stage():
 
     async def scenario() -> tuple[list[int], bool]:
         a, b = NodeKey.generate(), NodeKey.generate()
-        sender, receiver = GrpcTransport(Sealer(key, "a", identity=a), "127.0.0.1:0"), GrpcTransport(Sealer(key, "b", identity=b), "127.0.0.1:0")
+        sender, receiver = (GrpcTransport(Sealer(key, "a", identity=a), "127.0.0.1:0"),
+                            GrpcTransport(Sealer(key, "b", identity=b), "127.0.0.1:0"))
         receiver.peer_keys["a"] = a.public
         await receiver.start()
         await sender.start()

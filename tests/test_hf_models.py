@@ -90,7 +90,8 @@ def test_the_scaling_changes_the_model_and_survives_the_run_config(tmp_path):
 def test_an_unknown_rope_type_and_a_partial_llama3_table_are_refused(tmp_path):
     directory, _ = tiny_llama(tmp_path)
     config = json.loads((directory / "config.json").read_text())
-    for rope, needle in (({"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0}, "rope_type 'yarn' is not supported"),
+    for rope, needle in (({"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0},
+                          "rope_type 'yarn' is not supported"),
                          ({"rope_type": "llama3", "factor": 8.0, "rope_theta": 10000.0}, "lacks low_freq_factor")):
         (directory / "config.json").write_text(json.dumps({**config, "rope_parameters": rope, "rope_scaling": rope}))
         with pytest.raises(ValueError, match=needle):

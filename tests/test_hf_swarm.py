@@ -40,9 +40,10 @@ def test_a_tied_checkpoint_trains_across_real_daemons_as_one_process_does(tmp_pa
         for k in range(2):
             swarm.join(f"n{k}", k, "--quiet", "--init-from", str(ckpt))
         state = swarm.wait_finished(4)
-        run = RunConfig.build(str(ckpt), None, stages=2, **{"train.steps": 4, "codec.forward": "none", "codec.backward": "none",
-                                                            "codec.backward_params": {}, "train.seed": 5, "train.micro_batches": 2,
-                                                            "train.batch_size": 2, "train.seq_len": 32})
+        run = RunConfig.build(str(ckpt), None, stages=2,
+                              **{"train.steps": 4, "codec.forward": "none", "codec.backward": "none",
+                                 "codec.backward_params": {}, "train.seed": 5, "train.micro_batches": 2,
+                                 "train.batch_size": 2, "train.seq_len": 32})
         assert run.ring
         reference = train_local(run, open_dataset(run, str(tmp_path / "cache")), init_from=str(ckpt))
         assert swarm.losses(state) == pytest.approx(reference, abs=1e-5)

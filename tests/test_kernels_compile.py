@@ -31,7 +31,8 @@ def _symtiles_signatures(dt: str) -> tuple[dict, dict]:
 
 # the runtime arguments of rice_triton's write and values kernels
 RICE_WRITE = dict(codes_ptr="*u8", n="i32", sums_ptr="*i32", ends_ptr="*i64", payload_ptr="*u8", start="i64")
-RICE_VALUES = dict(unary_ptr="*u8", nbytes="i64", rank_ptr="*i64", low_ptr="*u8", n="i64", codes_ptr="*u8", bad_ptr="*u8")
+RICE_VALUES = dict(unary_ptr="*u8", nbytes="i64", rank_ptr="*i64", low_ptr="*u8", n="i64", codes_ptr="*u8",
+                   bad_ptr="*u8")
 
 
 def _case(name: str, kernel, sig: dict, const: dict) -> tuple:
@@ -61,9 +62,9 @@ def _cases():
         sig = dict(ent_ptr="*fp32", seq_len="i32", n_low="i32", slack2="fp64", n_slots="i32", thr_ptr="*fp64",
                    cnt_ptr="*i32", cand_i_ptr="*i32", status_ptr="*i32", SB="constexpr", NSLOT="constexpr")
         out.append((f"cut SB={sb}", tq._cut_kernel, sig, dict(SB=sb, NSLOT=tq.NSLOT)))
-        sig = dict(ent_ptr="*fp32", thr_ptr="*fp64", cnt_ptr="*i32", cand_e_ptr="*fp64", cand_i_ptr="*i32", low_ptr="*u8",
-                   off_ptr="*i64", seq_len="i32", n_low="i32", n_slots="i32", seq_bytes="i64", tok_bytes="i32",
-                   diff_bytes="i32", SB="constexpr", NSLOT="constexpr")
+        sig = dict(ent_ptr="*fp32", thr_ptr="*fp64", cnt_ptr="*i32", cand_e_ptr="*fp64", cand_i_ptr="*i32",
+                   low_ptr="*u8", off_ptr="*i64", seq_len="i32", n_low="i32", n_slots="i32", seq_bytes="i64",
+                   tok_bytes="i32", diff_bytes="i32", SB="constexpr", NSLOT="constexpr")
         out.append((f"alloc SB={sb}", tq._alloc_kernel, sig, dict(SB=sb, NSLOT=tq.NSLOT)))
     for dt in ("bf16", "fp32"):
         sig = dict(x_ptr=PTR[dt], stride_x="i32", seq_len="i32", n_chan="i32", cnt_ptr="*i32", cand_e_ptr="*fp64",
@@ -83,9 +84,9 @@ def _cases():
         cx, _, _ = tq._launch_config(p, Layout.of((2, 64, 4096), p.group_size), tq.GPU_ENCODE_BLOCK)
         assert cx["TC"] == 1, "compile the GPU launch configuration"
         const = dict(cx, num_warps=tq.GPU_ENCODE_BLOCK[1])
-        sig = dict(x_ptr=PTR[dt], stride_x="i32", n_tokens="i32", n_chan="i32", n_tpt="i32", flag_ptr="*u8", piv_ptr="*u8",
-                   cum_ptr="*i32", low_ptr="*u8", off_ptr="*i64", codes_ptr="*u8", n_codes="i64", zero_ptr="*fp16",
-                   scale_ptr="*fp16", compact_ptr="*u8", status_ptr="*i32")
+        sig = dict(x_ptr=PTR[dt], stride_x="i32", n_tokens="i32", n_chan="i32", n_tpt="i32", flag_ptr="*u8",
+                   piv_ptr="*u8", cum_ptr="*i32", low_ptr="*u8", off_ptr="*i64", codes_ptr="*u8", n_codes="i64",
+                   zero_ptr="*fp16", scale_ptr="*fp16", compact_ptr="*u8", status_ptr="*i32")
         sig.update({k: "constexpr" for k in const})
         out.append((f"tahquant encode {dt} {p}", tq._encode_kernel, sig, const))
         planes = tq._pivot_planes(p)
@@ -100,7 +101,8 @@ def _cases():
         dconst = dict(dcx, OUT_BF16=dt == "bf16", num_warps=tq.GPU_DECODE_BLOCK[1], **planes)
         sig.update({k: "constexpr" for k in dconst})
         out.append((f"tahquant decode {dt} {p}", tq._decode_kernel, sig, dconst))
-    sig = dict(pay_ptr="*u8", pc_ptr="*i32", status_ptr="*i32", n_bytes="i32", bm_a="i32", n_alloc="i32", nt="i32", BLK="constexpr")
+    sig = dict(pay_ptr="*u8", pc_ptr="*i32", status_ptr="*i32", n_bytes="i32", bm_a="i32", n_alloc="i32", nt="i32",
+               BLK="constexpr")
     out.append(("tahquant bitcount", tq._bitcount_kernel, sig, dict(BLK=tq._byte_block())))
 
     for dt in ("bf16", "fp32"):
@@ -110,7 +112,8 @@ def _cases():
     for bits in (6, 8):
         sig = dict(part_ptr="*fp32", badp_ptr="*u8", n_part="i32", n_chan="i32", ratio_ptr="*fp32", status_ptr="*i32",
                    QMAX="constexpr", CB="constexpr", PB="constexpr")
-        out.append((f"naive ratio bits={bits}", nt._ratio_kernel, sig, dict(QMAX=NaiveParams(bits).qmax, CB=256, PB=16)))
+        out.append((f"naive ratio bits={bits}", nt._ratio_kernel, sig,
+                    dict(QMAX=NaiveParams(bits).qmax, CB=256, PB=16)))
     for dt, bits in (("bf16", 6), ("fp32", 7), ("fp16", 8)):  # planes 4+2, 4+2+1, 8
         const = dict(BLOCK=4096, **nt._constexprs(NaiveParams(bits)))
         sig = dict(x_ptr=PTR[dt], ratio_ptr="*fp32", status_ptr="*i32", scale_ptr="*fp16", out_ptr="*u8", n="i64",
@@ -118,18 +121,20 @@ def _cases():
         sig.update({k: "constexpr" for k in const})
         out.append((f"naive encode {dt} bits={bits}", nt._naive_encode_kernel, sig, const))
         dconst = dict(const, OUT_BF16=dt == "bf16")
-        sig = dict(codes_ptr="*u8", scale_ptr="*fp16", pow2="fp32", out_ptr=PTR[dt], bad_ptr="*u8", n="i64", n_pad="i64", n_chan="i32")
+        sig = dict(codes_ptr="*u8", scale_ptr="*fp16", pow2="fp32", out_ptr=PTR[dt], bad_ptr="*u8", n="i64",
+                   n_pad="i64", n_chan="i32")
         sig.update({k: "constexpr" for k in dconst})
         out.append((f"naive decode {dt} bits={bits}", nt._naive_decode_kernel, sig, dconst))
 
     from tahnode.kernels import symtiles_triton as st
-    for dt, g, bits, rotate, packed in (("bf16", 128, 6, False, True), ("fp32", 32, 6, False, False), ("bf16", 64, 4, True, True),
-                                        ("fp16", 32, 4, True, True), ("fp32", 256, 8, True, True), ("bf16", 8, 3, False, True)):
+    for dt, g, bits, rotate, packed in (("bf16", 128, 6, False, True), ("fp32", 32, 6, False, False),
+                                        ("bf16", 64, 4, True, True), ("fp16", 32, 4, True, True),
+                                        ("fp32", 256, 8, True, True), ("bf16", 8, 3, False, True)):
         const = dict(G=g, QMAX=2 ** (bits - 1) - 1, ROTATE=rotate, BR=4096 // g, **st.plane_shifts(bits))
         esig, dsig = _symtiles_signatures(dt)
         sums = dict(SUMS_BLOCK=1024 if rotate else 0, KMAX=(2 * const["QMAX"]).bit_length())  # layout 3 sums for Rice
-        out.append(_case(f"symtiles encode {dt} G={g} bits={bits} rotate={rotate} packed={packed}", st._encode_kernel, esig,
-                         dict(const, PACKED=packed, **sums)))
+        out.append(_case(f"symtiles encode {dt} G={g} bits={bits} rotate={rotate} packed={packed}", st._encode_kernel,
+                         esig, dict(const, PACKED=packed, **sums)))
         out.append(_case(f"symtiles decode {dt} G={g} bits={bits} rotate={rotate}", st._decode_kernel, dsig,
                          dict(const, OUT_BF16=dt == "bf16", SHORT=not rotate)))
     for bits in (6, 3):
@@ -173,7 +178,8 @@ def _setting_cases():
         for what, bits, qmax, rotate in (("pertoken", 6, 31, False), ("layout 3", 8, 12, True)):
             const = dict(G=128, QMAX=qmax, ROTATE=rotate, BR=values // 128, num_warps=warps, **st.plane_shifts(bits))
             sums = dict(SUMS_BLOCK=rt.GPU_ENCODE_BLOCK[0] if rotate else 0, KMAX=(2 * qmax).bit_length())
-            out.append(_case(f"{what} encode [{values}/{warps}]", st._encode_kernel, esig, dict(const, PACKED=True, **sums)))
+            out.append(_case(f"{what} encode [{values}/{warps}]", st._encode_kernel, esig,
+                             dict(const, PACKED=True, **sums)))
             out.append(_case(f"{what} decode [{values}/{warps}]", st._decode_kernel, dsig,
                              dict(const, OUT_BF16=True, SHORT=False)))
     for (values, warps), (nbytes, dwarps) in [(rt.GPU_ENCODE_BLOCK, rt.GPU_DECODE_BLOCK)] + RICE_BLOCKS:
@@ -249,8 +255,8 @@ def compile_all(verbose: bool = True, resources: bool = False, shard: int = 0, s
         assert len(asm.get("cubin", b"")) > 0, f"{name}: no cubin"
         n += 1
         if resources:
-            print(f"{resource_usage(asm['cubin'])}, {instructions(asm['cubin']):>5} instructions  {name} ({warps} warps)",
-                  flush=True)
+            print(f"{resource_usage(asm['cubin'])}, {instructions(asm['cubin']):>5} instructions  "
+                  f"{name} ({warps} warps)", flush=True)
         elif verbose:
             print(f"ok {time.time() - t0:5.1f}s  {name}", flush=True)
     return n, len(cases)
@@ -282,5 +288,6 @@ def test_every_kernel_compiles_for_sm90(tmp_path):
 if __name__ == "__main__":
     at = sys.argv.index("--shard") + 1 if "--shard" in sys.argv else 0
     shard, shards = map(int, sys.argv[at].split("/")) if at else (0, 1)
-    n, cases = compile_all(resources="--resources" in sys.argv, shard=shard, shards=shards, settings="--settings" in sys.argv)
+    n, cases = compile_all(resources="--resources" in sys.argv, shard=shard, shards=shards,
+                           settings="--settings" in sys.argv)
     print(f"compiled {n} of {cases} kernels for sm_90")

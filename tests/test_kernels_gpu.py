@@ -33,7 +33,8 @@ def test_kernels_match_the_references_at_stage_sizes(shape, dtype):
     pr = tahquant_ref.encode(x, p)
     stats = check_payload(tahquant_triton.encode(xg, p), pr, shape, p)
     assert stats["flagged"] > 0  # the outlier path (pivot swap + Hadamard) ran
-    check_decode(tahquant_triton.decode(pr.cuda(), shape, p, dtype), tahquant_ref.decode(pr, shape, p, dtype), pr, shape, p)
+    check_decode(tahquant_triton.decode(pr.cuda(), shape, p, dtype), tahquant_ref.decode(pr, shape, p, dtype), pr,
+                 shape, p)
     del pr
     nv = naive_ref.NaiveParams()
     (nk, ek), (nr, er) = naive_triton.encode(xg, nv), naive_ref.encode(x, nv)
@@ -44,7 +45,8 @@ def test_kernels_match_the_references_at_stage_sizes(shape, dtype):
                                 (tahquant_rice_triton, tahquant_rice_ref, P(layout=3, group_size=128))):
         pr = ref.encode(x, params)
         assert torch.equal(kernel.encode(xg, params).cpu(), pr), kernel.__name__
-        assert same_bits(kernel.decode(pr.cuda(), shape, params, dtype).cpu(), ref.decode(pr, shape, params, dtype)), kernel.__name__
+        assert same_bits(kernel.decode(pr.cuda(), shape, params, dtype).cpu(),
+                         ref.decode(pr, shape, params, dtype)), kernel.__name__
         del pr
     torch.cuda.empty_cache()
 
@@ -81,7 +83,8 @@ def test_every_codec_sends_the_same_bytes_from_the_gpu(name, dtype):
             assert same_bits(got["cuda"], got["cpu"]), (name, k)
 
 
-@pytest.mark.parametrize("name,params", [("none", {}), ("pertoken", {}), ("tahquant", codecs.CODECS["tahquant"].run_params)],
+@pytest.mark.parametrize("name,params",
+                         [("none", {}), ("pertoken", {}), ("tahquant", codecs.CODECS["tahquant"].run_params)],
                          ids=["none", "pertoken", "tahquant-layout3"])
 def test_an_overlapped_encode_copies_on_the_side_stream_and_finishes_as_encode_apart(name, params):
     """train.host_copy "overlap" on a GPU: the payload's copy to pinned memory runs on a side stream

@@ -102,7 +102,8 @@ def check_decode(dk: torch.Tensor, dr: torch.Tensor, payload: torch.Tensor, shap
     l1 = y.abs().sum(-1) / math.sqrt(g)                                         # per tile
 
     def tiled(v):  # per-tile values -> (tokens, C)
-        return v.reshape(lay.tokens, lay.tiles_per_token, 1).expand(-1, -1, g).reshape(lay.tokens, -1)[:, : lay.channels]
+        return (v.reshape(lay.tokens, lay.tiles_per_token, 1).expand(-1, -1, g)
+                .reshape(lay.tokens, -1)[:, : lay.channels])
 
     flagged = tiled(s["flag"])
     a, b = dk.reshape(lay.tokens, -1).double(), dr.reshape(lay.tokens, -1).double()
@@ -227,7 +228,8 @@ def test_kernel_paths_are_a_few_launches():
     x = activations((2, 64, 256), BF16, seed=13).to(DEVICE)
     shape, p = tuple(x.shape), P()
     kernels, ops, payload = launches(tahquant_triton, lambda: tahquant_triton.encode(x, p))
-    assert kernels == ["_stats_kernel", "_cut_kernel", "_refine_kernel", "_alloc_kernel", "_encode_kernel", "_assemble_kernel"]
+    assert kernels == ["_stats_kernel", "_cut_kernel", "_refine_kernel", "_alloc_kernel", "_encode_kernel",
+                       "_assemble_kernel"]
     assert ops == ["cumsum"]
     kernels, ops, y = launches(tahquant_triton, lambda: tahquant_triton.decode(payload, shape, p, BF16))
     assert kernels == ["_bitcount_kernel", "_decode_kernel"] and ops == ["cumsum"]
@@ -355,7 +357,8 @@ def test_entropy_slack_bounds_the_kernel():
     x2 = x.reshape(-1, 1000)
     for seg, nseg in ((1000, 1), (64, 16)):
         e32 = tahquant_triton.entropies(x2.to(DEVICE), seg, nseg).cpu().double()
-        exact = tahquant_ref.token_entropy(torch.nn.functional.pad(x2, (0, 1024 - 1000)).reshape(-1, 1024 if nseg == 1 else 64))
+        exact = tahquant_ref.token_entropy(
+            torch.nn.functional.pad(x2, (0, 1024 - 1000)).reshape(-1, 1024 if nseg == 1 else 64))
         assert float((e32 - exact).abs().max()) <= tahquant_triton.entropy_slack(seg)
 
 
@@ -504,4 +507,5 @@ def test_dispatch(monkeypatch):
             assert torch.equal(payload, ref) and msg.params["exp"] == e
         else:
             check_payload(payload, tahquant_ref.encode(x, P()), x.shape, P())
-    assert sorted(set(used)) == sorted(f"{m.__name__}.{f}" for m in (tahquant_triton, naive_triton) for f in ("encode", "decode"))
+    assert sorted(set(used)) == sorted(f"{m.__name__}.{f}" for m in (tahquant_triton, naive_triton)
+                                       for f in ("encode", "decode"))

@@ -36,6 +36,7 @@ LAYERS = [
 ]
 RANK = {part: rank for rank, parts in enumerate(LAYERS) for part in parts}
 MAX_MODULE_LINES = 400
+MAX_LINE = 120
 MAX_CLASS_ATTRIBUTES = 15
 
 
@@ -177,6 +178,15 @@ def test_module_has_a_docstring_and_stays_small(name):
     assert doc and len(doc.strip().splitlines()) >= 2, f"{path}: say what the module is in two lines or more"
     if part_of(name) not in ("kernels", "proto"):
         assert len(source.splitlines()) <= MAX_MODULE_LINES, f"{path} has more than {MAX_MODULE_LINES} lines: split it by job"
+
+
+def test_no_line_is_longer_than_120_characters():
+    """Every Python file of the repository, tests too; the generated protobuf modules aside."""
+    files = [path for folder in ("node", "kernels", "proto", "configs", "tests")
+             for path in sorted((ROOT / folder).rglob("*.py")) if not path.name.startswith("tahnode_pb2")]
+    long = [f"{path.relative_to(ROOT)}:{k}" for path in files
+            for k, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1) if len(line) > MAX_LINE]
+    assert long == [], f"lines longer than {MAX_LINE} characters: break them inside their brackets"
 
 
 def test_no_class_holds_more_than_fifteen_attributes():

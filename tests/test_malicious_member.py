@@ -28,11 +28,13 @@ def servers(tmp_path):
     s.stop()
 
 
-def chunks(servers: Servers, data: bytes, step: int, node: str = NODE, stage: int = 0, size: int = 1 << 20) -> list[bytes]:
+def chunks(servers: Servers, data: bytes, step: int, node: str = NODE, stage: int = 0,
+           size: int = 1 << 20) -> list[bytes]:
     sealer = servers.sealer(node)
     pieces = [data[i:i + size] for i in range(0, len(data), size)] or [b""]
     n = servers.run_cfg.stages
-    return [sealer.seal(pb.CheckpointChunk(node_id=node, stage=stage, num_stages=n, step=step, data=d, last=k == len(pieces) - 1),
+    return [sealer.seal(pb.CheckpointChunk(node_id=node, stage=stage, num_stages=n, step=step, data=d,
+                                           last=k == len(pieces) - 1),
                         COORDINATOR).SerializeToString() for k, d in enumerate(pieces)]
 
 
@@ -87,7 +89,8 @@ def test_an_upload_larger_than_a_checkpoint_of_the_stage_is_cut_off(servers):
 
 
 def heartbeat(servers: Servers, node: str, points: list[pb.LossPoint]) -> None:
-    msg = servers.sealer(node).seal(pb.HeartbeatRequest(node_id=node, stats=pb.TrainingStats(losses=points)), COORDINATOR)
+    msg = servers.sealer(node).seal(pb.HeartbeatRequest(node_id=node, stats=pb.TrainingStats(losses=points)),
+                                    COORDINATOR)
     send(servers, RPCS["Heartbeat"], [msg.SerializeToString()])
 
 
@@ -96,7 +99,8 @@ def test_only_the_loss_stage_holder_reports_losses_and_only_numbers(servers):
     steps to 1; NaN losses were stored."""
     reg = servers.registry
     for name, stage in (("n-last", reg.run.loss_stage), ("standby", -1)):
-        reg.join(servers.sealer(name, run="").seal(pb.JoinRequest(node_id=name, address="127.0.0.1:5", stage=stage), COORDINATOR))
+        reg.join(servers.sealer(name, run="").seal(pb.JoinRequest(node_id=name, address="127.0.0.1:5", stage=stage),
+                                                   COORDINATOR))
     heartbeat(servers, "n-last", [pb.LossPoint(step=k, loss=5.0 - k / 50, sample_ids=[k]) for k in range(50)])
     assert sorted(reg.ledger()) == list(range(50))
     heartbeat(servers, "standby", [pb.LossPoint(step=0, loss=9.0, sample_ids=[1])])
@@ -164,19 +168,21 @@ def test_a_heartbeats_stats_and_a_joins_names_are_kept_to_what_they_show(servers
     a 92 MB state document); node ids and devices of 1 and 2 MB joined."""
     reg = servers.registry
     junk = {f"reason-{k}-" + "x" * 40: k for k in range(14_000)}
-    stats = pb.TrainingStats(step=3, refused={**junk, "replayed": 2, "bad_micro_batch": 5}, offences=junk, outer={**junk, "steps": 1.0},
-                             outer_offences=junk)
+    stats = pb.TrainingStats(step=3, refused={**junk, "replayed": 2, "bad_micro_batch": 5}, offences=junk,
+                             outer={**junk, "steps": 1.0}, outer_offences=junk)
     msg = servers.sealer(NODE).seal(pb.HeartbeatRequest(node_id=NODE, stats=stats), COORDINATOR)
     assert msg.ByteSize() > 2_500_000
     send(servers, RPCS["Heartbeat"], [msg.SerializeToString()])
     kept = reg.nodes[NODE].stats
     assert dict(kept.refused) == {"replayed": 2, "bad_micro_batch": 5} and kept.step == 3
-    assert len(kept.offences) <= 16 and len(kept.outer_offences) <= 16 and len(kept.outer) <= 16 and "steps" in kept.outer
+    assert (len(kept.offences) <= 16 and len(kept.outer_offences) <= 16 and len(kept.outer) <= 16
+            and "steps" in kept.outer)
     assert kept.ByteSize() < 4096
     for field in ("node_id", "device"):
         name = {"node_id": "x" * (1 << 20), "device": "cuda:0"}
         name[field] = "y" * (2 << 20)
-        join = servers.sealer(name["node_id"], run="").seal(pb.JoinRequest(address="127.0.0.1:9", stage=-1, **name), COORDINATOR)
+        join = servers.sealer(name["node_id"], run="").seal(pb.JoinRequest(address="127.0.0.1:9", stage=-1, **name),
+                                                            COORDINATOR)
         with pytest.raises(InvalidRequest):
             reg.join(join)
     assert len(reg.nodes) == 1
@@ -217,7 +223,8 @@ def test_records_of_nodes_long_gone_are_forgotten(servers, monkeypatch):
     reg = servers.registry
     for k in range(3):
         name = f"gone-{k}"
-        reg.join(servers.sealer(name, run="").seal(pb.JoinRequest(node_id=name, address=f"127.0.0.1:{90 + k}", stage=-1),
+        reg.join(servers.sealer(name, run="").seal(pb.JoinRequest(node_id=name, address=f"127.0.0.1:{90 + k}",
+                                                                  stage=-1),
                                                    COORDINATOR))
     reg.nodes[NODE].links["gone-0"] = (5, 1.0)
     for k in range(3):
@@ -260,8 +267,9 @@ def test_the_status_documents_come_from_a_snapshot():
     assert 3 <= len(built) <= 10 and snapshot() == len(built)
 
 
-@pytest.mark.parametrize("address,refused", [("10.1.2.3:7100", True), ("127.0.0.1:7100", False),
-                                              ("/ip4/10.1.2.3/tcp/7100/p2p/QmYyQSo1c1Ym7orWxLYvCrM2EmxFTANf8wXmmE7DWjhx5N", False)])
+@pytest.mark.parametrize("address,refused", [
+    ("10.1.2.3:7100", True), ("127.0.0.1:7100", False),
+    ("/ip4/10.1.2.3/tcp/7100/p2p/QmYyQSo1c1Ym7orWxLYvCrM2EmxFTANf8wXmmE7DWjhx5N", False)])
 def test_a_node_off_loopback_without_a_certificate_may_not_join(servers, address, refused):
     """Finding 11: such a node was dialled in plaintext by its neighbours."""
     join = servers.sealer("plain", run="").seal(pb.JoinRequest(node_id="plain", address=address, stage=-1), COORDINATOR)
@@ -288,7 +296,8 @@ def test_a_ban_holds_the_key_and_the_address_and_outlives_a_restart(tmp_path):
     keys = {name: NodeKey.generate() for name in names}
 
     def registry():
-        return SwarmRegistry(RunConfig.build("llama-tiny", None), SwarmKey("t"), heartbeat_timeout=3600, store_dir=tmp_path / "s")
+        return SwarmRegistry(RunConfig.build("llama-tiny", None), SwarmKey("t"), heartbeat_timeout=3600,
+                             store_dir=tmp_path / "s")
 
     def join(reg, name, address, stage=-1, key=None, seen=""):
         sealer = Sealer(SwarmKey("t"), name, identity=key or keys[name])

@@ -52,7 +52,8 @@ def test_a_gradient_norm_that_is_not_a_number_is_refused_and_the_step_replayed(d
 
     def lie(direction, env):
         mb = env.micro_batch
-        if direction == BACKWARD and env.WhichOneof("body") == "micro_batch" and "grad_sumsq" in mb.extras and mb.step == 2:
+        if (direction == BACKWARD and env.WhichOneof("body") == "micro_batch" and "grad_sumsq" in mb.extras
+                and mb.step == 2):
             bad = copy(env)
             bad.micro_batch.extras["grad_sumsq"] = value
             return bad
@@ -142,7 +143,9 @@ def test_a_stage_whose_own_output_overflows_replays_instead_of_exiting(dataset):
     assert swarm.losses() == pytest.approx(train_local(run, dataset), abs=1e-5)
 
 
-@pytest.mark.parametrize("forward", [{"codec.forward": "group"}, {"codec.forward": "tahquant", "codec.forward_params": {"layout": 1}}],
+@pytest.mark.parametrize("forward",
+                         [{"codec.forward": "group"},
+                          {"codec.forward": "tahquant", "codec.forward_params": {"layout": 1}}],
                          ids=["group", "tahquant layout 1"])
 def test_an_output_past_fp16_but_within_the_admitted_range_is_sent_not_replayed_for_ever(dataset, forward):
     """Issue 39, low: inputs a neighbour may send (within train.max_abs_value) can make a stage's own
@@ -180,7 +183,8 @@ def test_an_output_past_fp16_but_within_the_admitted_range_is_sent_not_replayed_
     asyncio.run(scenario())
     assert swarm.steps() == [0, 1, 2] and swarm.workers[0].stats.replays == 0
     assert not any(w.stats.offences for w in swarm.workers)
-    assert received and all(k < 0 and 8.5e5 < top < 9.5e5 for k, top in received), received  # moved down, back at its size
+    # moved down, back at its size
+    assert received and all(k < 0 and 8.5e5 < top < 9.5e5 for k, top in received), received
 
 
 def test_a_message_in_another_codec_or_with_a_forged_stale_header_is_refused(dataset):
@@ -215,7 +219,8 @@ def test_a_stale_micro_batch_with_a_forged_header_is_counted_and_dropped(dataset
     async def scenario():
         worker = StageWorker(run, 1, InProcessNetwork().transport("n1"), "cpu")
         worker.restart_step(0, 7)
-        forged = pb.MicroBatch(step=0, index=0, attempt=6, sample_ids=list(range(10**4)), tensor=pb.EncodedTensor(codec="aqsgd"))
+        forged = pb.MicroBatch(step=0, index=0, attempt=6, sample_ids=list(range(10**4)),
+                               tensor=pb.EncodedTensor(codec="aqsgd"))
         await worker.handle(Inbound(FORWARD, "n0", 1, pb.Envelope(micro_batch=forged)))
         worker.close()
         return worker
@@ -262,7 +267,8 @@ def test_a_tensor_of_another_shape_is_refused_before_it_is_decoded(dataset):
         mb = env.micro_batch
         if direction == FORWARD and env.WhichOneof("body") == "micro_batch" and mb.step == 1 and mb.index == 0:
             bad = copy(env)
-            bad.micro_batch.tensor.CopyFrom(group.encode(torch.zeros(len(mb.sample_ids), run.train.seq_len, 64 * run.model.dim)))
+            bad.micro_batch.tensor.CopyFrom(group.encode(torch.zeros(len(mb.sample_ids), run.train.seq_len,
+                                                                     64 * run.model.dim)))
             return bad
 
     decoded = []

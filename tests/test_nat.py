@@ -20,7 +20,8 @@ from test_swarm import root_reason  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.netns,
               pytest.mark.skipif(root_reason() is not None, reason=str(root_reason())),
-              pytest.mark.skipif(shutil.which("nft") is None, reason="needs nft (Debian package nftables) for the NAT routers")]
+              pytest.mark.skipif(shutil.which("nft") is None,
+                                 reason="needs nft (Debian package nftables) for the NAT routers")]
 
 PREFIX, STEPS = "tnt", 10
 RUN = ["--steps", str(STEPS), "--micro-batches", "2", "--batch-size", "2", "--seq-len", "32", "--codec", "tahquant"]
@@ -37,8 +38,8 @@ def test_volunteers_behind_nat_join_through_the_dht_and_train_through_a_relay(tm
                                  capture_output=True, text=True)
         assert dial_in.returncode != 0
         swarm.up()
-        state = swarm.wait(lambda s: s["training"]["finished"] and {n["stage"] for n in s["nodes"] if n["finished"]} == {0, 1, 2},
-                           240, f"{STEPS} steps")
+        state = swarm.wait(lambda s: s["training"]["finished"]
+                           and {n["stage"] for n in s["nodes"] if n["finished"]} == {0, 1, 2}, 240, f"{STEPS} steps")
     finally:
         swarm.down()
         left = wait_gone(str(tmp_path))

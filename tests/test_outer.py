@@ -123,7 +123,8 @@ def test_the_butterfly_mean_of_honest_replicas(bits):
     for mean in result.means:
         assert float((mean - exact).abs().max()) < tolerance
     assert result.refused == [set(), set(), set()]
-    for mean in result.means[1:]:  # every replica gets the same average: they stay equal (to a rounding of the addition)
+    # every replica gets the same average: they stay equal (to a rounding of the addition)
+    for mean in result.means[1:]:
         assert float((mean - result.means[0]).abs().max()) < 1e-9
     if bits == 8:  # each third crosses twice to its reducer and twice back as a delta
         assert sum(result.bytes_sent) == 4 * (2 * blockwise.encoded_size(333, 8) + blockwise.encoded_size(334, 8))
@@ -150,15 +151,17 @@ def test_two_pipelines_train_like_one_with_twice_the_batch(dataset):
     about as well (AdamW is not linear, and each step groups the samples otherwise); the replicas stay
     identical."""
     steps = 4
-    overrides = {"codec.forward": "none", "codec.backward": "none", "codec.backward_params": {}, "train.micro_batches": 2,
-                 "train.pipeline_micro_batches": 2}
+    overrides = {"codec.forward": "none", "codec.backward": "none", "codec.backward_params": {},
+                 "train.micro_batches": 2, "train.pipeline_micro_batches": 2}
     group_run = build_run(steps, **overrides, **{"swarm.pipelines": 2, "swarm.outer_every": 1, "swarm.outer_bits": 32})
     group = ReplicaGroup(group_run, dataset)
     losses = [group.train_step(s) for s in range(steps)]
-    big = build_run(steps, **{**overrides, "train.micro_batches": 4, "train.pipeline_micro_batches": 4, "swarm.pipelines": 1})
+    big = build_run(steps,
+                    **{**overrides, "train.micro_batches": 4, "train.pipeline_micro_batches": 4, "swarm.pipelines": 1})
     reference = PipelineReplica(big, dataset)
     expected = [reference.train_step(s) for s in range(steps)]
-    trained = {i for r in group.replicas for s in range(steps) for m in range(2) for i in r.schedule.ids(s, m, r.pipeline)}
+    trained = {i for r in group.replicas for s in range(steps) for m in range(2)
+               for i in r.schedule.ids(s, m, r.pipeline)}
     assert trained == {i for s in range(steps) for m in range(4) for i in reference.schedule.ids(s, m)}
     assert sum(losses) / steps == pytest.approx(sum(expected) / steps, rel=0.02)
     assert group.outer_steps == steps and group.refused == 0 and group.spread < 1e-6

@@ -42,9 +42,10 @@ def start_p2p_coordinator(s: Swarm, transport: str, *flags: str) -> str:
 
 def join_p2p(s: Swarm, name: str, stage: int | str, maddr: str, *extra: str):
     """`tahnode join --transport p2p --initial-peers MADDR`: no --coordinator, found through the DHT."""
-    return s.spawn(name, ["join", "--transport", "p2p", "--initial-peers", maddr, "--p2p-listen", "/ip4/127.0.0.1/tcp/0",
-                          "--stage", str(stage), "--node-id", name, "--checkpoint-dir", str(s.workdir / "ck" / name),
-                          "--device", "cpu", "--threads", "1", "--quiet", *extra])
+    return s.spawn(name,
+                   ["join", "--transport", "p2p", "--initial-peers", maddr, "--p2p-listen", "/ip4/127.0.0.1/tcp/0",
+                    "--stage", str(stage), "--node-id", name, "--checkpoint-dir", str(s.workdir / "ck" / name),
+                    "--device", "cpu", "--threads", "1", "--quiet", *extra])
 
 
 def read_directory(maddr: str, token: str) -> tuple[dict, dict]:
@@ -62,12 +63,14 @@ def read_directory(maddr: str, token: str) -> tuple[dict, dict]:
 def test_nodes_found_through_the_dht_are_probed_placed_and_train_over_p2p(tmp_path):
     s = Swarm(tmp_path)
     try:
-        maddr = start_p2p_coordinator(s, "p2p", "--probe-wait", "60")  # the chain's links probed in full before training
+        # the chain's links probed in full before training
+        maddr = start_p2p_coordinator(s, "p2p", "--probe-wait", "60")
         for k in range(3):
             join_p2p(s, f"n{k}", "auto", maddr)
         state = s.wait_finished(STEPS, timeout=240)
         nodes, layout = read_directory(maddr, s.token)
-        assert any("p2pd" in cmd for _, cmd in processes_mentioning(str(tmp_path / "store")))  # the coordinator's daemon
+        # the coordinator's daemon
+        assert any("p2pd" in cmd for _, cmd in processes_mentioning(str(tmp_path / "store")))
         s.procs["coordinator"].send_signal(signal.SIGKILL)  # killed outright: its p2pd and DHT process must end anyway
     finally:
         s.stop()
@@ -92,16 +95,20 @@ def test_a_swarm_of_grpc_and_p2p_nodes_trains(tmp_path):
     s = Swarm(tmp_path)
     try:
         maddr = start_p2p_coordinator(s, "both")
-        s.join("grpc0", 0, "--threads", "1", "--quiet")                                   # gRPC, told the coordinator's address
-        join_p2p(s, "p2p1", 1, maddr)                                                     # p2p, found it through the DHT
-        s.join("grpc2", 2, "--threads", "1", "--quiet", "--initial-peers", maddr, coordinator="")  # gRPC, found it through the DHT
+        # gRPC, told the coordinator's address
+        s.join("grpc0", 0, "--threads", "1", "--quiet")
+        # p2p, found it through the DHT
+        join_p2p(s, "p2p1", 1, maddr)
+        # gRPC, found it through the DHT
+        s.join("grpc2", 2, "--threads", "1", "--quiet", "--initial-peers", maddr, coordinator="")
         state = s.wait_finished(STEPS, timeout=240)
     finally:
         s.stop()
     losses = s.losses(state)
     assert len(losses) == STEPS and sum(losses[-3:]) / 3 < losses[0] - 0.3
     via = {(link["src"], link["dst"]): link["transport"] for link in state["links"] if link["bytes"]}
-    assert via == {("grpc0", "p2p1"): "p2p", ("p2p1", "grpc0"): "grpc", ("p2p1", "grpc2"): "grpc", ("grpc2", "p2p1"): "p2p"}
+    assert via == {("grpc0", "p2p1"): "p2p", ("p2p1", "grpc0"): "grpc", ("p2p1", "grpc2"): "grpc",
+                   ("grpc2", "p2p1"): "p2p"}
     assert "found the coordinator through the DHT at 127.0.0.1:" in s.log("grpc2")
     assert wait_gone(str(tmp_path)) == []
 

@@ -66,7 +66,8 @@ def test_envelopes_cross_in_order_and_a_flush_waits_until_the_peer_read_them_all
 
     async def scenario():
         sender, receiver, hosts = await pair()
-        assert transport_of(receiver.address) == "p2p" and P2PAddress.parse(receiver.address).peer_id == hosts[1].peer_id
+        assert (transport_of(receiver.address) == "p2p"
+                and P2PAddress.parse(receiver.address).peer_id == hosts[1].peer_id)
         sender.set_peer(FORWARD, "b", receiver.address)
         got = []
 
@@ -104,9 +105,11 @@ def test_status_codes_cross_as_codes_and_bad_requests_leave_the_server_serving()
         ping = sender.sealer.seal(pb.PingRequest(nonce=b"12345678"), "b")
         reply = await stub.Ping(ping, timeout=10)
         out["ping"] = (reply.node_id, reply.nonce)
-        forged = Sealer(SwarmKey("another-token"), "a", identity=NodeKey.generate()).seal(pb.PingRequest(nonce=b"x"), "b")
+        forged = Sealer(SwarmKey("another-token"), "a",
+                        identity=NodeKey.generate()).seal(pb.PingRequest(nonce=b"x"), "b")
         for name, call in (("forged", stub.Ping(forged, timeout=10)), ("replayed", stub.Ping(ping, timeout=10)),
-                           ("measure", stub.Measure(sender.sealer.seal(pb.MeasureRequest(target_id="c"), "b"), timeout=10))):
+                           ("measure",
+                            stub.Measure(sender.sealer.seal(pb.MeasureRequest(target_id="c"), "b"), timeout=10))):
             try:
                 await call
                 out[name] = None
@@ -116,9 +119,11 @@ def test_status_codes_cross_as_codes_and_bad_requests_leave_the_server_serving()
         # unknown field (issue 39: its data's view would hold all of it)
         host_a, _ = hosts
         frame = sender.sealer.frame("b", sender.sealer.counter.next(), 0, 2, b"x").SerializeToString()
-        for name, payload in (("garbage", b"\xff\xff\xff"), ("huge", None), ("padded", frame + b"\x7a\x80\x80\x01" + bytes(1 << 14))):
+        for name, payload in (("garbage", b"\xff\xff\xff"), ("huge", None),
+                              ("padded", frame + b"\x7a\x80\x80\x01" + bytes(1 << 14))):
             method = "Forward" if name == "padded" else "Ping"
-            reader, writer = await host_a.open_stream(receiver.address, protocol_name(f"/tahnode.StageService/{method}"))
+            reader, writer = await host_a.open_stream(receiver.address,
+                                                      protocol_name(f"/tahnode.StageService/{method}"))
             if payload is None:
                 writer.write(bytes([RecordKind.MESSAGE]) + (MAX_RECORD_BYTES + 1).to_bytes(4, "big"))
             else:
@@ -155,13 +160,16 @@ def test_idle_streams_of_one_peer_neither_block_others_nor_stay_open(monkeypatch
     async def scenario():
         sender, receiver, hosts = await pair()
         host_a, _ = hosts
-        idle = [await host_a.open_stream(receiver.address, protocol_name("/tahnode.v1.StageService/Ping")) for _ in range(24)]
+        idle = [await host_a.open_stream(receiver.address, protocol_name("/tahnode.v1.StageService/Ping"))
+                for _ in range(24)]
         stub = pb_grpc.StageServiceStub(open_channel(receiver.address, b"", []))
-        reply = await stub.Ping(sender.sealer.seal(pb.PingRequest(nonce=b"through"), "b"), timeout=10)  # same libp2p peer
+        # same libp2p peer
+        reply = await stub.Ping(sender.sealer.seal(pb.PingRequest(nonce=b"through"), "b"), timeout=10)
         closed = 0
         for reader, writer in idle:
             kind, data = await asyncio.wait_for(read_record(reader), 10)  # each idle one is told, then closed
-            closed += kind is RecordKind.STATUS and pb.RpcStatus.FromString(data).code == grpc.StatusCode.DEADLINE_EXCEEDED.value[0]
+            closed += (kind is RecordKind.STATUS
+                       and pb.RpcStatus.FromString(data).code == grpc.StatusCode.DEADLINE_EXCEEDED.value[0])
             writer.close()
         await close(sender, receiver, *hosts)
         return reply.nonce, closed
@@ -240,14 +248,15 @@ def test_the_directory_believes_only_entries_made_with_the_swarm_token():
         second = await P2PHost.start(P2PSettings(listen=["/ip4/127.0.0.1/tcp/0"], initial_peers=[address]))
         ours, theirs = SwarmDirectory(first.dht, KEY), SwarmDirectory(second.dht, KEY)
         real = TlsCertificate.generate()
-        await ours.publish(COORDINATOR_KIND, "", {"grpc": "10.0.0.1:7000", "p2p": address, "fingerprint": real.fingerprint},
-                           signer=real)
+        await ours.publish(COORDINATOR_KIND, "",
+                           {"grpc": "10.0.0.1:7000", "p2p": address, "fingerprint": real.fingerprint}, signer=real)
         await ours.publish(NODE_KIND, "n1", {"stage": 1, "address": address})
         # a forger without the token writes under our prefix: readers drop its entry
         forged = pb.DirectoryRecord(kind=NODE_KIND, name="n2", json="{}", expires=time.time() + 60, mac=b"\0" * 32)
         from hivemind.utils import get_dht_time
 
-        await asyncio.to_thread(second.dht.store, f"{theirs.prefix}/{NODE_KIND}", forged.SerializeToString(), get_dht_time() + 60, subkey="n2")
+        await asyncio.to_thread(second.dht.store, f"{theirs.prefix}/{NODE_KIND}", forged.SerializeToString(),
+                                get_dht_time() + 60, subkey="n2")
         found = await theirs.coordinator(timeout=10)
         nodes = await theirs.read(NODE_KIND)
         other = await SwarmDirectory(second.dht, SwarmKey("another-token")).read(NODE_KIND)
@@ -275,15 +284,19 @@ def test_the_coordinator_cannot_be_impersonated_through_the_dht():
         address = (await first.maddrs())[0]
         second = await P2PHost.start(P2PSettings(listen=["/ip4/127.0.0.1/tcp/0"], initial_peers=[address]))
         real, impostor, eternal = TlsCertificate.generate(), TlsCertificate.generate(), TlsCertificate.generate()
-        coordinator, volunteer, joiner = SwarmDirectory(first.dht, KEY), SwarmDirectory(second.dht, KEY), SwarmDirectory(second.dht, KEY)
-        await coordinator.publish(COORDINATOR_KIND, "", {"grpc": "10.0.0.1:7000", "p2p": "", "fingerprint": real.fingerprint},
-                                  signer=real)
+        coordinator, volunteer, joiner = (SwarmDirectory(first.dht, KEY), SwarmDirectory(second.dht, KEY),
+                                          SwarmDirectory(second.dht, KEY))
+        await coordinator.publish(COORDINATOR_KIND, "",
+                                  {"grpc": "10.0.0.1:7000", "p2p": "", "fingerprint": real.fingerprint}, signer=real)
         alone = await joiner.coordinator(timeout=10)
-        await volunteer.publish(COORDINATOR_KIND, "", {"grpc": "10.6.6.6:7000", "p2p": "", "fingerprint": eternal.fingerprint},
+        await volunteer.publish(COORDINATOR_KIND, "",
+                                {"grpc": "10.6.6.6:7000", "p2p": "", "fingerprint": eternal.fingerprint},
                                 ttl=10**6, signer=eternal)  # it would outlive the real one: dropped
-        await volunteer.publish(COORDINATOR_KIND, "", {"grpc": "10.6.6.7:7000", "p2p": "", "fingerprint": impostor.fingerprint},
+        await volunteer.publish(COORDINATOR_KIND, "",
+                                {"grpc": "10.6.6.7:7000", "p2p": "", "fingerprint": impostor.fingerprint},
                                 signer=impostor)
-        unsigned = KEY.sign(pb.DirectoryRecord(kind=COORDINATOR_KIND, json='{"grpc": "10.6.6.8:7000"}', expires=time.time() + 60))
+        unsigned = KEY.sign(pb.DirectoryRecord(kind=COORDINATOR_KIND, json='{"grpc": "10.6.6.8:7000"}',
+                                               expires=time.time() + 60))
         await asyncio.to_thread(second.dht.store, f"{joiner.prefix}/{COORDINATOR_KIND}", unsigned.SerializeToString(),
                                 get_dht_time() + 60, subkey=COORDINATOR_KIND)
         pinned = await joiner.coordinator(timeout=10, pin=real.fingerprint)
@@ -298,7 +311,8 @@ def test_the_coordinator_cannot_be_impersonated_through_the_dht():
 
     alone, pinned, claims, unpinned = asyncio.run(scenario())
     assert alone.grpc == pinned.grpc == "10.0.0.1:7000"
-    assert {r.grpc for r in claims.values()} == {"10.0.0.1:7000", "10.6.6.7:7000"}  # signed, live, each under its own name
+    # signed, live, each under its own name
+    assert {r.grpc for r in claims.values()} == {"10.0.0.1:7000", "10.6.6.7:7000"}
     assert unpinned is not None and "--coordinator-fingerprint" in unpinned
 
 
@@ -315,20 +329,24 @@ def test_a_node_that_trusted_a_coordinator_never_takes_an_insiders_entry(tmp_pat
 
     async def scenario():
         first = await P2PHost.start(LOOPBACK)
-        second = await P2PHost.start(P2PSettings(listen=["/ip4/127.0.0.1/tcp/0"], initial_peers=[(await first.maddrs())[0]]))
+        second = await P2PHost.start(P2PSettings(listen=["/ip4/127.0.0.1/tcp/0"],
+                                                 initial_peers=[(await first.maddrs())[0]]))
         real, insider = TlsCertificate.generate(), TlsCertificate.generate()
         await SwarmDirectory(first.dht, KEY).publish(COORDINATOR_KIND, "", {"grpc": "10.0.0.1:7000", "p2p": "",
-                                                                            "fingerprint": real.fingerprint}, ttl=3, signer=real)
+                                                                            "fingerprint": real.fingerprint}, ttl=3,
+                                                     signer=real)
         trusted = await p2p.find_coordinator(cfg, second, KEY, remembered)  # the only one: trusted on first use
         await asyncio.sleep(4)  # the real coordinator's entry expired (it is down); an insider's is the only one
         await SwarmDirectory(first.dht, KEY).publish(COORDINATOR_KIND, "", {"grpc": "10.6.6.6:7000", "p2p": "",
-                                                                            "fingerprint": insider.fingerprint}, signer=insider)
+                                                                            "fingerprint": insider.fingerprint},
+                                                     signer=insider)
         try:
             await p2p.find_coordinator(cfg, second, KEY, remembered)
             refused = None
         except CoordinatorNotFound as exc:
             refused = str(exc)
-        taken = await p2p.find_coordinator(cfg, second, KEY, tmp_path / "elsewhere.crt")  # a node that never joined before
+        # a node that never joined before
+        taken = await p2p.find_coordinator(cfg, second, KEY, tmp_path / "elsewhere.crt")
         await close(second, first)
         return trusted, refused, taken, real.fingerprint
 
@@ -353,8 +371,8 @@ def test_a_daemon_that_cannot_start_says_why_within_seconds():
     async def scenario():
         return [await attempt(P2PSettings(listen=[f"/ip4/127.0.0.1/tcp/{port}"])),
                 await attempt(P2PSettings(listen=["/ip4/127.0.0.1/tcpx/1"])),
-                await attempt(P2PSettings(listen=["/ip4/127.0.0.1/tcp/0"],
-                                          initial_peers=["/ip4/127.0.0.1/tcp/9/p2p/12D3KooWRpKLBd3mw8EqcUMKgnqNYVcUyJjiwDCFFQmUh5JFGvHL"]))]
+                await attempt(P2PSettings(listen=["/ip4/127.0.0.1/tcp/0"], initial_peers=[
+                    "/ip4/127.0.0.1/tcp/9/p2p/12D3KooWRpKLBd3mw8EqcUMKgnqNYVcUyJjiwDCFFQmUh5JFGvHL"]))]
 
     results = asyncio.run(scenario())
     taken.close()
@@ -400,7 +418,8 @@ def test_join_and_coordinator_end_within_seconds_with_one_line_when_p2p_cannot_s
     nobody = "/ip4/127.0.0.1/tcp/9/p2p/QmTyedzTAa5UGo2wHDCZDpeNT2phPS6dPv6Jhp1P8H5neS"
     join = ["join", "--transport", "p2p", "--checkpoint-dir", str(tmp_path / "n"), "--device", "cpu"]
     cases = [
-        (join + ["--p2p-listen", f"/ip4/127.0.0.1/tcp/{port}", "--initial-peers", nobody], "is taken by another process"),
+        (join + ["--p2p-listen", f"/ip4/127.0.0.1/tcp/{port}", "--initial-peers", nobody],
+         "is taken by another process"),
         (join + ["--initial-peers", nobody], "the p2p daemon did not start"),
         (join + ["--initial-peers", "/ip4/127.0.0.1/tcpx/9"], "is not a multiaddr"),
         (join + ["--use-auto-relay", "--coordinator", "127.0.0.1:1"], "--use-auto-relay needs --initial-peers"),
@@ -411,7 +430,8 @@ def test_join_and_coordinator_end_within_seconds_with_one_line_when_p2p_cannot_s
         for args, reason in cases:
             done, seconds = run_cli(*args)
             last = done.stderr.strip().splitlines()[-1]
-            assert done.returncode != 0 and reason in last and "Traceback" not in done.stderr, (args, done.stderr[-2000:])
+            assert (done.returncode != 0 and reason in last
+                    and "Traceback" not in done.stderr), (args, done.stderr[-2000:])
             assert seconds < 30, (args, seconds)
     finally:
         taken.close()
@@ -421,10 +441,12 @@ def test_without_hivemind_the_p2p_transport_says_how_to_install_it(tmp_path):
     fake = tmp_path / "site" / "hivemind"
     fake.mkdir(parents=True)
     (fake / "__init__.py").write_text("raise ImportError('no hivemind in this environment')\n")
-    done, _ = run_cli("join", "--transport", "p2p", "--initial-peers", "/ip4/127.0.0.1/tcp/9/p2p/QmTyedzTAa5UGo2wHDCZDpeNT2phPS6dPv6Jhp1P8H5neS",
+    done, _ = run_cli("join", "--transport", "p2p", "--initial-peers",
+                      "/ip4/127.0.0.1/tcp/9/p2p/QmTyedzTAa5UGo2wHDCZDpeNT2phPS6dPv6Jhp1P8H5neS",
                       "--checkpoint-dir", str(tmp_path / "n"), env={"PYTHONPATH": str(tmp_path / "site")})
     assert done.returncode == 1 and "Traceback" not in done.stderr
-    assert done.stderr.strip().splitlines()[-1] == "tahnode join: the p2p transport needs hivemind: pip install 'tahnode[p2p]'"
+    assert (done.stderr.strip().splitlines()[-1]
+            == "tahnode join: the p2p transport needs hivemind: pip install 'tahnode[p2p]'")
 
 
 def test_a_peer_behind_a_relay_gets_whole_envelopes_through_it_and_only_token_holders_may_use_it():
@@ -437,11 +459,13 @@ def test_a_peer_behind_a_relay_gets_whole_envelopes_through_it_and_only_token_ho
     async def scenario():
         use_swarm_key(KEY)
         port = free_port()
-        relay = await P2PHost.start(P2PSettings(listen=[f"/ip4/127.0.0.1/tcp/{port}"], announce=[f"/ip4/127.0.0.1/tcp/{port}"]),
+        relay = await P2PHost.start(P2PSettings(listen=[f"/ip4/127.0.0.1/tcp/{port}"],
+                                                announce=[f"/ip4/127.0.0.1/tcp/{port}"]),
                                     dht=False)
         relay_address = (await relay.maddrs())[0]
         ka, kb = NodeKey.generate(), NodeKey.generate()
-        behind = await P2PHost.start(P2PSettings(listen=["/ip4/127.0.0.1/tcp/0"], initial_peers=[relay_address]), dht=False)
+        behind = await P2PHost.start(P2PSettings(listen=["/ip4/127.0.0.1/tcp/0"], initial_peers=[relay_address]),
+                                     dht=False)
         receiver = P2PTransport(Sealer(KEY, "b", identity=kb), behind)
         receiver.peer_keys["a"] = ka.public
         await receiver.start()
@@ -458,7 +482,8 @@ def test_a_peer_behind_a_relay_gets_whole_envelopes_through_it_and_only_token_ho
             item = await asyncio.wait_for(receiver.inbox.get(), 60)
             receiver.inbox_bytes.release(item.nbytes)
             if item.envelope is not None:
-                got.append((item.envelope.micro_batch.index, payload_of(item) == bytes([item.envelope.micro_batch.index]) * size))
+                got.append((item.envelope.micro_batch.index,
+                            payload_of(item) == bytes([item.envelope.micro_batch.index]) * size))
         await sender.flush(30)
         use_swarm_key(SwarmKey("another-token"))  # a caller without this swarm's token is refused by the relay
         with pytest.raises(PeerUnreachable, match="failed authentication"):

@@ -88,7 +88,8 @@ def test_tahquant_converges_like_none(swarm, tmp_path, cache):
     assert last <= 1.02 * sum(ref[-10:]) / 10
 
 
-@pytest.mark.parametrize("codec,schedule", [("naive", "gpipe"), ("group", "1f1b"), ("aqsgd", "1f1b"), ("amaq", "gpipe")])
+@pytest.mark.parametrize("codec,schedule",
+                         [("naive", "gpipe"), ("group", "1f1b"), ("aqsgd", "1f1b"), ("amaq", "gpipe")])
 def test_every_codec_trains_through_the_pipeline(swarm, codec, schedule):
     state = run_swarm(swarm, 12, *SMALL, "--codec", codec, "--schedule", schedule)
     losses = swarm.losses(state)
@@ -157,7 +158,8 @@ def test_bad_peers_get_clear_errors_and_the_daemon_keeps_serving(swarm):
             stub.Forward(iter(plain_frames(wrong, "n1", env)), timeout=5)
         assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
         assert "authentication" in err.value.details()
-        right = Sealer(SwarmKey(swarm.token), "confused", run, NodeKey.generate())  # a token holder, but no neighbour of n1
+        # a token holder, but no neighbour of n1
+        right = Sealer(SwarmKey(swarm.token), "confused", run, NodeKey.generate())
         with pytest.raises(grpc.RpcError) as err:
             stub.Forward(iter(plain_frames(right, "n1", b"\xff\xff\xff garbage")), timeout=5)
         assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED and "not a neighbour" in err.value.details()
@@ -211,7 +213,8 @@ def test_demo_runs_the_whole_swarm_and_prints_a_json_summary(tmp_path, cache):
     assert set(summary) >= {"steps", "loss_first", "loss_last", "tokens_per_s", "forward_bits_per_element",
                             "backward_bits_per_element", "wire_bytes", "uncompressed_bytes"}
     assert summary["steps"] == 8 and summary["loss_last"] < summary["loss_first"]
-    assert len(summary["losses"]) == 8 and summary["losses"][0] == summary["loss_first"] and summary["losses"][-1] == summary["loss_last"]
+    assert (len(summary["losses"]) == 8 and summary["losses"][0] == summary["loss_first"]
+            and summary["losses"][-1] == summary["loss_last"])
     assert 0.0 < summary["codec_share"] < 1.0  # tahquant encode/decode on the CPU: a real share of each step
     assert "of a stage's step in encode + decode" in " ".join(r.stderr.split())  # the summary line (rich wraps it)
     # the default forward codec, tahquant's layout 3 (Rice-coded, qmax 12): its size follows the activations
@@ -261,7 +264,8 @@ def test_the_demo_codec_share_counts_after_the_precision_schedules_opening_phase
 
     assert warm_steps(RunConfig.build("llama-tiny", **{"train.steps": 30})) == 3 + WARM_STEPS  # 12% of 30: steps 0-2
     assert warm_steps(RunConfig.build("llama-tiny", **{"train.steps": 600})) == 72 + WARM_STEPS
-    assert warm_steps(RunConfig.build("llama-tiny", **{"train.steps": 30, "codec.forward_high_params": {}})) == WARM_STEPS
+    assert (warm_steps(RunConfig.build("llama-tiny", **{"train.steps": 30, "codec.forward_high_params": {}}))
+            == WARM_STEPS)
     assert warm_steps(RunConfig.build("llama-tiny", **{"train.steps": 30, "codec.forward": "none"})) == WARM_STEPS
     assert warm_steps(RunConfig.build("llama-tiny", **{"train.steps": 3})) == 2  # never past the last step
 

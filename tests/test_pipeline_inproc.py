@@ -58,7 +58,8 @@ class Swarm:
             await t.start()
         for k, t in enumerate(self.transports):
             store = CheckpointStore(self.store_dir / f"n{k}") if self.store_dir else None
-            self.workers.append(StageWorker(self.run, k, t, "cpu", store, self.dataset if k == 0 else None, **self.worker_args))
+            self.workers.append(StageWorker(self.run, k, t, "cpu", store, self.dataset if k == 0 else None,
+                                            **self.worker_args))
             for direction, offset in ((FORWARD, 1), (BACKWARD, -1)):  # around the ring when the run is one
                 other = self.run.neighbour(k, offset)
                 if other is not None:
@@ -152,7 +153,8 @@ def test_a_bad_micro_batch_is_refused_the_step_replayed_and_training_stays_exact
     asyncio.run(train(swarm, 6))
     assert len(sent) == 1
     assert swarm.workers[stage].stats.refused_micro_batches == 1
-    assert swarm.workers[stage].stats.offences == {f"n{stage - 1}": 1}  # reported to the coordinator, which bans repeat offenders
+    # reported to the coordinator, which bans repeat offenders
+    assert swarm.workers[stage].stats.offences == {f"n{stage - 1}": 1}
     assert swarm.workers[0].stats.replays >= 1
     assert swarm.steps() == list(range(6))
     assert swarm.losses() == pytest.approx(train_local(run, dataset), abs=1e-5)
@@ -168,7 +170,8 @@ def test_a_lost_micro_batch_stalls_the_step_until_stage_0_replays_it(dataset):
 
     async def send_dropping_one(direction, envelope, generation):
         env = envelope.envelope() if isinstance(envelope, Body) else envelope  # a micro-batch travels as its body
-        if direction == BACKWARD and env.WhichOneof("body") == "micro_batch" and env.micro_batch.step == 2 and not dropped:
+        if (direction == BACKWARD and env.WhichOneof("body") == "micro_batch" and env.micro_batch.step == 2
+                and not dropped):
             dropped.append(env.micro_batch.index)
             return True
         return await original(direction, envelope, generation)
@@ -243,7 +246,8 @@ def test_steps_not_reported_yet_come_back_with_the_last_stages_checkpoint(datase
     assert [r.step for r in done] == [0, 1, 2, 3]
     resumed = StageWorker(run, 2, InProcessNetwork().transport("x"), "cpu", CheckpointStore(tmp_path / "n2"))
     assert resumed.resume() == 4
-    assert [(r.step, r.loss, list(r.sample_ids)) for r in resumed.stats.outbox] == [(r.step, r.loss, list(r.sample_ids)) for r in done]
+    assert ([(r.step, r.loss, list(r.sample_ids)) for r in resumed.stats.outbox]
+            == [(r.step, r.loss, list(r.sample_ids)) for r in done])
     resumed.close()
 
 
@@ -401,7 +405,8 @@ def test_gradients_are_prescaled_for_tahquant_and_come_back_at_their_size(std):
     assert 2 ** 7 <= float(grad.abs().max()) * 2.0 ** k < 2 ** 8
     msg, _, sent_k = sender.encode_gradient(grad, list(range(4)))
     assert sent_k == k
-    back = receiver.decode(BACKWARD, 1, pb.MicroBatch(tensor=msg, sample_ids=list(range(4)), scale_log2=k), torch.float32)
+    back = receiver.decode(BACKWARD, 1, pb.MicroBatch(tensor=msg, sample_ids=list(range(4)), scale_log2=k),
+                           torch.float32)
     assert float((back - grad).norm() / grad.norm()) < 0.2
 
 

@@ -28,8 +28,8 @@ pytestmark = pytest.mark.slow
 
 STEPS, EVERY, TIMEOUT = 120, 4, 30
 RUN = ["--stages", "2", "--steps", str(STEPS), "--checkpoint-every", "8", "--micro-batches", "2", "--batch-size", "4",
-       "--seq-len", "64", "--codec", "none", "--backward-codec", "none", "--pipelines", "3", "--outer-every", str(EVERY),
-       "--outer-timeout", str(TIMEOUT)]
+       "--seq-len", "64", "--codec", "none", "--backward-codec", "none", "--pipelines", "3", "--outer-every",
+       str(EVERY), "--outer-timeout", str(TIMEOUT)]
 FAULTY = Path(__file__).parent / "faulty_replica.py"
 
 
@@ -66,10 +66,12 @@ def test_a_lying_replica_is_refused_and_banned_and_a_killed_one_does_not_stop_th
         for name, stage in (("n0", 0), ("n2", 0), ("victim", 0), ("n1", 1), ("liar", 1), ("n5", 1)):
             if name in ("liar", "victim"):
                 args = ["join", "--coordinator", swarm.coordinator, "--stage", str(stage), "--listen", "127.0.0.1:0",
-                        "--node-id", name, "--checkpoint-dir", str(tmp_path / "ck" / name), "--device", "cpu", "--threads", "1"]
+                        "--node-id", name, "--checkpoint-dir", str(tmp_path / "ck" / name), "--device", "cpu",
+                        "--threads", "1"]
                 mode = "liar" if name == "liar" else "stall"
                 faulty[name] = subprocess.Popen([sys.executable, str(FAULTY), mode, str(marker), "--", *args[1:]],
-                                                stdout=(tmp_path / f"{name}.log").open("a"), stderr=subprocess.STDOUT, env=swarm.env)
+                                                stdout=(tmp_path / f"{name}.log").open("a"), stderr=subprocess.STDOUT,
+                                                env=swarm.env)
             else:
                 swarm.join(name, stage, "--threads", "1")
             count = len(faulty) + len([n for n in swarm.procs if n != "coordinator"])
@@ -86,7 +88,8 @@ def test_a_lying_replica_is_refused_and_banned_and_a_killed_one_does_not_stop_th
         state = swarm.wait_for(lambda s: any("banned: liar" in e for e in s["events"]), 240, "the liar banned")
         assert "pseudo-gradients" in next(e for e in state["events"] if "banned: liar" in e)
         swarm.wait_for(lambda s: s["training"]["finished"] or any(p["index"] == 0 and (p["step"] or 0) >= STEPS
-                                                                  for p in s["pipelines"]), 600, f"pipeline 0 past {STEPS} steps")
+                                                                  for p in s["pipelines"]), 600,
+                       f"pipeline 0 past {STEPS} steps")
         ledger = swarm.ledger()["steps"]
         final = swarm.state()
     finally:
@@ -103,7 +106,8 @@ def test_a_lying_replica_is_refused_and_banned_and_a_killed_one_does_not_stop_th
     # after which the dead replica's part is given up (5 s as a sender, 10 s as a reducer; 70 s with 20 s ones)
     finished = []
     for name in ("n0", "n2"):
-        after = [line for line in swarm.log(name).splitlines() if "outer step after step" in line and logged_at(line) >= stalled_at]
+        after = [line for line in swarm.log(name).splitlines()
+                 if "outer step after step" in line and logged_at(line) >= stalled_at]
         if after:
             finished.append(after[0])
             assert float(after[0].split("replicas (")[1].split(" s")[0]) < TIMEOUT + 3 * CHUNK_TIMEOUT_S, after[0]

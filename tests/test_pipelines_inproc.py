@@ -182,7 +182,8 @@ def test_two_pipelines_train_exactly_as_the_replica_group(dataset, codecs):
     expected = reference_losses(run, dataset, steps)
     for p in range(2):
         assert list(swarm.losses(p).values()) == expected[p]
-        assert all(w.outer.stats.steps == 2 and w.outer.stats.last_group == 2 for w in swarm.workers[p])  # after 4 and 6
+        # after 4 and 6
+        assert all(w.outer.stats.steps == 2 and w.outer.stats.last_group == 2 for w in swarm.workers[p])
     for k in range(run.stages):  # the last step averaged too: one model, to the codec's error
         a, b = (torch.cat([x.detach().reshape(-1) for x in swarm.workers[p][k].model.parameters()]) for p in range(2))
         assert float((a - b).abs().max()) < 1e-4
@@ -211,7 +212,8 @@ def test_a_late_pipeline_takes_the_latest_outer_step_and_trains_in_step_from_the
     assert list(zero) == list(range(steps))
     assert min(one) in (4, 8) and list(one) == list(range(min(one), steps))  # it started at an outer step of pipeline 0
     assert swarm.workers[1][0].outer.stats.adopted == 1 and swarm.workers[0][0].outer.stats.alone >= 1
-    assert all(w.outer.stats.last_group == 2 for ws in swarm.workers.values() for w in ws)  # the last outer step: together
+    # the last outer step: together
+    assert all(w.outer.stats.last_group == 2 for ws in swarm.workers.values() for w in ws)
     assert_one_model(swarm, 2)
 
 
@@ -324,5 +326,6 @@ def test_a_peers_served_state_is_parsed_once_and_garbage_outranks_nothing():
         {"step": 4, "alone": True, "source": -1}, {"step": 4, "alone": True, "source": "0"}, {"step": 4, "alone": True},
         {"step": 3, "alone": False}, {"step": 4, "alone": True, "source": 2})]
     assert outranks == [False] * 5
-    assert OuterSync.outranked_by(me, ServedState(4, True, 0)) and OuterSync.outranked_by(me, ServedState(4, False, None))
+    assert (OuterSync.outranked_by(me, ServedState(4, True, 0))
+            and OuterSync.outranked_by(me, ServedState(4, False, None)))
     assert OuterSync.outranked_by(me, ServedState(8, True, None))  # a newer step: any replica's

@@ -104,7 +104,8 @@ def test_late_newcomers_complete_a_new_pipeline(tmp_path):
     placement = placed(r, swarm)
     assert list(placement.chains()) == [0] and statuses(r) == {"active": 3, "standby": 1}
     for v in late:
-        r.nodes[v] = NodeRecord(v, f"sim:{v}", -1, "sim", status=NodeStatus.JOINING, layer_ms=swarm.layer_ms[v], movable=True)
+        r.nodes[v] = NodeRecord(v, f"sim:{v}", -1, "sim", status=NodeStatus.JOINING, layer_ms=swarm.layer_ms[v],
+                                movable=True)
     r.last_join = time.monotonic() - 60
     r.epoch += 1
     asyncio.run(settle(placement, 2.0))
@@ -116,7 +117,8 @@ def test_a_pinned_node_opens_a_new_pipeline_only_where_asked(tmp_path):
 
     def join(r, name: str, stage: int) -> pb.JoinReply:
         sealer = Sealer(key, name, identity=NodeKey.generate())
-        return r.join(sealer.seal(pb.JoinRequest(node_id=name, address=f"127.0.0.1:{len(name)}", stage=stage), COORDINATOR))
+        return r.join(sealer.seal(pb.JoinRequest(node_id=name, address=f"127.0.0.1:{len(name)}", stage=stage),
+                                  COORDINATOR))
 
     two = registry_with(tmp_path / "two", TrueSwarm(0, 0), stages=2, pipelines=2)
     assert [join(two, n, k).assignment.pipeline for n, k in (("a", 0), ("b", 0), ("c", 1), ("d", 1))] == [0, 1, 0, 1]
@@ -125,5 +127,6 @@ def test_a_pinned_node_opens_a_new_pipeline_only_where_asked(tmp_path):
         join(two, "e", 0)
     auto = registry_with(tmp_path / "auto", TrueSwarm(0, 0), stages=2, pipelines="auto")
     join(auto, "a", 0)
-    with pytest.raises(StageTaken, match="stage 0 is held by node a"):  # auto pipelines are formed of --stage auto nodes
+    # auto pipelines are formed of --stage auto nodes
+    with pytest.raises(StageTaken, match="stage 0 is held by node a"):
         join(auto, "b", 0)

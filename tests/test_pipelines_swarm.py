@@ -18,7 +18,8 @@ pytestmark = pytest.mark.slow
 STEPS, EVERY = 160, 4
 RUN = ["--stages", "2", "--steps", str(STEPS), "--checkpoint-every", "8", "--micro-batches", "2", "--batch-size", "4",
        "--seq-len", "64", "--codec", "none", "--backward-codec", "none", "--pipelines", "auto", "--standbys", "0",
-       "--outer-every", str(EVERY), "--outer-timeout", "20", "--settle", "1", "--probe-wait", "2", "--min-chain-share", "0"]
+       "--outer-every", str(EVERY), "--outer-timeout", "20", "--settle", "1", "--probe-wait", "2", "--min-chain-share",
+       "0"]
 
 
 def pipelines_of(state: dict) -> dict[int, list[str]]:
@@ -27,7 +28,8 @@ def pipelines_of(state: dict) -> dict[int, list[str]]:
 
 def final_weights(swarm: Swarm, node: str) -> dict[str, torch.Tensor]:
     """The model tensors of the node's newest checkpoint (the run's last step: after the last outer step)."""
-    ckpts = sorted((swarm.workdir / "ck" / node).glob("stage*-step*.safetensors"), key=lambda p: int(p.stem.rsplit("step", 1)[1]))
+    ckpts = sorted((swarm.workdir / "ck" / node).glob("stage*-step*.safetensors"),
+                   key=lambda p: int(p.stem.rsplit("step", 1)[1]))
     tensors, _ = read_verified(ckpts[-1])
     assert ckpts[-1].stem.endswith(f"step{STEPS}"), ckpts
     return {k: v for k, v in tensors.items() if k.startswith("model/")}
@@ -40,7 +42,8 @@ def test_pipelines_train_in_data_parallel_and_a_late_pair_forms_another(tmp_path
         swarm.wait_for(lambda s: s is not None, 60, "the coordinator")
         for k in range(4):
             swarm.join(f"n{k}", "auto", "--threads", "1")
-        two = swarm.wait_for(lambda s: len(pipelines_of(s)) == 2 and all(p["step"] and p["step"] >= 6 for p in s["pipelines"]),
+        two = swarm.wait_for(lambda s: len(pipelines_of(s)) == 2
+                             and all(p["step"] and p["step"] >= 6 for p in s["pipelines"]),
                              240, "two pipelines training past their first outer step")
         assert sorted(n for chain in pipelines_of(two).values() for n in chain) == ["n0", "n1", "n2", "n3"]
         for k in (4, 5):
@@ -69,7 +72,8 @@ def test_pipelines_train_in_data_parallel_and_a_late_pair_forms_another(tmp_path
         assert sum(map(len, ids)) == len(set().union(*ids)), step
     assert "tahnode_pipelines 3.0" in metrics and 'tahnode_node_pipeline{node="n5"} 2.0' in metrics
     nodes = {n["id"]: n for n in state["nodes"]}
-    for chain_a, chain_b in ((pipelines_of(three)[0], pipelines_of(three)[1]), (pipelines_of(three)[0], pipelines_of(three)[2])):
+    for chain_a, chain_b in ((pipelines_of(three)[0], pipelines_of(three)[1]),
+                             (pipelines_of(three)[0], pipelines_of(three)[2])):
         for a, b in zip(chain_a, chain_b):  # the replicas of each stage end with one model
             wa, wb = final_weights(swarm, a), final_weights(swarm, b)
             assert nodes[a]["stage"] == nodes[b]["stage"] and wa.keys() == wb.keys()

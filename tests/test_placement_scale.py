@@ -42,7 +42,8 @@ class TrueSwarm:
             self.layer_ms[v] = r.uniform(0.2, 3.0)
         for a in self.ids:
             for b in self.ids:
-                self.factor[(a, b)] = r.uniform(0.85, 1.0) if r.random() > 0.1 else r.uniform(0.2, 0.5)  # a few bad paths
+                # a few bad paths
+                self.factor[(a, b)] = r.uniform(0.85, 1.0) if r.random() > 0.1 else r.uniform(0.2, 0.5)
 
     def mbps(self, a: str, b: str) -> float:
         return min(self.up[a], self.down[b]) * self.factor[(a, b)]
@@ -61,7 +62,8 @@ class TrueSwarm:
         """The exact problem: every pair known in truth."""
         p = placement.problem(movable=True)
         mbps = {(a, b): self.mbps(a, b) for a in self.ids for b in self.ids if a != b}
-        return AssignmentProblem(nodes=self.ids, num_stages=p.num_stages, mbps=mbps, activation_bytes=p.activation_bytes,
+        return AssignmentProblem(nodes=self.ids, num_stages=p.num_stages, mbps=mbps,
+                                 activation_bytes=p.activation_bytes,
                                  gradient_bytes=p.gradient_bytes, layer_ms=self.layer_ms, stage_layers=p.stage_layers)
 
 
@@ -72,7 +74,8 @@ def registry_with(tmp_path, swarm: TrueSwarm, stages: int, pipelines: int | str 
                                                  **{f"swarm.{k}": v for k, v in swarm_settings.items()}})
     r = SwarmRegistry(run, SwarmKey("t" * 32), heartbeat_timeout=3600, store_dir=tmp_path / "store")
     for v in swarm.ids:
-        r.nodes[v] = NodeRecord(v, f"sim:{v}", -1, "sim", status=NodeStatus.JOINING, layer_ms=swarm.layer_ms[v], movable=True)
+        r.nodes[v] = NodeRecord(v, f"sim:{v}", -1, "sim", status=NodeStatus.JOINING, layer_ms=swarm.layer_ms[v],
+                                movable=True)
     r.last_join = time.monotonic() - 60
     return r
 
@@ -97,7 +100,8 @@ def test_partial_measurements_place_within_10_percent_of_the_exact_optimum(tmp_p
     exact = swarm.problem(placement)
     optimum = assign(exact).bottleneck_s
     found = chain_bottleneck(exact, chain)[0]
-    assert found <= 1.10 * optimum, f"chain {chain}: {found * 1e3:.2f} ms per micro-batch, optimum {optimum * 1e3:.2f} ms"
+    assert found <= 1.10 * optimum, (f"chain {chain}: {found * 1e3:.2f} ms per micro-batch, optimum "
+                                     f"{optimum * 1e3:.2f} ms")
     assert swarm.most == 1
     assert swarm.probes < 12 * 11  # fewer than every pair
 

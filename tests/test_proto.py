@@ -14,6 +14,7 @@ def test_generated_modules_are_current():
 def test_message_fields_keep_their_numbers():
     """Field numbers are the wire contract (docs/wire-format.md): never renumber or reuse."""
     fields = {f.name: f.number for f in tahnode_pb2.EncodedTensor.DESCRIPTOR.fields}
-    assert fields == {"codec": 1, "version": 2, "shape": 3, "dtype": 4, "params": 5, "payload": 6, "crc32": 7, "checksum": 8}
+    assert fields == {"codec": 1, "version": 2, "shape": 3, "dtype": 4, "params": 5, "payload": 6, "crc32": 7,
+                      "checksum": 8}
     mb = {f.name: f.number for f in tahnode_pb2.MicroBatch.DESCRIPTOR.fields}
     assert mb["step"] == 1 and mb["sample_ids"] == 3 and mb["labels"] == 4 and mb["tensor"] == 5

@@ -37,8 +37,8 @@ def test_the_hugging_face_block_runs_as_a_script(tmp_path):
     script = script.replace("127.0.0.1:7000", f"127.0.0.1:{grpc}").replace("127.0.0.1:8080", f"127.0.0.1:{http}")
     script = script.replace(".venv/bin/python", sys.executable)
     (tmp_path / "block.sh").write_text("set -e\n" + script)
-    env = dict(os.environ, PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}", TAHNODE_CACHE=str(tmp_path / "cache"),
-               HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    env = dict(os.environ, PATH=f"{Path(sys.executable).parent}:{os.environ['PATH']}",
+               TAHNODE_CACHE=str(tmp_path / "cache"), HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
     log = tmp_path / "block.log"  # a file, not a pipe: the coordinator the block leaves running keeps its stdout open
     with log.open("w") as out:
         proc = subprocess.Popen(["bash", str(tmp_path / "block.sh")], cwd=tmp_path, env=env, stdout=out,

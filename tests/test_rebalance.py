@@ -23,11 +23,12 @@ def test_rebalancing_moves_a_stage_to_a_faster_newcomer_and_off_the_slow_links(t
     spec = SwarmSpec(nodes=4, stages=3, bandwidth_bps=100e6, slow_links={frozenset(pair): 4e6 for pair in SLOW},
                      prefix="trb-", workdir=tmp_path / "swarm", auto=True, late=1, heartbeat_timeout=10,
                      placement_flags=["--probe-wait", "12", "--rebalance-every", "4"],
-                     run_flags=["--steps", str(STEPS), "--checkpoint-every", "5", "--micro-batches", "2", "--batch-size", "4",
-                                "--seq-len", "64", "--codec", "none", "--backward-codec", "none"])
+                     run_flags=["--steps", str(STEPS), "--checkpoint-every", "5", "--micro-batches", "2",
+                                "--batch-size", "4", "--seq-len", "64", "--codec", "none", "--backward-codec", "none"])
     swarm = LocalSwarm.up(spec)
     try:
-        before = swarm.wait(lambda s: len(chain_of(s)) == 3 and s["training"]["step"] >= 3, 180, "training on n1, n2 and n3")
+        before = swarm.wait(lambda s: len(chain_of(s)) == 3 and s["training"]["step"] >= 3, 180,
+                            "training on n1, n2 and n3")
         assert slow_links_in(chain_of(before))  # three nodes: n3 and one of its slow links are in the chain
         swarm.start_late()
         moved = swarm.wait(lambda s: any("rebalancing:" in e for e in s["events"]) and len(chain_of(s)) == 3

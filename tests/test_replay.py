@@ -194,13 +194,15 @@ def test_a_message_sealed_for_another_run_is_refused(servers, name):
 
 @pytest.mark.parametrize("name", RPCS)
 def test_a_message_sealed_for_another_receiver_is_refused(servers, name):
-    assert refused_with(servers, name, record(servers, name, recipient="somebody-else")) == grpc.StatusCode.PERMISSION_DENIED
+    assert (refused_with(servers, name, record(servers, name, recipient="somebody-else"))
+            == grpc.StatusCode.PERMISSION_DENIED)
 
 
 def test_a_replayed_heartbeat_changes_nothing(servers):
     """The attack that truncated the ledger: a recorded heartbeat carrying an old loss point."""
     reg, last = servers.registry, "n-last"  # the holder of the stage that computes the loss: it reports the losses
-    reg.join(servers.sealer(last, run="").seal(pb.JoinRequest(node_id=last, address="127.0.0.1:5", stage=reg.run.loss_stage),
+    reg.join(servers.sealer(last, run="").seal(pb.JoinRequest(node_id=last, address="127.0.0.1:5",
+                                                              stage=reg.run.loss_stage),
                                                COORDINATOR))
     point = pb.LossPoint(step=0, loss=5.0, sample_ids=[1, 2])
     old = servers.sealer(last).seal(pb.HeartbeatRequest(node_id=last, stats=pb.TrainingStats(losses=[point])),
@@ -224,13 +226,15 @@ def test_an_envelope_larger_than_the_run_sends_is_refused_before_it_is_held(serv
     t = run.train
     largest = pb.Envelope(micro_batch=pb.MicroBatch(
         sample_ids=range(t.micro_batches * t.batch_size), labels=bytes(4 * t.micro_batches * t.batch_size * t.seq_len),
-        tensor=pb.EncodedTensor(payload=bytes(4 * t.micro_batches * t.batch_size * t.seq_len * run.model.dim)))).ByteSize()
+        tensor=pb.EncodedTensor(payload=bytes(4 * t.micro_batches * t.batch_size * t.seq_len * run.model.dim)))
+    ).ByteSize()
     assert largest < envelope_cap(run) < 2 * largest + (1 << 20)
     servers.transport.set_envelope_cap(2 * CHUNK_BYTES)
     try:
         sealer = servers.sealer(PEER)
         big = list(frames_of(sealer, NODE, bytes(3 * CHUNK_BYTES)))
-        assert refused_with(servers, "Forward", [f.SerializeToString() for f in big]) == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert (refused_with(servers, "Forward", [f.SerializeToString() for f in big])
+                == grpc.StatusCode.RESOURCE_EXHAUSTED)
         huge = sealer.frame(NODE, sealer.counter.next(), 0, 10**6, b"x")  # announces a terabyte
         assert refused_with(servers, "Forward", [huge.SerializeToString()]) == grpc.StatusCode.RESOURCE_EXHAUSTED
         fits = list(frames_of(sealer, NODE, pb.Envelope(shutdown=pb.Shutdown(step=1)).SerializeToString()))
@@ -284,7 +288,8 @@ def test_a_neighbour_holds_only_a_few_streams_open_at_once(servers):
         return [list(frames_of(sealer, NODE, bytes(CHUNK_BYTES + 1)))[0].SerializeToString()]
 
     with grpc.insecure_channel(servers.node) as ch:
-        forward = ch.stream_unary(RPCS["Forward"].path, request_serializer=lambda b: b, response_deserializer=lambda b: b)
+        forward = ch.stream_unary(RPCS["Forward"].path, request_serializer=lambda b: b,
+                                  response_deserializer=lambda b: b)
         calls = [forward.future(held(), timeout=30) for _ in range(STREAMS_PER_PEER)]
         time.sleep(1.0)  # every one of them past its first frame
         try:

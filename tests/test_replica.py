@@ -46,7 +46,8 @@ def test_replica_of_a_ring_gives_the_pipelines_losses(dataset):
 
 
 def test_held_out_samples_are_never_trained_on(dataset):
-    run = build_run(4, **{"codec.forward": "none", "codec.backward": "none", "codec.backward_params": {}, "swarm.pipelines": 1})
+    run = build_run(4, **{"codec.forward": "none", "codec.backward": "none", "codec.backward_params": {},
+                          "swarm.pipelines": 1})
     replica = PipelineReplica(run, dataset, train_samples=len(dataset) - 8)
     epoch = -(-len(dataset) // replica.schedule.samples_per_step)
     seen = {i for step in range(epoch) for mb in range(run.train.micro_batches) for i in replica.schedule.ids(step, mb)}
@@ -72,7 +73,8 @@ def test_a_precision_schedule_sends_the_first_and_last_steps_at_its_bits(dataset
     """codec.forward_high_*: the first and last shares of the run's steps carry activations with
     other parameters (here 8 bits instead of 4); the pipeline and the replica agree on which."""
     steps = 4
-    schedule = {"codec.forward": "tahquant", "codec.forward_params": {"layout": 2}, "codec.forward_high_params": {"bits_high": 8},
+    schedule = {"codec.forward": "tahquant", "codec.forward_params": {"layout": 2},
+                "codec.forward_high_params": {"bits_high": 8},
                 "codec.forward_high_start": 0.25, "codec.forward_high_end": 0.25, "codec.backward": "pertoken",
                 "codec.backward_params": {}, "train.pipeline_micro_batches": 2}
     run = build_run(steps, **schedule)
@@ -94,7 +96,8 @@ def test_tahquant_runs_with_its_precision_schedule_unless_told_otherwise():
     from tahnode.config import RunConfig
 
     run = RunConfig.build("llama-tiny", None, **{"train.steps": 100})
-    assert run.codec.forward_params is None and run.codec.forward_codec_params == {"layout": 3, "group_size": 128, "qmax": 12}
+    assert (run.codec.forward_params is None
+            and run.codec.forward_codec_params == {"layout": 3, "group_size": 128, "qmax": 12})
     assert run.codec.scheduled and run.codec.high_params == {"qmax": 31}
     assert [k for k in range(100) if run.codec.high_phase(k, 100)] == list(range(12))
     assert run.codec.label == "tahquant:group_size=128,layout=3,qmax=12@start=0.12,end=0,qmax=31/pertoken"
@@ -107,7 +110,8 @@ def test_tahquant_runs_with_its_precision_schedule_unless_told_otherwise():
     naive = RunConfig.build("llama-tiny", None, **{"codec.forward": "naive"})
     assert not naive.codec.scheduled and naive.codec.label == "naive/pertoken"
     off = RunConfig.build("llama-tiny", None, **{"codec.forward_high_params": {}})
-    assert RunConfig.from_json(run.to_json()).codec == run.codec and RunConfig.from_json(off.to_json()).codec == off.codec
+    assert (RunConfig.from_json(run.to_json()).codec == run.codec
+            and RunConfig.from_json(off.to_json()).codec == off.codec)
     assert "forward_high_params" not in run.to_toml() and "forward_high_params = {}" in off.to_toml()
     assert "forward_params" not in run.to_toml()
 
@@ -122,10 +126,11 @@ def test_the_replica_fine_tunes_a_hugging_face_checkpoint(dataset, tmp_path):
 
     torch.manual_seed(0)
     hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(vocab_size=320, hidden_size=64, intermediate_size=128,
-                                                                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2))
+                                                                num_hidden_layers=2, num_attention_heads=4,
+                                                                num_key_value_heads=2))
     hf.save_pretrained(tmp_path / "hf")
-    run = RunConfig.build(str(tmp_path / "hf"), **{"stages": 2, "train.steps": 2, "train.micro_batches": 2, "train.batch_size": 2,
-                                                    "train.seq_len": 32})
+    run = RunConfig.build(str(tmp_path / "hf"), **{"stages": 2, "train.steps": 2, "train.micro_batches": 2,
+                                                    "train.batch_size": 2, "train.seq_len": 32})
     replica = PipelineReplica(run, dataset, init_from=str(tmp_path / "hf"))
     assert torch.equal(replica.models[0].model.embed_tokens.weight, hf.model.embed_tokens.weight)
     assert torch.equal(replica.models[1].lm_head.weight, hf.lm_head.weight)

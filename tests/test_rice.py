@@ -120,8 +120,10 @@ def test_layout_3_zero_tokens_and_tiny_values():
 
 
 CASES = [((3, 20), torch.bfloat16, 8, 12), ((2, 5, 40), torch.float32, 32, 7), ((4, 7, 128), torch.float16, 128, 12),
-         ((1, 3, 264), torch.bfloat16, 128, 31), ((2, 64, 768), torch.bfloat16, 128, 127), ((2, 9, 24), torch.float32, 16, 1),
-         ((3, 5, 96), torch.bfloat16, 128, 12), ((2, 3, 100), torch.float32, 128, 31), ((1, 4, 1600), torch.bfloat16, 128, 12)]
+         ((1, 3, 264), torch.bfloat16, 128, 31), ((2, 64, 768), torch.bfloat16, 128, 127),
+         ((2, 9, 24), torch.float32, 16, 1),
+         ((3, 5, 96), torch.bfloat16, 128, 12), ((2, 3, 100), torch.float32, 128, 31),
+         ((1, 4, 1600), torch.bfloat16, 128, 12)]
 
 
 @pytest.mark.parametrize("shape,dtype,g,qmax", CASES, ids=[f"{c[0]}-{c[1]}-G{c[2]}-q{c[3]}" for c in CASES])
@@ -231,7 +233,8 @@ def test_rice_kernels_write_the_same_bytes_whatever_k_they_guessed(kernels, monk
         assert launches == ([k] if guess == k else [guess, k])
         assert rice_triton._LAST_K[(qmax, n)] == k  # the next payload's guess
     monkeypatch.setattr(rice_triton, "_launch_write_kernel", real)
-    write = rice_triton.launch_write(codes.to(DEVICE), qmax, head.to(DEVICE), *rice_triton.block_sums(codes.to(DEVICE), qmax))
+    write = rice_triton.launch_write(codes.to(DEVICE), qmax, head.to(DEVICE),
+                                     *rice_triton.block_sums(codes.to(DEVICE), qmax))
     write.payload[1:] = 0xAB
     rice_triton._launch_write_kernel(write, (k + 1) % 6)  # compiled for a k not picked: it stores nothing
     assert bool((write.payload[1:] == 0xAB).all()) and int(write.payload[0]) == k
@@ -303,15 +306,16 @@ def test_the_cpu_path_gives_the_references_bytes(kind, n, qmax):
     k = rice.best_k(z, 2 * qmax)
     low, unary = rice.encode(z, k)
     head = torch.arange(6, dtype=torch.uint8)
-    assert torch.equal(rice_cpu.encode(codes, qmax, head), torch.cat([torch.tensor([k], dtype=torch.uint8), head, low, unary]))
+    assert torch.equal(rice_cpu.encode(codes, qmax, head),
+                       torch.cat([torch.tensor([k], dtype=torch.uint8), head, low, unary]))
     assert torch.equal(rice_cpu.decode(low, unary, n, k, qmax, "t"), codes)
 
 
 @pytest.mark.parametrize("shape,dtype,g,qmax", CASES, ids=[f"{c[0]}-{c[1]}-G{c[2]}-q{c[3]}" for c in CASES])
 def test_the_cpu_path_gives_the_references_bytes_and_values(shape, dtype, g, qmax):
     x = kernel_test_input(shape, dtype)
-    assert_kernel_gives_the_reference(tahquant_rice_cpu, tahquant_rice_ref, x, TahQuantParams(layout=3, group_size=g, qmax=qmax),
-                                      "cpu")
+    assert_kernel_gives_the_reference(tahquant_rice_cpu, tahquant_rice_ref, x,
+                                      TahQuantParams(layout=3, group_size=g, qmax=qmax), "cpu")
 
 
 def test_the_registry_serves_cpu_tensors_with_the_cpu_path(monkeypatch):
@@ -335,7 +339,8 @@ def test_layout_3_sends_no_padded_tiles_at_any_width():
     codec = codecs.get_codec("tahquant", layout=3, group_size=128, qmax=12)
     bits, errors = {}, {}
     for c in WIDTHS:
-        x = torch.randn(8 * 128 * 768 // c, c, generator=torch.Generator().manual_seed(c))  # as many tiles at every width
+        # as many tiles at every width
+        x = torch.randn(8 * 128 * 768 // c, c, generator=torch.Generator().manual_seed(c))
         _, _, _, codes = tahquant_rice_ref.shape_of(x.shape, codec.params)
         assert codes - x.numel() < tahquant_rice_ref.MIN_TILE
         msg = codec.encode(x)

@@ -20,7 +20,8 @@ def test_a_finished_run_gives_a_standby_no_stage_its_holders_leave(tmp_path):
     after the last step, and the standby then stopped, holding it)."""
     swarm = TrueSwarm(0, 4)
     r = registry_with(tmp_path, swarm, stages=3)
-    placement = Placement(r, PlacementSettings(settle_s=0, probe_wait_s=30, rebalance_s=0.1, tick_s=0.05), swarm.measure)
+    placement = Placement(r, PlacementSettings(settle_s=0, probe_wait_s=30, rebalance_s=0.1, tick_s=0.05),
+                          swarm.measure)
     asyncio.run(settle(placement, 1.5))
     chain = placement.current_chain()
     spare = [v for v in swarm.ids if r.nodes[v].status is NodeStatus.STANDBY]
@@ -42,7 +43,8 @@ class Coordinator:
 
     async def heartbeat(self, req: pb.HeartbeatRequest) -> pb.HeartbeatReply:
         self.beats += 1
-        return pb.HeartbeatReply(known=True, run_finished=self.finished_at is not None and self.beats >= self.finished_at)
+        return pb.HeartbeatReply(known=True,
+                                 run_finished=self.finished_at is not None and self.beats >= self.finished_at)
 
 
 def test_a_node_after_its_last_step_reports_until_the_coordinator_knows_the_run_finished():

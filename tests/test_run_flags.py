@@ -1,7 +1,7 @@
 """Every [train] and [swarm] setting is a flag of `tahnode coordinator` and `tahnode demo`, made from
-TrainConfig's and SwarmConfig's own fields (`--pipelines auto` too); a fine-tuning learning rate is accepted (min_lr follows lr unless set) and reaches the
-run config the nodes receive; a contradiction names the flags to change; the Makefile picks the
-CPU build of torch on a machine without an NVIDIA GPU."""
+TrainConfig's and SwarmConfig's own fields (`--pipelines auto` too); a fine-tuning learning rate is
+accepted (min_lr follows lr unless set) and reaches the run config the nodes receive; a contradiction
+names the flags to change; the Makefile picks the CPU build of torch on a machine without an NVIDIA GPU."""
 
 from __future__ import annotations
 
@@ -41,9 +41,11 @@ def test_every_train_and_swarm_field_is_a_flag(command, table):
 
 
 def test_swarm_flags_and_tables_reach_the_nodes(tmp_path):
-    run = run_of("--pipelines", "3", "--outer-every", "7", "--outer-bits", "8", "--outer-momentum", "0.9", "--standbys", "2")
+    run = run_of("--pipelines", "3", "--outer-every", "7", "--outer-bits", "8", "--outer-momentum", "0.9",
+                 "--standbys", "2")
     s = RunConfig.from_json(run.to_json()).swarm  # what a node gets in its JoinReply
-    assert (s.pipelines, s.outer_every, s.outer_bits, s.outer_momentum, s.standbys, s.data_slots) == (3, 7, 8, 0.9, 2, 3)
+    assert ((s.pipelines, s.outer_every, s.outer_bits, s.outer_momentum, s.standbys, s.data_slots)
+            == (3, 7, 8, 0.9, 2, 3))
     auto = run_of("--pipelines", "auto", "--max-pipelines", "5").swarm
     assert (auto.auto, auto.data_slots) == (True, 5)
     toml = tmp_path / "run.toml"
@@ -73,7 +75,8 @@ def test_fine_tuning_learning_rates_reach_the_nodes(flags, lr, min_lr):
     received = RunConfig.from_json(run.to_json())  # what a node gets in its JoinReply
     t = received.train
     assert (t.lr, t.min_lr) == pytest.approx((lr, min_lr))
-    assert (t.warmup_steps, t.weight_decay, t.beta2, t.grad_clip, t.seed, t.stall_timeout_s) == (7, 0.0, 0.99, 0.5, 4, 60.0)
+    assert ((t.warmup_steps, t.weight_decay, t.beta2, t.grad_clip, t.seed, t.stall_timeout_s)
+            == (7, 0.0, 0.99, 0.5, 4, 60.0))
 
 
 def test_a_contradiction_names_both_flags(capsys):
@@ -95,7 +98,8 @@ def test_min_lr_from_a_toml_and_a_bad_value(tmp_path):
 
 @pytest.mark.skipif(shutil.which("make") is None, reason="needs make")
 def test_the_makefile_picks_the_torch_build_by_the_machine():
-    dry = subprocess.run(["make", "-n", "-B", ".venv/.installed"], cwd=ROOT, capture_output=True, text=True, timeout=60).stdout
+    dry = subprocess.run(["make", "-n", "-B", ".venv/.installed"], cwd=ROOT, capture_output=True, text=True,
+                         timeout=60).stdout
     has_gpu = subprocess.run("nvidia-smi -L 2>/dev/null | grep -q '^GPU'", shell=True).returncode == 0
     assert ('install -q "torch"' in dry) if has_gpu else ('install -q "torch==2.13.0"' in dry), dry
     forced = subprocess.run(["make", "-n", "-B", ".venv/.installed", "TORCH=torch==9.9"], cwd=ROOT, capture_output=True,

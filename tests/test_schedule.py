@@ -110,8 +110,9 @@ def run_slow_return_link(dataset, budget_mb: float) -> tuple[int, list[float]]: 
 
 
 def test_the_window_grows_when_the_link_waits_for_it_and_the_memory_budget_bounds_it(dataset):  # noqa: F811
-    split = Split.of(RunConfig.build("llama-tiny", **{"train.micro_batches": 2, "train.batch_size": 16, "train.seq_len": 32,
-                                                     "train.min_micro_batch_tokens": 32}).train, 3)
+    split = Split.of(RunConfig.build("llama-tiny",
+                                     **{"train.micro_batches": 2, "train.batch_size": 16, "train.seq_len": 32,
+                                       "train.min_micro_batch_tokens": 32}).train, 3)
     assert split == Split(32, 1)
     grown, losses = run_slow_return_link(dataset, 4096)
     assert 5 < grown <= 32
@@ -125,7 +126,8 @@ def test_auto_split_trains_exactly_as_one_process(dataset):  # noqa: F811
     the tuner tries 16 and 64. The losses equal single-process training with the user's cut to 1e-5."""
     run = RunConfig.build("llama-tiny", **{"train.steps": 4, "train.micro_batches": 2, "train.batch_size": 32,
                                             "train.seq_len": 32, "train.min_micro_batch_tokens": 64, "train.seed": 5,
-                                            "codec.forward": "none", "codec.backward": "none", "codec.backward_params": {}})
+                                            "codec.forward": "none", "codec.backward": "none",
+                                            "codec.backward_params": {}})
     assert Split.of(run.train, 3) == Split(32, 2)
     swarm = asyncio.run(train(Swarm(run, dataset), 4))
     assert swarm.workers[0].driver.tuner.tried  # it did try other cuts

@@ -39,25 +39,29 @@ P2P_MADDR = "/ip4/10.79.0.1/tcp/7001/p2p/QmTyedzTAa5UGo2wHDCZDpeNT2phPS6dPv6Jhp1
 EVENT_WITH_MARKUP = "12:00:03 odd id </script><img src=x onerror=alert(1)> & more"
 PIPELINES = [  # as tahnode.coordinator.view.pipelines writes them: a training pipeline and one with open stages
     {"index": 0, "nodes": ["node-a", "node-b", "node-d"], "complete": True, "finished": False, "step": 41,
-     "tokens_per_s": 1234.5, "loss": 3.0, "links": [{"src": "node-a", "dst": "node-b", "mbps": 187.24, "back_mbps": 192.0},
-                                                    {"src": "node-b", "dst": "node-d", "mbps": 176.5, "back_mbps": 181.3}]},
+     "tokens_per_s": 1234.5, "loss": 3.0,
+     "links": [{"src": "node-a", "dst": "node-b", "mbps": 187.24, "back_mbps": 192.0},
+               {"src": "node-b", "dst": "node-d", "mbps": 176.5, "back_mbps": 181.3}]},
     {"index": 1, "nodes": ["node-late", None, None], "complete": False, "finished": False, "step": None,
      "tokens_per_s": 0.0, "loss": None, "links": []},
 ]
 ALERT = {"kind": "diverging", "step": 41, "trend": 3.1, "best": 1.4,
-         "message": "the loss is diverging: its mean over recent steps rose to 3.1000 at step 41 (codecs tahquant/naive)"}
+         "message": "the loss is diverging: its mean over recent steps rose to 3.1000 at step 41 (codecs "
+                    "tahquant/naive)"}
 
 
 def make_view(step: int = 40, late: bool = False) -> SwarmView:
     nodes = list(NODES) + ([NodeInfo("node-late", -1, "10.77.0.15:7100", "joining", "cpu")] if late else [])
-    links = list(LINKS) + ([{"src": "node-late", "dst": "node-a", "mbps": 55.55, "rtt_ms": 0.7, "transport": "p2p"}] if late else [])
+    links = list(LINKS) + ([{"src": "node-late", "dst": "node-a", "mbps": 55.55, "rtt_ms": 0.7, "transport": "p2p"}]
+                           if late else [])
     history = [(s, 5.5 - 2.5 * s / max(step, 1) + 0.05 * (s % 3)) for s in range(1, step + 1)]
     return SwarmView(
         nodes=nodes, links=links,
         training=TrainingInfo(step=step, loss=history[-1][1], tokens_per_s=1234.5, bits_per_element=4.31),
         loss_history=history, events=["12:00:00 coordinator listening", "12:00:01 node-a assigned stage 0",
                                       EVENT_WITH_MARKUP], stages=3,
-        extra={"epoch": 2, **({"p2p_maddrs": [P2P_MADDR], "loss_alert": ALERT, "pipelines": PIPELINES} if late else {})})
+        extra={"epoch": 2,
+               **({"p2p_maddrs": [P2P_MADDR], "loss_alert": ALERT, "pipelines": PIPELINES} if late else {})})
 
 
 class Provider:
@@ -81,7 +85,8 @@ def serve(provider, link_pages=None):
     def run():
         asyncio.set_event_loop(loop)
         try:
-            box["runner"], box["port"] = loop.run_until_complete(start_server(make_app(provider, link_pages), "127.0.0.1", 0))
+            box["runner"], box["port"] = loop.run_until_complete(start_server(make_app(provider, link_pages),
+                                                                              "127.0.0.1", 0))
         except BaseException as e:  # surfaced in the main thread below
             box["error"] = e
             ready.set()
@@ -131,7 +136,8 @@ def test_state_json_schema_exactly():
     assert state["links"][0] == {"src": "node-a", "dst": "node-b", "mbps": 187.24, "rtt_ms": 0.41}
     assert state["links"][3]["rtt_ms"] is None
     t = state["training"]
-    assert t["step"] == 40 and isinstance(t["loss"], float) and t["tokens_per_s"] == 1234.5 and t["bits_per_element"] == 4.31
+    assert (t["step"] == 40 and isinstance(t["loss"], float) and t["tokens_per_s"] == 1234.5
+            and t["bits_per_element"] == 4.31)
     assert state["stages"] == 3 and state["epoch"] == 2 and len(state["loss_history"]) == 40
     assert state["events"][-1] == EVENT_WITH_MARKUP
 
@@ -152,7 +158,8 @@ def test_state_json_before_training_and_from_dicts():
         state = strict_json(get(base + "/api/v1/state")[1])
         _, metrics = get(base + "/metrics")
     # the schema's keys, normalized, then whatever else the registry reports
-    assert state["nodes"] == [{"id": "x", "stage": 0, "address": "h:1", "status": "joining", "device": "cpu", "memory": 1}]
+    assert (state["nodes"]
+            == [{"id": "x", "stage": 0, "address": "h:1", "status": "joining", "device": "cpu", "memory": 1}])
     assert state["links"] == [{"src": "x", "dst": "y", "mbps": 12.0, "rtt_ms": None}]
     assert state["training"] == {"step": 0, "loss": None, "tokens_per_s": 0.0, "bits_per_element": 0.0, "replays": 2}
     assert state["epoch"] == 5
@@ -334,7 +341,8 @@ def test_page_in_headless_chromium(chromium, tmp_path):
         assert row["stage"] == (str(n.stage) if n.stage >= 0 else "standby")
         assert row["status"] == n.status and row["address"] == n.address and row["device"] == n.device
     # Every link with its measured Mbit/s.
-    links = [link if isinstance(link, dict) else {"src": link.src, "dst": link.dst, "mbps": link.mbps} for link in expected.links]
+    links = [link if isinstance(link, dict) else {"src": link.src, "dst": link.dst, "mbps": link.mbps}
+             for link in expected.links]
     assert set(index.links) == {(link["src"], link["dst"]) for link in links}
     for link in links:
         row = index.links[(link["src"], link["dst"])]
@@ -342,8 +350,8 @@ def test_page_in_headless_chromium(chromium, tmp_path):
     assert index.by_id["p2p-maddrs"] == P2P_MADDR  # where volunteers behind NAT join
     # Every pipeline, its nodes stage by stage, its step and tokens/s, its slowest link, whether it trains.
     assert index.pipelines == {
-        "0": {"index": "0", "chain": "node-a → node-b → node-d", "step": "41", "tokens-per-s": "1,235", "slowest": "176.5",
-              "state": "training"},
+        "0": {"index": "0", "chain": "node-a → node-b → node-d", "step": "41", "tokens-per-s": "1,235",
+              "slowest": "176.5", "state": "training"},
         "1": {"index": "1", "chain": "node-late → (open) → (open)", "step": "–", "tokens-per-s": "0.0", "slowest": "–",
               "state": "incomplete"}}
     # The chain graph names the stage holders and carries the chain links' Mbit/s.

@@ -98,7 +98,8 @@ def chain_of(state: dict) -> list[str]:
 def chain_probed(state: dict) -> bool:
     """Every stage held, and both directions of every link of the chain probed in full."""
     chain, probed = chain_of(state), probed_links(state)
-    return len(chain) == state["stages"] and all((a, b) in probed and (b, a) in probed for a, b in zip(chain, chain[1:]))
+    return len(chain) == state["stages"] and all((a, b) in probed and (b, a) in probed
+                                                 for a, b in zip(chain, chain[1:]))
 
 
 @pytest.mark.parametrize("shaper", [pytest.param("tc", marks=[needs_root, pytest.mark.netns]), "userspace"])
@@ -106,7 +107,8 @@ def test_swarm_up_gives_the_asked_rate_and_rtt_and_down_leaves_nothing(tmp_path,
     prefix, workdir = f"tu{os.getpid() % 1000}{shaper[0]}-", tmp_path / "swarm"
     env = {**os.environ, "TAHNODE_CACHE": str(tmp_path / "cache")}
     try:
-        out = swarm_cmd("up", "--nodes", "3", "--bandwidth", "20mbit", "--rtt", "50ms", "--auto", "--shaper", shaper, "--probe-wait", "60",
+        out = swarm_cmd("up", "--nodes", "3", "--bandwidth", "20mbit", "--rtt", "50ms", "--auto", "--shaper", shaper,
+                        "--probe-wait", "60",
                         "--prefix", prefix, "--workdir", str(workdir), "--steps", "200", env=env).stdout
         assert "status page: http://" in out and f"tahnode swarm down --prefix {prefix}" in out
         token = str(workdir / "token")  # the token file: on every command line of the swarm
@@ -138,8 +140,8 @@ def test_down_cleans_up_after_a_crash(tmp_path):
     stray = netns.Topology.star(f"ts{os.getpid() % 1000}-", ["coord"], 0)
     netns.create(stray)
     try:
-        swarm_cmd("up", "--nodes", "2", "--bandwidth", "50mbit", "--prefix", prefix, "--workdir", str(workdir), "--steps", "500",
-                  env={**os.environ, "TAHNODE_CACHE": str(tmp_path / "cache")})
+        swarm_cmd("up", "--nodes", "2", "--bandwidth", "50mbit", "--prefix", prefix, "--workdir", str(workdir),
+                  "--steps", "500", env={**os.environ, "TAHNODE_CACHE": str(tmp_path / "cache")})
     finally:
         netns.remove(stray.prefix)
     assert json.loads((workdir / "state.json").read_text())["http"] != f"http://{stray.host_link_addresses[1]}:8080"
@@ -161,8 +163,8 @@ def test_placement_avoids_the_slow_link_and_a_standby_takes_over(tmp_path):
     takes the stage over from the store; the ledger has every step once with exactly its scheduled
     samples."""
     prefix, workdir, cache = f"tp{os.getpid() % 1000}-", tmp_path / "swarm", tmp_path / "cache"
-    flags = ["--steps", "30", "--checkpoint-every", "5", "--micro-batches", "2", "--batch-size", "8", "--seq-len", "128",
-             "--codec", "none", "--backward-codec", "none", "--pipeline-micro-batches", "2"]
+    flags = ["--steps", "30", "--checkpoint-every", "5", "--micro-batches", "2", "--batch-size", "8", "--seq-len",
+             "128", "--codec", "none", "--backward-codec", "none", "--pipeline-micro-batches", "2"]
     try:
         swarm_cmd("up", "--nodes", "4", "--stages", "3", "--bandwidth", "200mbit", "--slow-link", "n2-n3:20mbit",
                   "--heartbeat-timeout", "5", "--prefix", prefix, "--workdir", str(workdir), *flags,
@@ -185,10 +187,12 @@ def test_placement_avoids_the_slow_link_and_a_standby_takes_over(tmp_path):
 
         wait_state(workdir, lambda s: s["training"]["step"] >= 12, 240, "step 12")
         os.kill(json.loads((workdir / "state.json").read_text())["pids"][chain[1]], signal.SIGKILL)
-        state = wait_state(workdir, lambda s: s["training"]["finished"] and s["training"]["step"] >= 30, 300, "30 steps")
+        state = wait_state(workdir, lambda s: s["training"]["finished"] and s["training"]["step"] >= 30, 300,
+                           "30 steps")
         holders = {n["stage"]: n["id"] for n in state["nodes"] if n["status"] in ("active", "left") and n["stage"] >= 0}
         assert holders[1] == spare[0]
-        assert any(f"assigned: {spare[0]} -> stage 1, resuming from the checkpoint of step" in e for e in state["events"])
+        assert any(f"assigned: {spare[0]} -> stage 1, resuming from the checkpoint of step" in e
+                   for e in state["events"])
         ledger = state_of(workdir, "ledger")["steps"]
     finally:
         LocalSwarm.down(prefix, workdir)

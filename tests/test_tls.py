@@ -63,10 +63,12 @@ def test_a_certificate_is_made_once_kept_private_and_shown_by_tahnode_certs(tmp_
     os.chmod(tmp_path / "half" / KEY_FILE, 0o644)
     TlsCertificate.load_or_create(tmp_path / "half")
     assert stat.S_IMODE(os.stat(tmp_path / "half" / KEY_FILE).st_mode) == 0o600  # made anew, never written into
-    out = subprocess.run([*TAHNODE, "certs", "--dir", str(tmp_path), "--json"], capture_output=True, text=True, check=True)
+    out = subprocess.run([*TAHNODE, "certs", "--dir", str(tmp_path), "--json"], capture_output=True, text=True,
+                         check=True)
     shown = json.loads(out.stdout)
     assert shown["fingerprint"] == made.fingerprint and shown["made"] is False
-    fresh = subprocess.run([*TAHNODE, "certs", "--dir", str(tmp_path / "new")], capture_output=True, text=True, check=True)
+    fresh = subprocess.run([*TAHNODE, "certs", "--dir", str(tmp_path / "new")], capture_output=True, text=True,
+                           check=True)
     assert f"--coordinator-fingerprint {TlsCertificate.load_or_create(tmp_path / 'new').fingerprint}" in fresh.stdout
 
 
@@ -127,7 +129,8 @@ def plain_server():
 def test_a_channel_reaches_only_the_server_holding_the_pinned_certificate(tls_server, plain_server):
     server, cert = tls_server
     assert server.ping(cert.cert_pem) is grpc.StatusCode.OK
-    assert server.ping(TlsCertificate.generate().cert_pem) is grpc.StatusCode.UNAVAILABLE  # another key: handshake fails
+    # another key: handshake fails
+    assert server.ping(TlsCertificate.generate().cert_pem) is grpc.StatusCode.UNAVAILABLE
     assert server.ping(b"") is grpc.StatusCode.UNAVAILABLE                                  # plain client, TLS server
     assert plain_server.ping(cert.cert_pem) is grpc.StatusCode.UNAVAILABLE                  # TLS client, plain server
     assert plain_server.ping(b"") is grpc.StatusCode.OK
@@ -150,12 +153,14 @@ def test_the_coordinator_is_trusted_on_first_use_then_only_that_certificate(tls_
                                         remembered).certificate(server.address)) == first
     assert remembered.read_bytes() == first
     with pytest.raises(UntrustedCoordinator):
-        asyncio.run(CoordinatorTrust(TlsMode.ON, TlsCertificate.generate().fingerprint, tmp_path / "x").certificate(server.address))
+        asyncio.run(CoordinatorTrust(TlsMode.ON, TlsCertificate.generate().fingerprint,
+                                     tmp_path / "x").certificate(server.address))
 
 
 def test_a_plain_coordinator_is_used_only_where_tls_is_not_wanted(plain_server, tmp_path):
     remembered = tmp_path / "coordinator.crt"
-    assert asyncio.run(CoordinatorTrust(TlsMode.AUTO, "", remembered).certificate(plain_server.address)) == b""  # loopback
+    # loopback
+    assert asyncio.run(CoordinatorTrust(TlsMode.AUTO, "", remembered).certificate(plain_server.address)) == b""
     assert asyncio.run(CoordinatorTrust(TlsMode.OFF, "", remembered).certificate(plain_server.address)) == b""
     with pytest.raises(CoordinatorTlsMismatch):
         asyncio.run(CoordinatorTrust(TlsMode.ON, "", remembered).certificate(plain_server.address))
@@ -235,7 +240,8 @@ def test_recorded_control_traffic_reads_in_clear_only_without_tls(tmp_path, cach
         proxy.close()
     recorded = bytes(proxy.recorded)
     assert len(recorded) > 10_000  # joins, heartbeats and the replies went through the relay
-    secrets = [b'"n_layers"', b'"codec"', b"volunteer-1", struct.pack("<d", state["training"]["loss"])]  # protobuf doubles
+    # protobuf doubles
+    secrets = [b'"n_layers"', b'"codec"', b"volunteer-1", struct.pack("<d", state["training"]["loss"])]
     found = [s for s in secrets if s in recorded]
     assert found == ([] if tls == "on" else secrets)
     # the data plane served TLS exactly when asked (and trained: its peers dialled it pinning that certificate)

@@ -27,9 +27,11 @@ def test_the_wheel_installed_elsewhere_runs_the_demo(tmp_path):
     source.mkdir()
     for name in ("pyproject.toml", "README.md", "node", "kernels", "proto", "configs"):
         copy = shutil.copytree if (ROOT / name).is_dir() else shutil.copy
-        copy(ROOT / name, source / name, **({"ignore": shutil.ignore_patterns("__pycache__")} if copy is shutil.copytree else {}))
+        copy(ROOT / name, source / name,
+             **({"ignore": shutil.ignore_patterns("__pycache__")} if copy is shutil.copytree else {}))
     wheels = tmp_path / "wheels"
-    run(sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", wheels, source, timeout=300)
+    run(sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", wheels, source,
+        timeout=300)
     wheel = next(wheels.glob("tahnode-*.whl"))
     venv = tmp_path / "venv"
     run(sys.executable, "-m", "venv", "--without-pip", venv)
@@ -45,16 +47,16 @@ def test_the_wheel_installed_elsewhere_runs_the_demo(tmp_path):
     elsewhere.mkdir()
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env["TAHNODE_CACHE"] = str(tmp_path / "cache")
-    probe = ("import importlib.resources, json, tahnode, tahnode.config as c; print(json.dumps({'file': tahnode.__file__, "
-             "'presets': c.preset_names(), 'page': importlib.resources.files('tahnode.coordinator')"
+    probe = ("import importlib.resources, json, tahnode, tahnode.config as c; print(json.dumps({'file': "
+             "tahnode.__file__, 'presets': c.preset_names(), 'page': importlib.resources.files('tahnode.coordinator')"
              ".joinpath('status_page.html').read_text()[:15]}))")
     found = json.loads(run(python, "-c", probe, cwd=elsewhere, env=env).stdout)
     assert Path(found["file"]).is_relative_to(venv)
     assert {"llama-tiny", "llama-125m", "llama-1b"} <= set(found["presets"])
     assert found["page"] == "<!doctype html>"
 
-    r = run(venv / "bin" / "tahnode", "demo", "--steps", "2", "--json", "--http-port", "0", "--workdir", tmp_path / "demo",
-            cwd=elsewhere, env=env, timeout=300)
+    r = run(venv / "bin" / "tahnode", "demo", "--steps", "2", "--json", "--http-port", "0", "--workdir",
+            tmp_path / "demo", cwd=elsewhere, env=env, timeout=300)
     summary = json.loads(r.stdout.strip().splitlines()[-1])
     assert summary["steps"] == 2 and summary["loss_last"] < summary["loss_first"]
     assert 4.3 < summary["forward_bits_per_element"] < 4.5

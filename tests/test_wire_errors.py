@@ -12,7 +12,8 @@ from hypothesis import given, strategies as st
 from tahnode import codecs
 from tahnode.codecs import CodecContext, CodecError
 
-STATELESS = ["none", "naive", "pertoken", "group", "tahquant:layout=1", "tahquant:layout=2", "tahquant:layout=3", "amaq"]
+STATELESS = ["none", "naive", "pertoken", "group", "tahquant:layout=1", "tahquant:layout=2", "tahquant:layout=3",
+             "amaq"]
 ALL = STATELESS + ["aqsgd"]
 
 
@@ -51,7 +52,8 @@ def test_codec_error_is_a_value_error():
 
 
 @pytest.mark.parametrize("name", ALL)
-@pytest.mark.parametrize("bad,match", [(float("nan"), "NaN/Inf"), (float("inf"), "NaN/Inf"), (-float("inf"), "NaN/Inf")])
+@pytest.mark.parametrize("bad,match",
+                         [(float("nan"), "NaN/Inf"), (float("inf"), "NaN/Inf"), (-float("inf"), "NaN/Inf")])
 def test_non_finite_input_is_refused(name, bad, match):
     x = sample(name)
     x[1, 2, 3] = bad

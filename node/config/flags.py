@@ -53,23 +53,27 @@ def add_run_flags(p) -> list[argparse.Action]:
 
     return [
         p.add_argument("--model", default="llama-tiny",
-                       help=f"model preset ({', '.join(preset_names())}; shipped with tahnode), a TOML path, or a Hugging Face "
-                       "config.json or checkpoint directory (default: llama-tiny)"),
+                       help=f"model preset ({', '.join(preset_names())}; shipped with tahnode), a TOML path, or a "
+                       "Hugging Face config.json or checkpoint directory (default: llama-tiny)"),
         p.add_argument("--stages", type=int, help="number of pipeline stages (default 3)"),
         p.add_argument("--config", help="run TOML with [run], [train], [codec] and [swarm] tables"),
-        p.add_argument("--codec", dest="forward_codec", choices=sorted(CODECS), help="forward (activation) codec (default tahquant)"),
+        p.add_argument("--codec", dest="forward_codec", choices=sorted(CODECS),
+                       help="forward (activation) codec (default tahquant)"),
         p.add_argument("--backward-codec", choices=sorted(CODECS),
                        help="backward (gradient) codec (default pertoken: 6 bits, a scale per token and 128 channels)"),
-        p.add_argument("--data", help="prepared token file (tahnode data prepare); default: the built-in stdlib corpus"),
+        p.add_argument("--data",
+                       help="prepared token file (tahnode data prepare); default: the built-in stdlib corpus"),
         *[action for section, kind in KNOB_TABLES for action in _knob_flags(p, section, kind)],
     ]
 
 
 def run_config_from(args) -> RunConfig:
     """The run configuration of parsed run flags."""
-    overrides = {"stages": args.stages, "data": args.data, "codec.forward": args.forward_codec, "codec.backward": args.backward_codec}
+    overrides = {"stages": args.stages, "data": args.data, "codec.forward": args.forward_codec,
+                 "codec.backward": args.backward_codec}
     for section, kind in KNOB_TABLES:
-        overrides.update({f"{section}.{f.name}": getattr(args, f"{section}_{f.name}") for f in dataclasses.fields(kind)})
+        overrides.update({f"{section}.{f.name}": getattr(args, f"{section}_{f.name}")
+                          for f in dataclasses.fields(kind)})
     if args.forward_codec and args.forward_codec != "tahquant":
         overrides["codec.forward_params"] = {}
     if args.backward_codec and args.backward_codec != "pertoken":

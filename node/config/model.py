@@ -90,8 +90,8 @@ class ModelConfig:
             raise ValueError(f"model config: n_heads {self.n_heads} is not divisible by "
                              f"n_kv_heads {self.n_kv_heads}")
         if self.rope_scaling is not None and not isinstance(self.rope_scaling, RopeScaling):
-            raise ValueError(f"model config: rope_scaling must be a table of {[f.name for f in dataclasses.fields(RopeScaling)]}, "
-                             f"got {self.rope_scaling!r}")
+            raise ValueError("model config: rope_scaling must be a table of "
+                             f"{[f.name for f in dataclasses.fields(RopeScaling)]}, got {self.rope_scaling!r}")
         if self.head_dim % 2:
             raise ValueError(f"model config: head_dim = dim / n_heads = {self.head_dim} must be "
                              "even for rotary embeddings")
@@ -199,7 +199,8 @@ class ModelConfig:
             "architectures": ["Qwen2ForCausalLM" if qwen2 else "LlamaForCausalLM"],
             "model_type": "qwen2" if qwen2 else "llama",
             "vocab_size": self.vocab_size, "hidden_size": self.dim, "intermediate_size": self.ffn_dim,
-            "num_hidden_layers": self.n_layers, "num_attention_heads": self.n_heads, "num_key_value_heads": self.n_kv_heads,
+            "num_hidden_layers": self.n_layers, "num_attention_heads": self.n_heads,
+            "num_key_value_heads": self.n_kv_heads,
             "head_dim": self.head_dim, "max_position_embeddings": self.max_seq_len, "rms_norm_eps": self.norm_eps,
             "rope_theta": self.rope_theta, "tie_word_embeddings": self.tie_embeddings, "hidden_act": "silu",
             "torch_dtype": "float32",

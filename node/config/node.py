@@ -8,8 +8,8 @@ from enum import Enum
 
 from .emulation import LinkEmulation
 
-__all__ = ["TransportKind", "TlsMode", "P2PSettings", "PlacementSettings", "NodeConfig", "CoordinatorConfig", "AUTO_STAGE", "DEFAULT_COORDINATOR",
-           "NODE_P2P_LISTEN", "COORDINATOR_P2P_LISTEN"]
+__all__ = ["TransportKind", "TlsMode", "P2PSettings", "PlacementSettings", "NodeConfig", "CoordinatorConfig",
+           "AUTO_STAGE", "DEFAULT_COORDINATOR", "NODE_P2P_LISTEN", "COORDINATOR_P2P_LISTEN"]
 
 AUTO_STAGE = -1                       # --stage auto: the coordinator chooses
 DEFAULT_COORDINATOR = "127.0.0.1:7000"  # where a node looks for the coordinator when told nothing
@@ -54,7 +54,8 @@ class P2PSettings:
 class NodeConfig:
     """`tahnode join`: where the coordinator is, which stage to hold, how to serve the data plane."""
 
-    coordinator: str = ""           # HOST:PORT or multiaddr; "" = through the DHT of --initial-peers, else DEFAULT_COORDINATOR
+    # HOST:PORT or multiaddr; "" = through the DHT of --initial-peers, else DEFAULT_COORDINATOR
+    coordinator: str = ""
     stage: int = AUTO_STAGE
     listen: str = "0.0.0.0:0"
     advertise: str = ""
@@ -65,7 +66,8 @@ class NodeConfig:
     data_dir: str = ""              # where the built-in corpus is prepared (default: ~/.cache/tahnode)
     init_from: str = ""             # a local Hugging Face checkpoint directory
     progress: bool = True
-    threads: int = 0                # torch's CPU threads (0: torch's default, every core); several stages on one machine share them
+    # torch's CPU threads (0: torch's default, every core); several stages on one machine share them
+    threads: int = 0
     transport: TransportKind = TransportKind.GRPC
     tls: TlsMode = TlsMode.AUTO
     coordinator_fingerprint: str = ""  # the coordinator's certificate, pinned ("sha256:..."); "" = trust on first use

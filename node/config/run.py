@@ -37,10 +37,10 @@ class TrainConfig:
     beta1: float = knob(0.9, "AdamW beta1")
     beta2: float = knob(0.95, "AdamW beta2")
     grad_clip: float = knob(1.0, "clip gradients to this global norm (summed across stages); 0 = off")
-    schedule: str = knob("1f1b", "pipeline schedule: 1f1b (a window of micro-batches in flight that grows as needed) or gpipe",
-                          choices=("1f1b", "gpipe"))
-    pipeline_micro_batches: int = knob(0, "micro-batches the pipeline cuts each step into (0: enough to keep slow links "
-                                        "busy, tahnode.pipeline.schedule)")
+    schedule: str = knob("1f1b", "pipeline schedule: 1f1b (a window of micro-batches in flight that grows as "
+                         "needed) or gpipe", choices=("1f1b", "gpipe"))
+    pipeline_micro_batches: int = knob(0, "micro-batches the pipeline cuts each step into (0: enough to keep slow "
+                                        "links busy, tahnode.pipeline.schedule)")
     min_micro_batch_tokens: int = knob(512, "the automatic cut never makes micro-batches of fewer tokens")
     memory_budget_mb: float = knob(4096.0, "activation memory stage 0 may hold for micro-batches in flight",
                                     flag="--memory-budget", metavar="MB")
@@ -71,7 +71,8 @@ class TrainConfig:
                 raise ValueError(f"train.{name} must be >= 0, got {getattr(self, name)}")
         samples = self.micro_batches * self.batch_size
         if self.pipeline_micro_batches and samples % self.pipeline_micro_batches:
-            raise ValueError(f"train.pipeline_micro_batches {self.pipeline_micro_batches} does not divide the step's {samples} samples")
+            raise ValueError(f"train.pipeline_micro_batches {self.pipeline_micro_batches} does not divide the "
+                             f"step's {samples} samples")
         if self.schedule not in ("1f1b", "gpipe"):
             raise ValueError(f"train.schedule must be '1f1b' or 'gpipe', got {self.schedule!r}")
         if self.dtype not in ("float32", "bfloat16"):
@@ -93,7 +94,8 @@ class CodecConfig:
     """Which codecs carry activations forward and gradients backward, with their parameters."""
 
     forward: str = "tahquant"
-    backward: str = "pertoken"      # 6 bits, a scale per token and 128 channels: its error does not grow with the message
+    # 6 bits, a scale per token and 128 channels: its error does not grow with the message
+    backward: str = "pertoken"
     # unset (None): the forward codec's own choice for runs (Codec.run_params: tahquant's layout 3 at
     # G = 128, qmax = 12); {} for the codec's defaults (tahquant: the paper's algorithm)
     forward_params: dict[str, float] | None = None
@@ -153,9 +155,11 @@ class CodecConfig:
         get_codec(self.backward, **self.backward_params)
         get_codec(self.forward, **{**self.forward_codec_params, **self.high_params})
         if not (0 <= self.forward_high_start <= 1 and 0 <= self.forward_high_end <= 1):
-            raise ValueError("codec.forward_high_start and codec.forward_high_end are shares of the run's steps, in [0, 1]")
+            raise ValueError("codec.forward_high_start and codec.forward_high_end are shares of the "
+                             "run's steps, in [0, 1]")
         if self.backward in ("aqsgd", "amaq"):
-            raise ValueError(f"codec {self.backward!r} is a forward (activation) codec; use pertoken, none, naive, group or tahquant backward")
+            raise ValueError(f"codec {self.backward!r} is a forward (activation) codec; use pertoken, none, naive, "
+                             "group or tahquant backward")
         return self
 
 
@@ -194,7 +198,8 @@ class RunConfig:
         if not 1 <= self.stages <= self.model.n_layers:
             raise ValueError(f"stages must be in 1..{self.model.n_layers} (the model's layers), got {self.stages}")
         if self.train.seq_len > self.model.max_seq_len:
-            raise ValueError(f"train.seq_len {self.train.seq_len} exceeds the model's max_seq_len {self.model.max_seq_len}")
+            raise ValueError(f"train.seq_len {self.train.seq_len} exceeds the model's max_seq_len "
+                             f"{self.model.max_seq_len}")
         self.train.validate()
         self.codec.validate()
         self.swarm.validate()
@@ -266,7 +271,8 @@ def _set(obj, key: str, value: Any, section: str) -> None:
         if isinstance(value, float) and value != int(value):
             raise ValueError(f"[{section}] {key} must be an integer, got {value}")
         setattr(obj, key, int(value))
-    elif isinstance(current, float) or (current is None and value is not None and str(names[key].type).startswith("float")):
+    elif isinstance(current, float) or (current is None and value is not None
+                                        and str(names[key].type).startswith("float")):
         try:
             setattr(obj, key, float(value))
         except (TypeError, ValueError):

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping
 
-__all__ = ["TOKEN_ENV", "TokenOrigin", "SwarmToken", "TokenMissing", "resolve_token", "coordinator_token", "new_token_file",
-           "write_secret"]
+__all__ = ["TOKEN_ENV", "TokenOrigin", "SwarmToken", "TokenMissing", "resolve_token", "coordinator_token",
+           "new_token_file", "write_secret"]
 
 TOKEN_ENV = "TAHNODE_TOKEN"
 TOKEN_FILE_NAME = "token"  # in the coordinator's store folder
@@ -68,7 +68,8 @@ def resolve_token(flag: str | None, file: str | None, env: Mapping[str, str] = o
     return None
 
 
-def coordinator_token(flag: str | None, file: str | None, store: Path, env: Mapping[str, str] = os.environ) -> SwarmToken:
+def coordinator_token(flag: str | None, file: str | None, store: Path,
+                      env: Mapping[str, str] = os.environ) -> SwarmToken:
     """The coordinator's token: the one given, else the one it made earlier in `store`, else a new
     random one written there (readable by its owner only)."""
     given = resolve_token(flag, file, env)

@@ -43,4 +43,5 @@ def _toml_value(v: Any) -> str:
 def toml_table(name: str, table: dict) -> str:
     """`[name]` followed by one `key = value` line per entry (scalars and inline tables); entries
     that are None (a setting left to its default) are left out."""
-    return f"[{name}]\n" + "".join(f"{k} = {_toml_value(v)}\n" for k, v in table.items() if v is not None)  # None: the default
+    # None: the default
+    return f"[{name}]\n" + "".join(f"{k} = {_toml_value(v)}\n" for k, v in table.items() if v is not None)

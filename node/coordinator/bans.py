@@ -62,7 +62,8 @@ class Bans:
         self.policy, self.clock = policy, clock
         self.reported: dict[tuple[str, str], int] = {}  # (reporter, sender) -> count reported so far
         self.recent: dict[str, deque] = {}                # sender -> times of its offences in the window
-        self.until: dict[str, float] = {}                 # sender (and, once banned, its other marks) -> when its ban ends
+        # sender (and, once banned, its other marks) -> when its ban ends
+        self.until: dict[str, float] = {}
 
     def extend(self, marks: list[str], until: float) -> None:
         """Hold the ban of `until` on these marks too (ban_marks: key, address)."""

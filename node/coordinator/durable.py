@@ -62,7 +62,8 @@ class SwarmDB:
 
     def losses(self, last: int, pipeline: int = 0) -> dict[int, float]:
         """The losses of the `last` most recent steps of a pipeline (what the status page draws)."""
-        rows = self.db.execute("SELECT step, loss FROM ledger WHERE pipeline = ? ORDER BY step DESC LIMIT ?", (pipeline, last))
+        rows = self.db.execute("SELECT step, loss FROM ledger WHERE pipeline = ? ORDER BY step DESC LIMIT ?",
+                               (pipeline, last))
         return {step: _loss(loss) for step, loss in sorted(rows)}
 
     def record(self, points: list[pb.LossPoint], pipeline: int = 0) -> None:
@@ -89,7 +90,8 @@ class SwarmDB:
         excess = len(bound) - MAX_IDENTITIES
         if excess <= 0:
             return []
-        oldest = [i for (i,) in self.db.execute("SELECT node_id FROM identities ORDER BY rowid") if i not in keep][:excess]
+        oldest = [i for (i,) in self.db.execute("SELECT node_id FROM identities ORDER BY rowid")
+                  if i not in keep][:excess]
         self.db.executemany("DELETE FROM identities WHERE node_id = ?", [(i,) for i in oldest])
         return oldest
 

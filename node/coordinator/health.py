@@ -32,8 +32,8 @@ class LossAlert:
         if self.kind is AlertKind.NOT_FINITE:
             return f"the loss of step {self.step} is {self.loss}: training diverged (codecs {codecs})"
         return (f"the loss is diverging: its mean over recent steps rose to {self.trend:.4f} at step {self.step}, "
-                f"{100 * (self.trend / self.best - 1):.0f}% above its best {self.best:.4f} (codecs {codecs}; docs/codecs.md "
-                "says which pair to use when)")
+                f"{100 * (self.trend / self.best - 1):.0f}% above its best {self.best:.4f} (codecs {codecs}; "
+                "docs/codecs.md says which pair to use when)")
 
     def to_json(self, codecs: str) -> dict:
         return {"kind": self.kind.value, "step": self.step, "trend": self.trend, "best": self.best,

@@ -44,8 +44,10 @@ class LinkBook:
         self.default_mbps = default_mbps
         self.probes: dict[tuple[str, str], LinkProbe] = {}
         self.best: dict[tuple[str, str], float] = {}  # the fastest any probe of a pair ever showed
-        self.observed: dict[tuple[str, str], tuple[float, int]] = {}  # (Mbit/s real traffic reached at least, bytes) per pair
-        self.marks: dict[tuple[str, str], tuple[int, float]] = {}      # (bytes, when) at the start of each traffic window
+        # (Mbit/s real traffic reached at least, bytes) per pair
+        self.observed: dict[tuple[str, str], tuple[float, int]] = {}
+        # (bytes, when) at the start of each traffic window
+        self.marks: dict[tuple[str, str], tuple[int, float]] = {}
         self.up: dict[str, float] = {}    # fastest rate seen leaving a node
         self.down: dict[str, float] = {}  # fastest rate seen arriving at a node
         self.sent: dict[str, int] = {}    # capacity probes a node sent

@@ -216,8 +216,8 @@ class Placement:
         if result.bottleneck_s * self.r.run.swarm.min_chain_share > best:
             self.formed_epoch = epoch
             self.r.event(f"no new pipeline: the best chain of the waiting nodes, {' -> '.join(result.chain)}, takes "
-                         f"{result.bottleneck_s * 1e3:.3g} ms per micro-batch, slower than {self.r.run.swarm.min_chain_share:g} "
-                         f"of the fastest pipeline's speed ({best * 1e3:.3g} ms)")
+                         f"{result.bottleneck_s * 1e3:.3g} ms per micro-batch, slower than "
+                         f"{self.r.run.swarm.min_chain_share:g} of the fastest pipeline's speed ({best * 1e3:.3g} ms)")
             return Formed.NO
         self.apply(result, pipeline)
         return Formed.YES
@@ -273,7 +273,8 @@ class Placement:
         place: the waiting nodes (with `movable`, pipeline 0's movable holders too), best-ranked first."""
         run = self.r.run
         holders = {} if pipeline is None else {
-            h.node_id: k for k in range(run.stages) if (h := self.r.roster.holder(k, pipeline)) and not (movable and h.movable)}
+            h.node_id: k for k in range(run.stages)
+            if (h := self.r.roster.holder(k, pipeline)) and not (movable and h.movable)}
         free = [n for n in self.r.live() if n.node_id not in holders
                 and (n.status.waiting or (movable and n.pipeline == pipeline))]
         fw, bw = self.activation_bytes()
@@ -318,11 +319,12 @@ class Placement:
                 resume = f", resuming from the checkpoint of step {node.resume_step}" if node.resume_step else ""
                 self.r.event(f"assigned: {node_id} -> stage {stage}{where}{resume}")
         chain = set(result.chain)
-        left_out = [n for n in self.r.live() if n.node_id not in chain and n.status is NodeStatus.ACTIVE and n.pipeline == pipeline]
+        left_out = [n for n in self.r.live()
+                    if n.node_id not in chain and n.status is NodeStatus.ACTIVE and n.pipeline == pipeline]
         moved = [n.node_id for n in left_out if self.r.stand_by(n)]
         if moved:
             self.r.event(f"standby: {', '.join(moved[:5])}{f' and {len(moved) - 5} more' if len(moved) > 5 else ''}")
         self.r.epoch += 1
         self.last_change = time.monotonic()
-        self.r.event(f"{f'pipeline {pipeline}: ' if pipeline else ''}chain {' -> '.join(result.chain)} ({result.method}); "
-                     f"bottleneck {result.bottleneck}")
+        self.r.event(f"{f'pipeline {pipeline}: ' if pipeline else ''}chain {' -> '.join(result.chain)} "
+                     f"({result.method}); bottleneck {result.bottleneck}")

@@ -65,7 +65,8 @@ class Prober:
     def needs_capacity(self, node: str) -> bool:
         """Fewer capacity samples than asked in either direction (and tries left)."""
         sent, received = self.book.capacity_samples(node)
-        return min(sent, received) < self.s.capacity_samples and self.failures.get(node, 0) < 2 * self.s.capacity_samples
+        return (min(sent, received) < self.s.capacity_samples
+                and self.failures.get(node, 0) < 2 * self.s.capacity_samples)
 
     def capacity_known(self, nodes: list[NodeRecord]) -> bool:
         return not any(self.needs_capacity(n.node_id) for n in nodes)

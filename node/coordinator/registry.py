@@ -1,6 +1,5 @@
-"""The coordinator's membership: join, heartbeat, leave, failure by timeout; which stage of which
-pipeline each node holds and who its neighbours are; the ledger of every pipeline's committed
-steps and the event log."""
+"""The coordinator's membership: join, heartbeat, leave, failure by timeout; which stage of which pipeline each node
+holds and who its neighbours are; the ledger of every pipeline's committed steps and the event log."""
 
 from __future__ import annotations
 
@@ -53,13 +52,14 @@ class SwarmRegistry:
     """Who is in the swarm and which stage each node holds. Not thread-safe: used from the event loop.
     Refused requests raise the typed errors of tahnode.net.errors."""
 
-    def __init__(self, run: RunConfig, key: SwarmKey, heartbeat_timeout: float = 10.0, store_dir: str | Path = "tahnode-store",
-                 bans: Bans | None = None):
+    def __init__(self, run: RunConfig, key: SwarmKey, heartbeat_timeout: float = 10.0,
+                 store_dir: str | Path = "tahnode-store", bans: Bans | None = None):
         self.run = run
         # one folder per run configuration: a checkpoint of another run is never handed out
         run_id = hashlib.sha256(run.to_json().encode()).hexdigest()[:12]
         self.store = CheckpointStore(Path(store_dir) / f"run-{run_id}", keep=3)
-        self.sealer = Sealer(key, COORDINATOR, run_identity(self.store.dir), NodeKey.load_or_create(self.store.dir / "coordinator.key"),
+        self.sealer = Sealer(key, COORDINATOR, run_identity(self.store.dir),
+                             NodeKey.load_or_create(self.store.dir / "coordinator.key"),
                              seen_file=self.store.dir / SEEN_COUNTERS_FILE)
         self.timeout = heartbeat_timeout
         self.bans = bans or Bans(BanPolicy())
@@ -75,14 +75,16 @@ class SwarmRegistry:
         self.identities: dict[str, bytes] = self.db.identities()  # node id -> the public key bound at its first join
         self.events: list[str] = []
         self.census = Census()
-        for pipeline, stage, node_id, address, device, cert in self.db.holders():  # presumed alive until heartbeat_timeout
+        for pipeline, stage, node_id, address, device, cert in self.db.holders():  # presumed alive until timed out
             self.nodes[node_id] = NodeRecord(node_id, address, stage, device, status=NodeStatus.ACTIVE, tls_cert=cert,
                                              pipeline=pipeline)
         if self.histories or self.nodes:
-            held = ", ".join(f"{n.node_id} stage {n.stage} of pipeline {n.pipeline}" for n in self.nodes.values()) or "none"
+            held = ", ".join(f"{n.node_id} stage {n.stage} of pipeline {n.pipeline}"
+                             for n in self.nodes.values()) or "none"
             steps = ", ".join(f"0..{max(h.points, default=-1)}{f' of pipeline {p}' if p else ''}"
                               for p, h in sorted(self.histories.items()))
-            self.event(f"restarted: the ledger holds steps {steps or 'none'}, membership epoch {self._epoch}; holders kept: {held}")
+            self.event(f"restarted: the ledger holds steps {steps or 'none'}, membership epoch "
+                       f"{self._epoch}; holders kept: {held}")
 
     def ledger(self, pipeline: int = 0) -> dict[int, pb.LossPoint]:
         """Every committed step of a pipeline: its loss, samples and wall time on its loss stage (from disk)."""
@@ -108,8 +110,8 @@ class SwarmRegistry:
         self._epoch = value
         self.roster.invalidate()
         self.db.put("epoch", value)
-        self.db.set_holders([(n.pipeline, n.stage, n.node_id, n.address, n.device, n.tls_cert) for n in self.nodes.values()
-                             if n.status is NodeStatus.ACTIVE])
+        self.db.set_holders([(n.pipeline, n.stage, n.node_id, n.address, n.device, n.tls_cert)
+                             for n in self.nodes.values() if n.status is NodeStatus.ACTIVE])
 
     # -- helpers ----------------------------------------------------------------------------
     def history(self, pipeline: int) -> LossHistory:
@@ -133,9 +135,8 @@ class SwarmRegistry:
         self.events = (self.events + [f"{time.strftime('%H:%M:%S')} {text}"])[-50:]
 
     def heartbeat_period(self) -> float:
-        """Seconds between a node's heartbeats: 1, longer once the swarm has more live nodes than
-        HEARTBEATS_PER_S (at most a third of the failure timeout: a node is declared failed after
-        three missed heartbeats at the least)."""
+        """Seconds between a node's heartbeats: 1, longer once the swarm has more live nodes than HEARTBEATS_PER_S (at
+        most a third of the failure timeout: a node is declared failed after three missed heartbeats at the least)."""
         return min(max(1.0, self.census.live / HEARTBEATS_PER_S), self.timeout / 3)
 
     def live(self) -> list[NodeRecord]:
@@ -145,10 +146,9 @@ class SwarmRegistry:
         return [n for n in self.nodes.values() if n.status.waiting]
 
     def check(self, req, speaks_for: str, run_optional: bool = False, bind: bool = False) -> None:
-        """Refuse a request that is not authentic (NotAuthenticated); not fresh, not for this run or
-        coordinator, not sealed by the node it speaks for, or not signed by the key that node id
-        is bound to (NotFresh). A node id seen for the first time is signed for by the key in its
-        seal, and bound to it if `bind` (a join)."""
+        """Refuse a request that is not authentic (NotAuthenticated); not fresh, not for this run or coordinator, not
+        sealed by the node it speaks for, or not signed by the key that node id is bound to (NotFresh). A node id seen
+        for the first time is signed for by the key in its seal, and bound to it if `bind` (a join)."""
         key = self.identities.get(speaks_for) or req.seal.public_key
         try:
             self.sealer.check(req, speaks_for=speaks_for, run_optional=run_optional, signed_by=key)
@@ -162,8 +162,8 @@ class SwarmRegistry:
 
     def peer(self, n: NodeRecord) -> pb.Peer:
         """How others reach node `n`: its address, identity key and TLS certificate."""
-        return pb.Peer(node_id=n.node_id, address=n.address, stage=n.stage, public_key=self.identities.get(n.node_id, b""),
-                       tls_cert=n.tls_cert)
+        return pb.Peer(node_id=n.node_id, address=n.address, stage=n.stage,
+                       public_key=self.identities.get(n.node_id, b""), tls_cert=n.tls_cert)
 
     def _peer(self, stage: int, pipeline: int) -> pb.Peer:
         n = self.roster.holder(stage, pipeline) if 0 <= stage < self.run.stages else None
@@ -177,10 +177,9 @@ class SwarmRegistry:
         return ckpt.step if ckpt else 0
 
     def rollback_floor(self, pipeline: int) -> int:
-        """The earliest step a loss report may rewrite in `pipeline`'s ledger: a rollback goes back to
-        a checkpoint every stage has (the oldest the store keeps of the stage that has the least), or
-        to the pipeline's last outer step (at most outer_every steps); never further (a report of
-        step 0 wiped the ledger)."""
+        """The earliest step a loss report may rewrite in `pipeline`'s ledger: a rollback goes back to a checkpoint
+        every stage has (the oldest the store keeps of the stage that has the least), or to the pipeline's last outer
+        step (at most outer_every steps); never further (a report of step 0 wiped the ledger)."""
         stored = [self.store.list(k, self.run.stages) for k in range(self.run.stages)]
         confirmed = self.confirmed_step()
         oldest = [min((c.step for c in found if c.step <= confirmed), default=0) for found in stored]
@@ -195,8 +194,8 @@ class SwarmRegistry:
         (join replies: it never changes while the coordinator runs)."""
         stage = node.stage if node.status is NodeStatus.ACTIVE else STANDBY
         a = pb.Assignment(stage=stage, num_stages=self.run.stages, epoch=self.epoch, resume_step=node.resume_step,
-                          run_config=self.run.to_json() if with_config else "", pipeline=node.pipeline if stage >= 0 else 0,
-                          pipelines=len(self.roster.complete_pipelines()))
+                          run_config=self.run.to_json() if with_config else "",
+                          pipeline=node.pipeline if stage >= 0 else 0, pipelines=len(self.roster.complete_pipelines()))
         if a.pipelines > 1:
             a.dht_peers.extend(self.roster.dht_peers)
             if stage >= 0:
@@ -235,8 +234,8 @@ class SwarmRegistry:
         self.check(req, req.node_id, run_optional=True, bind=True)
         banned = self.bans.left_any(ban_marks(req.node_id, req.seal.public_key, req.address, seen))
         if banned:
-            raise Banned(f"node {req.node_id} (or its key or address) is banned for another {banned:.0f} s: its neighbours "
-                         "kept refusing its micro-batches (malformed, non-finite or oversized)")
+            raise Banned(f"node {req.node_id} (or its key or address) is banned for another {banned:.0f} s: its "
+                         "neighbours kept refusing its micro-batches (malformed, non-finite or oversized)")
         if req.stage < -1 or req.stage >= self.run.stages:
             raise InvalidRequest(f"stage {req.stage} does not exist: this swarm has stages 0..{self.run.stages - 1}")
         if time.monotonic() - self.census.swept >= 1.0:  # the coordinator sweeps every second anyway
@@ -254,7 +253,8 @@ class SwarmRegistry:
         self.last_join = time.monotonic()
         where = f"stage {stage}" + (f" of pipeline {pipeline}" if pipeline else "") if stage >= 0 else \
             "waiting for an assignment (--stage auto)"
-        self.event(f"{'rejoined' if rejoin else 'joined'}: {req.node_id} at {req.address} ({req.device or '?'}) -> {where}")
+        self.event(f"{'rejoined' if rejoin else 'joined'}: {req.node_id} at {req.address} "
+                   f"({req.device or '?'}) -> {where}")
         return pb.JoinReply(assignment=self.assignment(node, with_config=True), swarm="tahnode", run=self.sealer.run,
                             coordinator_key=self.sealer.identity.public)
 
@@ -312,8 +312,8 @@ class SwarmRegistry:
         if not points:
             return
         if reporter.status is not NodeStatus.ACTIVE or reporter.stage != self.run.loss_stage:
-            log.warning("ignored %d losses from %s: only the holder of stage %d reports them", len(points), reporter.node_id,
-                        self.run.loss_stage)
+            log.warning("ignored %d losses from %s: only the holder of stage %d reports them", len(points),
+                        reporter.node_id, self.run.loss_stage)
             return
         history = self.history(reporter.pipeline)
         for point in points:  # a loss that is not a number is never stored, but the alert hears of it
@@ -325,9 +325,9 @@ class SwarmRegistry:
         floor = self.rollback_floor(reporter.pipeline) if rewrites else 0  # the store is read for a rollback only
         kept = [p for p in points if floor <= p.step < self.run.train.steps and math.isfinite(p.loss)]
         if len(kept) < len(points):
-            log.warning("ignored %d losses from %s: a step outside the run's %d, before step %d (the furthest a rollback "
-                        "goes back), or a loss that is not a number", len(points) - len(kept), reporter.node_id,
-                        self.run.train.steps, floor)
+            log.warning("ignored %d losses from %s: a step outside the run's %d, before step %d (the furthest a "
+                        "rollback goes back), or a loss that is not a number", len(points) - len(kept),
+                        reporter.node_id, self.run.train.steps, floor)
         points = kept
         for point in points:
             raised, cleared = history.add(point.step, point.loss)
@@ -343,7 +343,7 @@ class SwarmRegistry:
         node = self.nodes.get(req.node_id)
         if node is None:
             raise UnknownNode(f"unknown node {req.node_id!r}")
-        if node.status is not NodeStatus.BANNED:  # a banned node that leaves stays banned (its record shows why it went)
+        if node.status is not NodeStatus.BANNED:  # a banned node that leaves stays banned (its record says why it went)
             node.status = NodeStatus.LEFT
         self.epoch += 1
         self.event(f"left: {req.node_id} (stage {node.stage})")

@@ -25,7 +25,8 @@ class Roster:
         self.finished: set[int] = set()  # pipelines over: their ledger full, their first and loss stages done
         self.finishing: dict[int, set[int]] = {}  # pipeline -> stages whose holder said it trained the last step
         self.formed: set[int] = set()    # pipelines that were complete once (one that loses a stage may be dissolved)
-        self.dht_peers: list[str] = []   # the coordinator's DHT, once pipelines train in data parallel (server.py starts it)
+        # the coordinator's DHT, once pipelines train in data parallel (server.py starts it)
+        self.dht_peers: list[str] = []
 
     def said_finished(self, node: NodeRecord, ledger_full: bool) -> None:
         """`node`, active, says it trained the run's last step: its pipeline is over once its ledger has
@@ -91,7 +92,8 @@ class Roster:
             peer = P2PAddress.parse(address).peer_id if len(address) <= MAX_AVERAGER_CHARS else None
         except ValueError:
             peer = None
-        if peer is None or any(n.averager_peer == peer and n is not node and n.status.live for n in self.nodes.values()):
+        if peer is None or any(n.averager_peer == peer and n is not node and n.status.live
+                               for n in self.nodes.values()):
             return
         node.averager, node.averager_peer = address, peer
 

@@ -116,7 +116,8 @@ async def start_p2p(cfg: CoordinatorConfig, servicer: CoordinatorServicer) -> P2
     return host
 
 
-async def dht_when_needed(registry: SwarmRegistry, cfg: CoordinatorConfig, p2p: P2PHost | None, stop: asyncio.Event) -> None:
+async def dht_when_needed(registry: SwarmRegistry, cfg: CoordinatorConfig, p2p: P2PHost | None,
+                          stop: asyncio.Event) -> None:
     """Once two pipelines train, the replicas of each stage find each other through a DHT: the
     coordinator's own (p2p transport), else one it starts then, on a port of its own (not the
     p2p control plane's); its multiaddrs go out with the assignments (Assignment.dht_peers)."""
@@ -206,10 +207,11 @@ async def serve(run: RunConfig, cfg: CoordinatorConfig) -> None:
         identity = tls or TlsCertificate.load_or_create(Path(cfg.store))  # its entry is signed even without TLS
         record = {"grpc": grpc_address(cfg.listen, p2p_maddrs) if server else "", "p2p": ",".join(p2p_maddrs),
                   "fingerprint": identity.fingerprint}
-        print(f"tahnode coordinator: its DHT entry is signed by certificate {identity.fingerprint}; volunteers who find it "
-              f"through --initial-peers pin it with --coordinator-fingerprint {identity.fingerprint}", flush=True)
-        publishing = asyncio.ensure_future(republish(SwarmDirectory(p2p.dht, key), directory_entries(registry, record), stop,
-                                                     signer=identity))
+        print(f"tahnode coordinator: its DHT entry is signed by certificate {identity.fingerprint}; volunteers who "
+              f"find it through --initial-peers pin it with --coordinator-fingerprint {identity.fingerprint}",
+              flush=True)
+        publishing = asyncio.ensure_future(republish(SwarmDirectory(p2p.dht, key), directory_entries(registry, record),
+                                                     stop, signer=identity))
     refreshing = asyncio.ensure_future(snapshot.refresh(stop))
     averaging = asyncio.ensure_future(dht_when_needed(registry, cfg, p2p, stop))
     gc.freeze()  # what start-up made (torch, protobuf, the servers) is never collected: shorter pauses at scale

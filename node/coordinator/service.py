@@ -12,7 +12,8 @@ import grpc
 from ..net.errors import Refused
 from ..net.p2p_host import is_p2p_address
 from ..net.tls import is_loopback
-from ..pipeline.checkpoint import EXTRA_LIMIT_PER_DIM, CheckpointTooLarge, ChunkWriter, check_fits, optimized, read_chunks
+from ..pipeline.checkpoint import (EXTRA_LIMIT_PER_DIM, CheckpointTooLarge, ChunkWriter, check_fits, optimized,
+                                   read_chunks)
 from ..pipeline.checkpoint import has_outer, stage_shapes
 from ..pipeline.checkpoint_errors import BadMetadata, CheckpointError, ForeignCheckpoint
 from ..pipeline.checkpoint_meta import CheckpointMeta, MetaForm
@@ -76,10 +77,11 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             await context.abort(exc.code, str(exc))
 
     async def Join(self, request, context):
-        if self.node_tls and not request.tls_cert and not is_loopback(request.address) and not is_p2p_address(request.address):
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"{request.address} is off loopback and the node offers no "
-                                "TLS certificate: its neighbours would send it the swarm's traffic in clear (this swarm runs "
-                                "TLS; start the node without --insecure)")
+        if (self.node_tls and not request.tls_cert and not is_loopback(request.address)
+                and not is_p2p_address(request.address)):
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"{request.address} is off loopback and the node "
+                                "offers no TLS certificate: its neighbours would send it the swarm's traffic in clear "
+                                "(this swarm runs TLS; start the node without --insecure)")
         return await self._call(lambda req: self.r.join(req, context.peer()), request, context)
 
     async def Heartbeat(self, request, context):
@@ -104,10 +106,12 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                     log.warning("refused a checkpoint chunk from %s: %s", context.peer(), exc)
                     await context.abort(exc.code, str(exc))
                 if chunk.num_stages != self.r.run.stages or chunk.stage >= chunk.num_stages:
-                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"checkpoint of stage {chunk.stage}/{chunk.num_stages} does not fit this swarm")
+                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                        f"checkpoint of stage {chunk.stage}/{chunk.num_stages} does not fit this swarm")
                 if writer is None:
-                    writer = ChunkWriter(self.r.store.path(chunk.stage, chunk.num_stages, chunk.step), f".{chunk.node_id}.part",
-                                         limit=self.form.limit(chunk.stage), validate=self.form.validator(chunk.stage, chunk.step))
+                    writer = ChunkWriter(self.r.store.path(chunk.stage, chunk.num_stages, chunk.step),
+                                         f".{chunk.node_id}.part", limit=self.form.limit(chunk.stage),
+                                         validate=self.form.validator(chunk.stage, chunk.step))
                 try:
                     writer.write(chunk.data)
                 except CheckpointTooLarge as exc:
@@ -121,7 +125,8 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                     except CheckpointError as exc:
                         log.warning("refused a checkpoint upload from %s: %s", chunk.node_id, exc)
                         await context.abort(UPLOAD_CODES.get(type(exc), grpc.StatusCode.DATA_LOSS),
-                                            f"checkpoint of stage {chunk.stage} at step {chunk.step} refused, not stored: {exc}")
+                                            f"checkpoint of stage {chunk.stage} at step {chunk.step} "
+                                            f"refused, not stored: {exc}")
                     writer = None
                     self.r.store.prune(chunk.stage, chunk.num_stages, self.r.confirmed_step())
                     log.info("stored %s (%d bytes) from %s", final.name, total, chunk.node_id)
@@ -139,7 +144,9 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
             await context.abort(exc.code, str(exc))
         ckpt = self.r.store.find(request.stage, self.r.run.stages, request.step)
         if ckpt is None:
-            await context.abort(grpc.StatusCode.NOT_FOUND, f"no checkpoint of stage {request.stage} at step {request.step} in the store")
+            await context.abort(grpc.StatusCode.NOT_FOUND,
+                                f"no checkpoint of stage {request.stage} at step {request.step} in the store")
         for data, last in read_chunks(ckpt.path):
-            chunk = pb.CheckpointChunk(stage=request.stage, num_stages=self.r.run.stages, step=request.step, data=data, last=last)
+            chunk = pb.CheckpointChunk(stage=request.stage, num_stages=self.r.run.stages, step=request.step, data=data,
+                                       last=last)
             yield self.r.sealer.seal(chunk, request.node_id)

@@ -22,7 +22,8 @@ class NodeStatus(Enum):
     STANDBY = "standby"  # placed as a spare: takes over a failed stage
     FAILED = "failed"    # missed its heartbeats
     LEFT = "left"        # said goodbye
-    BANNED = "banned"    # put out for a while: its neighbours kept refusing its micro-batches (tahnode.coordinator.bans)
+    # put out for a while: its neighbours kept refusing its micro-batches (tahnode.coordinator.bans)
+    BANNED = "banned"
 
     def __str__(self) -> str:
         return self.value

@@ -6,8 +6,9 @@ and SVG; no external assets): it renders the state embedded in it at load, then 
 /api/v1/state every 2 s and re-renders.
 Stable hooks for tests and scrapers: `#nodes tr[data-node-id]` (cells `.stage`, `.pipeline`, `.status`),
 `#pipelines tr[data-pipeline]` (cells `.chain`, `.step`, `.tokens-per-s`, `.state`),
-`#links tr[data-src][data-dst]` (cells `.mbps`, `.transport`), `#p2p-maddrs li`, `#chain` (SVG), `#loss-curve` (SVG), `#step`,
-`#loss`, `#tokens-per-s`, `#bits-per-element`, `#events`, `#loss-alert` (shown with `data-kind` while the loss diverges).
+`#links tr[data-src][data-dst]` (cells `.mbps`, `.transport`), `#p2p-maddrs li`, `#chain` (SVG), `#loss-curve` (SVG),
+`#step`, `#loss`, `#tokens-per-s`, `#bits-per-element`, `#events`, `#loss-alert` (shown with `data-kind` while the
+loss diverges).
 """
 
 from __future__ import annotations
@@ -74,7 +75,8 @@ class SwarmView:
     events: list[str] = field(default_factory=list)
     stages: int | None = None
     extra: dict[str, Any] = field(default_factory=dict)
-    prepared: tuple[dict[str, Any], str] | None = field(default=None, repr=False, compare=False)  # (document, JSON), made ahead
+    # (document, JSON), made ahead
+    prepared: tuple[dict[str, Any], str] | None = field(default=None, repr=False, compare=False)
 
     async def prepare(self) -> "SwarmView":
         """Make the document and its JSON ahead of any request (the JSON in a thread)."""
@@ -161,7 +163,8 @@ class _Metrics:
         self.link_rtt = Gauge("tahnode_link_rtt_ms", "Measured link round-trip time in ms", ["src", "dst"], registry=r)
         self.pipelines = _PipelineGauges(r)
         self.refused = Gauge("tahnode_refused_messages", "Messages refused so far (replayed, unauthentic, for another "
-                             "run or recipient, off the clock), by receiver and reason", ["receiver", "reason"], registry=r)
+                             "run or recipient, off the clock), by receiver and reason", ["receiver", "reason"],
+                             registry=r)
 
     def render(self, state: dict[str, Any]) -> bytes:
         t = state["training"]
@@ -195,10 +198,12 @@ class _PipelineGauges:
 
     def __init__(self, r: CollectorRegistry):
         self.count = Gauge("tahnode_pipelines", "Pipelines that train (every stage held)", registry=r)
-        self.step = Gauge("tahnode_pipeline_step", "Last step each pipeline's loss stage reported", ["pipeline"], registry=r)
+        self.step = Gauge("tahnode_pipeline_step", "Last step each pipeline's loss stage reported", ["pipeline"],
+                          registry=r)
         self.tokens = Gauge("tahnode_pipeline_tokens_per_second", "Each pipeline's throughput in tokens per second",
                             ["pipeline"], registry=r)
-        self.node = Gauge("tahnode_node_pipeline", "Pipeline each node holds a stage of (-1 = none)", ["node"], registry=r)
+        self.node = Gauge("tahnode_node_pipeline", "Pipeline each node holds a stage of (-1 = none)", ["node"],
+                          registry=r)
 
     def render(self, state: dict[str, Any]) -> None:
         for g in (self.step, self.tokens, self.node):
@@ -255,7 +260,8 @@ def make_app(view_provider: ViewProvider, link_pages: LinkPages | None = None) -
             offset, limit = _page(query)
             page, total = link_pages(offset, limit)
             view = replace(view, links=page, extra={**view.extra, "links_page": {
-                "offset": offset, "limit": limit, "total": total, "next": offset + limit if offset + limit < total else None}})
+                "offset": offset, "limit": limit, "total": total,
+                "next": offset + limit if offset + limit < total else None}})
             return view.to_state_json(), None
         if view.prepared is not None:
             return view.prepared

@@ -65,7 +65,8 @@ def pipelines(r: SwarmRegistry, placement: Placement) -> list[dict]:
         links = [{"src": a, "dst": b, "mbps": book.estimate(a, b), "back_mbps": book.estimate(b, a)}
                  for a, b in zip(chain, chain[1:]) if a and b]
         out.append({"index": p, "nodes": chain, "complete": None not in chain, "finished": p in r.roster.finished,
-                    "step": int(loss.stats.step) if loss else None, "tokens_per_s": loss.stats.tokens_per_s if loss else 0.0,
+                    "step": int(loss.stats.step) if loss else None,
+                    "tokens_per_s": loss.stats.tokens_per_s if loss else 0.0,
                     "loss": loss.stats.loss if loss and loss.stats.step else None, "links": links})
     return out
 
@@ -127,7 +128,8 @@ def swarm_state(r: SwarmRegistry, placement: Placement, p2p_maddrs: list[str] = 
              "address": n.address, "status": n.status.value, "device": n.device, "finished": n.stats.finished,
              "codec_seconds": n.stats.codec_seconds, "step_seconds": n.stats.step_seconds,
              "outer": {k: n.stats.outer[k] for k in sorted(n.stats.outer)[:OUTER_KEYS]}}
-            for n in sorted(r.nodes.values(), key=lambda n: (n.stage if n.stage >= 0 else 1 << 30, n.pipeline, n.node_id))
+            for n in sorted(r.nodes.values(),
+                            key=lambda n: (n.stage if n.stage >= 0 else 1 << 30, n.pipeline, n.node_id))
         ],
         "pipelines": pipelines(r, placement),
         "links": links(r, placement),
@@ -151,14 +153,16 @@ def refused(r: SwarmRegistry) -> list[dict]:
     out = [{"receiver": "coordinator", "reason": reason.value, "count": n} for reason, n in sorted(
         r.sealer.guard.refused.items(), key=lambda kv: kv[0].value)]
     for n in sorted(r.nodes.values(), key=lambda n: n.node_id):
-        out += [{"receiver": n.node_id, "reason": reason, "count": count} for reason, count in sorted(n.stats.refused.items())]
+        out += [{"receiver": n.node_id, "reason": reason, "count": count}
+                for reason, count in sorted(n.stats.refused.items())]
     return out
 
 
 def ledger_json(r: SwarmRegistry) -> dict:
     """Every committed step of every pipeline: its loss, sample ids and wall time on the loss stage
     (GET /api/v1/ledger), pipeline by pipeline."""
-    return {"steps": [{"pipeline": pipeline, "step": step, "loss": p.loss, "sample_ids": list(p.sample_ids), "seconds": p.seconds}
+    return {"steps": [{"pipeline": pipeline, "step": step, "loss": p.loss, "sample_ids": list(p.sample_ids),
+                       "seconds": p.seconds}
                       for pipeline, ledger in sorted(r.ledgers().items()) for step, p in sorted(ledger.items())]}
 
 

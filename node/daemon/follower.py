@@ -34,9 +34,9 @@ class AssignmentFollower:
     def apply(self, assignment: pb.Assignment) -> None:
         if (assignment.stage, assignment.pipeline) != (self.stage, self.pipeline):
             if not self.lost.is_set():
-                log.warning("the coordinator no longer gives stage %d of pipeline %d to this node (it was declared failed "
-                            "and the stage went to another, or its pipeline was dissolved); stopping the stage", self.stage,
-                            self.pipeline)
+                log.warning("the coordinator no longer gives stage %d of pipeline %d to this node (it was declared "
+                            "failed and the stage went to another, or its pipeline was dissolved); stopping the stage",
+                            self.stage, self.pipeline)
                 self.assignment = assignment
                 self.lost.set()
             return

@@ -113,7 +113,8 @@ class Heartbeats:
             except CoordinatorError as exc:
                 if not self._unreported() or asyncio.get_running_loop().time() > deadline:
                     if self._unreported():
-                        log.warning("the coordinator did not take the last %d steps' report: %s", self._unreported(), exc)
+                        log.warning("the coordinator did not take the last %d steps' report: %s",
+                                    self._unreported(), exc)
                     return
             await asyncio.sleep(self.period)
 

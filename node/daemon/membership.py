@@ -76,7 +76,8 @@ class CoordinatorClient:
         """Send a saved stage checkpoint to the coordinator's store (for standbys)."""
         def chunks():
             for data, last in read_chunks(path):
-                chunk = pb.CheckpointChunk(node_id=node_id, stage=stage, num_stages=num_stages, step=step, data=data, last=last)
+                chunk = pb.CheckpointChunk(node_id=node_id, stage=stage, num_stages=num_stages, step=step, data=data,
+                                           last=last)
                 yield self.sealer.seal(chunk, COORDINATOR)
 
         try:
@@ -93,13 +94,15 @@ class CoordinatorClient:
                     try:
                         self.sealer.check(chunk, speaks_for=COORDINATOR, signed_by=self.coordinator_key)
                     except BadMac:
-                        raise NotAuthenticated("a checkpoint chunk from the coordinator failed authentication") from None
+                        raise NotAuthenticated("a checkpoint chunk from the coordinator failed "
+                                               "authentication") from None
                     except SealRefused as exc:
                         raise NotFresh(f"a checkpoint chunk from the coordinator was refused: {exc}") from None
                     writer.write(chunk.data)
                 await asyncio.to_thread(writer.commit)  # raises CorruptCheckpoint (nothing kept) if it arrived damaged
         except grpc.aio.AioRpcError as exc:
-            raise from_rpc_error(exc, self.address, f"download of the checkpoint of stage {stage} at step {step}") from None
+            raise from_rpc_error(exc, self.address,
+                                 f"download of the checkpoint of stage {stage} at step {step}") from None
 
     async def close(self) -> None:
         if self.channel is not None:

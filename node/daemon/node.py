@@ -122,8 +122,10 @@ class StageNode:
         tls = data_plane_tls(cfg, folder)
         transport = make_transport(cfg, sealer, tls, host)
         transport.receive_buffer = receive_buffer(device)  # on a GPU: page-locked, for the copy to the device
-        trust = CoordinatorTrust(cfg.tls, cfg.coordinator_fingerprint or coordinator.fingerprint, folder / PINNED_COORDINATOR_FILE)
-        node = cls(cfg, stop, node_id, device, transport, CoordinatorClient(coordinator.address, sealer, cfg.emulation, trust))
+        trust = CoordinatorTrust(cfg.tls, cfg.coordinator_fingerprint or coordinator.fingerprint,
+                                 folder / PINNED_COORDINATOR_FILE)
+        node = cls(cfg, stop, node_id, device, transport,
+                   CoordinatorClient(coordinator.address, sealer, cfg.emulation, trust))
         try:
             address = await transport.start()
             join = pb.JoinRequest(node_id=node_id, address=address, stage=cfg.stage, device=device_label(device),
@@ -143,8 +145,8 @@ class StageNode:
             node.beats.measured(await asyncio.to_thread(measure_layer_ms, node.run_cfg, device))
             if host is not None and host.dht is not None:
                 node.publishing = asyncio.ensure_future(republish(SwarmDirectory(host.dht, key),
-                                                                  node_entries(node_id, transport, cfg.transport), node.closing,
-                                                                  volatile=("forward_mbps",)))
+                                                                  node_entries(node_id, transport, cfg.transport),
+                                                                  node.closing, volatile=("forward_mbps",)))
         except BaseException:
             await node._close()
             raise
@@ -183,13 +185,15 @@ class StageNode:
     async def _build_worker(self) -> StageWorker:
         a, run, cfg = self.assignment, self.run_cfg, self.cfg
         self.t.set_stage(a.stage)
-        print(f"{self.node_id}: holds stage {a.stage} of {a.num_stages}{f' in pipeline {a.pipeline}' if a.pipeline else ''} "
-              f"(coordinator {self.coord.address}), serving on {self.t.address} ({device_label(self.device)})", flush=True)
+        print(f"{self.node_id}: holds stage {a.stage} of {a.num_stages}"
+              f"{f' in pipeline {a.pipeline}' if a.pipeline else ''} (coordinator {self.coord.address}), serving on "
+              f"{self.t.address} ({device_label(self.device)})", flush=True)
         # three, as the coordinator's store: a rollback goes back to the newest step every stage has saved
         store = CheckpointStore(state_dir(cfg, self.node_id), keep=3)
         self.sync = CheckpointSync(self.coord, self.node_id, store)
         if self.sync.needs_fetch(a):
-            print(f"{self.node_id}: fetching the checkpoint of stage {a.stage} at step {a.resume_step} from the coordinator", flush=True)
+            print(f"{self.node_id}: fetching the checkpoint of stage {a.stage} at step {a.resume_step} from the "
+                  "coordinator", flush=True)
             await self.sync.fetch(a)
         dataset = await asyncio.to_thread(open_dataset, run, cfg.data_dir) if a.stage == 0 else None
         model = None
@@ -198,10 +202,12 @@ class StageNode:
             from ..train.model import build_stage
 
             model = load_stage_from_hf(build_stage(run.model, a.stage, run.stages, seed=run.train.seed), cfg.init_from)
-        worker = StageWorker(run, a.stage, self.t, self.device, store, dataset, on_step=Progress(run.train.steps, cfg.progress),
-                             model=model, on_saved=lambda path, step: self.sync.saved(path, step, a.stage, a.num_stages),
+        worker = StageWorker(run, a.stage, self.t, self.device, store, dataset,
+                             on_step=Progress(run.train.steps, cfg.progress), model=model,
+                             on_saved=lambda path, step: self.sync.saved(path, step, a.stage, a.num_stages),
                              pipeline=a.pipeline)
-        worker.saver.fetch = lambda step: self.sync.fetch_step(a.stage, a.num_stages, step)  # for rollbacks: the store's copy
+        # for rollbacks: the store's copy
+        worker.saver.fetch = lambda step: self.sync.fetch_step(a.stage, a.num_stages, step)
         resumed = worker.resume()
         if resumed:
             print(f"{self.node_id}: resumed stage {a.stage} from its checkpoint at step {resumed}", flush=True)
@@ -229,11 +235,12 @@ class StageNode:
         """Train the assigned stage: 0 when the run ended or `stop` was set, None if the stage was
         lost (the worker is stopped and saved, and the node stands by)."""
         self.worker = worker = await self._build_worker()
-        self.averaging = StageAveraging(self.cfg, state_dir(self.cfg, self.node_id), self.coord.sealer.run, worker, self.beats,
-                                        self.node_id)
+        self.averaging = StageAveraging(self.cfg, state_dir(self.cfg, self.node_id), self.coord.sealer.run, worker,
+                                        self.beats, self.node_id)
         follower = AssignmentFollower(self.t, worker.stage, self.beats, worker.pipeline, self.averaging.follow)
         follower.start(self.assignment)
-        await self._until_stop(self.averaging.started())  # other pipelines train: their outer weights are where it starts
+        # other pipelines train: their outer weights are where it starts
+        await self._until_stop(self.averaging.started())
         self.beats.attach(worker)
         run_task = asyncio.ensure_future(worker.run(self.run_cfg.train.steps))
         try:
@@ -287,7 +294,8 @@ class StageNode:
         leaving sooner took its averager away, and that replica ended the run with a model of its own."""
         averaging = self.averaging is not None and self.averaging.averager is not None
         swarm = self.run_cfg.swarm
-        return RUN_FINISHED_WAIT_S + (CATCH_UP_S + 3 * swarm.outer_timeout_s if averaging else 0.0)  # its round, then the catch-up
+        # its round, then the catch-up
+        return RUN_FINISHED_WAIT_S + (CATCH_UP_S + 3 * swarm.outer_timeout_s if averaging else 0.0)
 
     async def _stop_averaging(self) -> None:
         if self.averaging is not None:

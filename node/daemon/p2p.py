@@ -19,7 +19,8 @@ from ..net.transport import FORWARD, Transport
 
 log = logging.getLogger("tahnode.daemon")
 
-__all__ = ["needs_p2p", "start_host", "averaging_host", "find_coordinator", "CoordinatorAddress", "node_entries", "RELAY_WAIT_S", "FIND_WAIT_S"]
+__all__ = ["needs_p2p", "start_host", "averaging_host", "find_coordinator", "CoordinatorAddress", "node_entries",
+           "RELAY_WAIT_S", "FIND_WAIT_S"]
 
 RELAY_WAIT_S = 30.0   # how long a node behind NAT waits for a relay reservation before it joins anyway
 FIND_WAIT_S = 60.0    # how long a node looks for the coordinator's entry in the DHT
@@ -34,10 +35,13 @@ def needs_p2p(cfg: NodeConfig) -> bool:
 async def start_host(cfg: NodeConfig, folder: Path) -> P2PHost:
     """The node's p2p daemon with its peer id kept in `folder`; it joins the DHT of its initial peers
     (given, or the coordinator's own multiaddrs), as a client only when it sits behind NAT."""
-    peers = cfg.p2p.initial_peers or (list(P2PAddress.parse(cfg.coordinator).maddrs) if is_p2p_address(cfg.coordinator) else [])
+    peers = cfg.p2p.initial_peers or (list(P2PAddress.parse(cfg.coordinator).maddrs) if is_p2p_address(cfg.coordinator)
+                                      else [])
     if cfg.p2p.use_auto_relay and not peers:
-        raise ValueError("--use-auto-relay needs --initial-peers (public peers, such as the coordinator, that relay for nodes behind NAT)")
-    host = await P2PHost.start(dataclasses.replace(cfg.p2p, initial_peers=peers), identity=folder / IDENTITY_FILE, dht=bool(peers), dht_client=cfg.p2p.use_auto_relay)
+        raise ValueError("--use-auto-relay needs --initial-peers (public peers, such as the coordinator, that "
+                         "relay for nodes behind NAT)")
+    host = await P2PHost.start(dataclasses.replace(cfg.p2p, initial_peers=peers), identity=folder / IDENTITY_FILE,
+                               dht=bool(peers), dht_client=cfg.p2p.use_auto_relay)
     if cfg.p2p.use_auto_relay and not await host.wait_for_relay(RELAY_WAIT_S):
         log.warning("none of the initial peers answered as a relay within %.0f s: peers outside this network may not "
                     "reach this node", RELAY_WAIT_S)
@@ -80,9 +84,9 @@ async def find_coordinator(cfg: NodeConfig, host: P2PHost | None, key: SwarmKey,
         record = await SwarmDirectory(host.dht, key).coordinator(FIND_WAIT_S, pin=pin)
     except CoordinatorNotFound as exc:
         if known and not cfg.coordinator_fingerprint:
-            raise CoordinatorNotFound(f"{exc}; this node trusted that certificate before (kept in {remembered}): if the "
-                                      "coordinator really changed it, pin the new one with --coordinator-fingerprint or "
-                                      "delete that file") from None
+            raise CoordinatorNotFound(f"{exc}; this node trusted that certificate before (kept in {remembered}): if "
+                                      "the coordinator really changed it, pin the new one with "
+                                      "--coordinator-fingerprint or delete that file") from None
         raise
     if not pin and remembered is not None and record.certificate:
         log.warning("trusting the coordinator entry signed by %s on first use (kept in %s; pin it with "

@@ -27,5 +27,6 @@ class Progress:
         last = s.losses[-1]
         self.console.print(
             f"step {last.step + 1:>5}/{self.total}  loss {last.loss:.4f}  {s.tokens_per_s():8.0f} tok/s  "
-            f"gradients {s.bits_per_element(BACKWARD):.2f} bits/element  encoded {sum(s.encoded_bytes.values()) / 2**20:.1f} MB"
+            f"gradients {s.bits_per_element(BACKWARD):.2f} bits/element  encoded "
+            f"{sum(s.encoded_bytes.values()) / 2**20:.1f} MB"
         )

@@ -131,7 +131,8 @@ class Sealer:
             msg.seal.signature = self.identity.sign(signed_bytes(msg))
         return self.key.sign(msg)
 
-    def check(self, msg, speaks_for: str | None = None, run_optional: bool = False, signed_by: bytes | None = None) -> str:
+    def check(self, msg, speaks_for: str | None = None, run_optional: bool = False,
+              signed_by: bytes | None = None) -> str:
         """The sender of a received message; raises BadMac or SealRefused. `speaks_for`: the node the
         message acts for, which must be its sender; `run_optional`: a message sent before the
         sender knew the run (a join); `signed_by`: the public key that must have signed it."""
@@ -143,7 +144,8 @@ class Sealer:
             self._refuse(RefusalReason.WRONG_SENDER, f"sealed by {s.sender!r} but speaks for {speaks_for!r}")
         if signed_by is not None and len(signed_by) != KEY_BYTES:
             self._refuse(RefusalReason.WRONG_KEY, f"{type(msg).__name__} carries no node key (every node needs one)")
-        if signed_by is not None and (s.public_key != signed_by or not verify_signature(signed_by, s.signature, signed_bytes(msg))):
+        if signed_by is not None and (s.public_key != signed_by
+                                      or not verify_signature(signed_by, s.signature, signed_bytes(msg))):
             self._refuse(RefusalReason.WRONG_KEY, f"not signed by the key node {s.sender!r} is bound to")
         # only a message its sender's key signed counts against that sender's counters: a token
         # holder's ping sealed as V with a counter 59 s ahead raised V's floor, and after a restart
@@ -172,14 +174,17 @@ class Sealer:
         bound key (None: the sender is no neighbour of this node, refused); the first frame of an
         envelope carries its seal (`seq`), the later ones are held to it by the reassembler.
         `data`: the frame's data, if the caller read it already."""
-        if frame.mac_kind != pb.BLAKE3_KEYED:  # HMAC-SHA256 (older senders) costs a receiver 5x the CPU: not the sender's pick
+        # HMAC-SHA256 (older senders) costs a receiver 5x the CPU: not the sender's pick
+        if frame.mac_kind != pb.BLAKE3_KEYED:
             self.guard.refused[RefusalReason.BAD_MAC] += 1
-            raise BadMac(f"frame from {frame.sender or '?'} carries an HMAC-SHA256 MAC; this swarm's frames carry keyed BLAKE3")
+            raise BadMac(f"frame from {frame.sender or '?'} carries an HMAC-SHA256 MAC; this swarm's "
+                         "frames carry keyed BLAKE3")
         if not self.key.verify_frame(frame, data):
             self.guard.refused[RefusalReason.BAD_MAC] += 1
             raise BadMac(f"frame from {frame.sender or '?'} failed authentication (wrong swarm token?)")
         if signed_by is None:
-            self._refuse(RefusalReason.STRANGER, f"{frame.sender!r} is not a neighbour of {self.me!r} (or not yet known here)")
+            self._refuse(RefusalReason.STRANGER,
+                         f"{frame.sender!r} is not a neighbour of {self.me!r} (or not yet known here)")
         if not verify_signature(signed_by, frame.signature, frame.mac):
             self._refuse(RefusalReason.WRONG_KEY, f"frame not signed by the key node {frame.sender!r} is bound to")
         if first:

@@ -15,8 +15,8 @@ from google.protobuf.message import DecodeError
 from ..codecs.host import payload_field_bytes
 from ..proto import tahnode_pb2 as pb
 
-__all__ = ["Body", "PendingBody", "UnusualField", "body_of", "fields", "open_body", "payload_field_bytes", "tail_prefix",
-           "varint", "WIRE_LEN"]
+__all__ = ["Body", "PendingBody", "UnusualField", "body_of", "fields", "open_body", "payload_field_bytes",
+           "tail_prefix", "varint", "WIRE_LEN"]
 
 WIRE_LEN = 2  # protobuf wire type of a length-delimited field
 # fields scanned in Python at one level of a message at most: ours have a handful; bytes made of

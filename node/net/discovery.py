@@ -23,7 +23,8 @@ from .tls import TlsCertificate, fingerprint, signed_by
 
 log = logging.getLogger("tahnode.p2p")
 
-__all__ = ["SwarmDirectory", "CoordinatorRecord", "republish", "COORDINATOR_KIND", "NODE_KIND", "LAYOUT_KIND", "REPUBLISH_S", "TTL_S"]
+__all__ = ["SwarmDirectory", "CoordinatorRecord", "republish", "COORDINATOR_KIND", "NODE_KIND", "LAYOUT_KIND",
+           "REPUBLISH_S", "TTL_S"]
 
 COORDINATOR_KIND, NODE_KIND, LAYOUT_KIND = "coordinator", "node", "layout"
 TTL_S = 90.0        # an entry not republished for this long disappears
@@ -63,7 +64,8 @@ class SwarmDirectory:
         self.dht, self.key = dht, key
         self.prefix = "tahnode/" + hashlib.sha256(b"directory\0" + key.key).hexdigest()[:24]
 
-    async def publish(self, kind: str, name: str, fields: dict, ttl: float = TTL_S, signer: TlsCertificate | None = None) -> bool:
+    async def publish(self, kind: str, name: str, fields: dict, ttl: float = TTL_S,
+                      signer: TlsCertificate | None = None) -> bool:
         """Store an entry; with `signer`, signed by its certificate's key and kept under its fingerprint
         (so that another writer's entry of the same kind never replaces it)."""
         from hivemind.utils import get_dht_time
@@ -75,8 +77,8 @@ class SwarmDirectory:
             record.signature = signer.sign(record_signed_part(record))
             name = signer.fingerprint
         self.key.sign(record)
-        return bool(await asyncio.to_thread(self.dht.store, f"{self.prefix}/{kind}", record.SerializeToString(), expires,
-                                            subkey=name or kind))
+        return bool(await asyncio.to_thread(self.dht.store, f"{self.prefix}/{kind}", record.SerializeToString(),
+                                            expires, subkey=name or kind))
 
     async def records(self, kind: str) -> dict[str, pb.DirectoryRecord]:
         """Every live, authentic entry of `kind` by its subkey (forged, expired or far-future ones dropped)."""
@@ -88,8 +90,10 @@ class SwarmDirectory:
                 record = pb.DirectoryRecord.FromString(item.value)
             except Exception:  # not ours (a DecodeError, or not even bytes)
                 continue
-            if not self.key.verify(record) or record.kind != kind or not now <= record.expires <= now + TTL_S + CLOCK_SLACK_S:
-                log.warning("dropped a DHT entry under %s/%s that is not authentic, has expired or claims to live too long", kind, name)
+            if (not self.key.verify(record) or record.kind != kind
+                    or not now <= record.expires <= now + TTL_S + CLOCK_SLACK_S):
+                log.warning("dropped a DHT entry under %s/%s that is not authentic, has expired or claims to "
+                            "live too long", kind, name)
                 continue
             out[name] = record
         return out
@@ -102,7 +106,8 @@ class SwarmDirectory:
         """The coordinator entries signed by the certificate they carry: fingerprint -> record."""
         out = {}
         for name, record in (await self.records(COORDINATOR_KIND)).items():
-            if not record.certificate or not signed_by(record.certificate, record_signed_part(record), record.signature):
+            if not record.certificate or not signed_by(record.certificate, record_signed_part(record),
+                                                       record.signature):
                 log.warning("dropped a coordinator entry in the DHT that its certificate does not sign")
                 continue
             seen = fingerprint(record.certificate)
@@ -125,14 +130,15 @@ class SwarmDirectory:
                 return found[pin]
             if not pin and len(found) > 1:
                 raise UntrustedCoordinator(f"{len(found)} certificates claim to be this swarm's coordinator in the DHT "
-                                           f"({', '.join(sorted(found))}): pass --coordinator-fingerprint with the one the "
-                                           "coordinator printed (`tahnode certs` on its machine shows it)")
+                                           f"({', '.join(sorted(found))}): pass --coordinator-fingerprint with the one "
+                                           "the coordinator printed (`tahnode certs` on its machine shows it)")
             if not pin and found:
                 return next(iter(found.values()))
             if time.monotonic() > deadline:
                 which = f" signed by {pin}" if pin else ""
-                raise CoordinatorNotFound(f"no coordinator of this swarm{which} in the DHT after {timeout:.0f} s (is it running "
-                                          "with --transport p2p or both, and does this node hold the same swarm token?)")
+                raise CoordinatorNotFound(f"no coordinator of this swarm{which} in the DHT after {timeout:.0f} s (is "
+                                          "it running with --transport p2p or both, and does this node hold the same "
+                                          "swarm token?)")
             await asyncio.sleep(1.0)
 
 

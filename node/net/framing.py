@@ -17,8 +17,8 @@ from .body import Body, open_body
 from .freshness import SealRefused
 from .wire_frame import OutgoingFrame, ReceivedFrame
 
-__all__ = ["CHUNK_BYTES", "MAX_ENVELOPE_BYTES", "FrameError", "FrameNotAuthenticated", "FrameNotFresh", "FrameTooLarge", "frames_of",
-           "OutgoingFrame", "ReceivedFrame", "Reassembler", "open_envelope", "request_type"]
+__all__ = ["CHUNK_BYTES", "MAX_ENVELOPE_BYTES", "FrameError", "FrameNotAuthenticated", "FrameNotFresh", "FrameTooLarge",
+           "frames_of", "OutgoingFrame", "ReceivedFrame", "Reassembler", "open_envelope", "request_type"]
 
 CHUNK_BYTES = 1 << 20            # an Envelope travels in frames of at most 1 MiB of data
 MAX_ENVELOPE_BYTES = 1 << 31     # refuse reassembling anything larger (until the run sets a tighter cap)
@@ -75,7 +75,8 @@ class Reassembler:
         frames came in count against the cap (a ReceivedFrame's data holds all of its message)."""
         data = frame.data  # read once: each read of a protobuf Frame's data copies it
         try:
-            self.sealer.check_frame(frame, first=frame.index == 0, signed_by=self.peer_keys.get(frame.sender), data=data)
+            self.sealer.check_frame(frame, first=frame.index == 0, signed_by=self.peer_keys.get(frame.sender),
+                                    data=data)
         except BadMac as exc:
             raise FrameNotAuthenticated(str(exc)) from None
         except SealRefused as exc:
@@ -85,11 +86,13 @@ class Reassembler:
         if frame.index and (frame.seq != self.seq or frame.sender != self.sender or frame.index != len(self.parts)):
             raise FrameError(f"frames out of order: seq {frame.seq} index {frame.index}")
         if frame.index and frame.count != self.count:
-            raise FrameError(f"frame {frame.index} gives a count of {frame.count} frames, its envelope's first {self.count}")
+            raise FrameError(f"frame {frame.index} gives a count of {frame.count} frames, its "
+                             f"envelope's first {self.count}")
         if frame.index == 0:
             self.parts, self.seq, self.sender, self.count, self.size = [], frame.seq, frame.sender, frame.count, 0
         if frame.index == 0 and (frame.count - 1) * CHUNK_BYTES >= self.cap:
-            raise FrameTooLarge(f"an envelope of {frame.count} frames is larger than the largest this run sends ({self.cap} bytes)")
+            raise FrameTooLarge(f"an envelope of {frame.count} frames is larger than the largest this run "
+                                f"sends ({self.cap} bytes)")
         if len(data) > CHUNK_BYTES:
             raise FrameError(f"a frame of {len(data)} bytes of data, more than {CHUNK_BYTES}")
         self.size += frame.wire_bytes if isinstance(frame, ReceivedFrame) else frame.ByteSize()

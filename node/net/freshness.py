@@ -15,7 +15,8 @@ from pathlib import Path
 
 log = logging.getLogger("tahnode.auth")
 
-__all__ = ["CLOCK_WINDOW_S", "START_SLACK_S", "COORDINATOR", "SealCounter", "SealRefused", "RefusalReason", "ReplayGuard"]
+__all__ = ["CLOCK_WINDOW_S", "START_SLACK_S", "COORDINATOR", "SealCounter", "SealRefused", "RefusalReason",
+           "ReplayGuard"]
 
 CLOCK_WINDOW_S = 60.0   # a seal's counter may differ from the receiver's clock by this much, either way
 START_SLACK_S = 5.0     # seals from more than this before the receiver started are refused (recorded earlier)
@@ -62,7 +63,8 @@ class ReplayGuard:
     clock anyway), so memory stays bounded by what senders can send in one window. `refused`
     counts the refusals by reason."""
 
-    def __init__(self, me: str, run: str = "", window_s: float = CLOCK_WINDOW_S, clock=time.time, store: Path | None = None):
+    def __init__(self, me: str, run: str = "", window_s: float = CLOCK_WINDOW_S, clock=time.time,
+                 store: Path | None = None):
         self.me, self.run, self.window, self.clock = me, run, window_s, clock
         self.started = clock()
         self.seen: dict[str, dict[int, float]] = {}
@@ -78,9 +80,11 @@ class ReplayGuard:
         if self.store is None or not self.store.exists():
             return {}
         try:
-            return current({str(k): int(v) for k, v in json.loads(self.store.read_text()).items()}, self.started - self.window)
+            return current({str(k): int(v) for k, v in json.loads(self.store.read_text()).items()},
+                           self.started - self.window)
         except (ValueError, OSError, AttributeError) as exc:
-            log.warning("could not read the counters seen before a restart from %s (%s): starting without them", self.store, exc)
+            log.warning("could not read the counters seen before a restart from %s (%s): starting without them",
+                        self.store, exc)
             return {}
 
     def save(self) -> None:
@@ -105,18 +109,21 @@ class ReplayGuard:
         if not sender or not counter:
             raise SealRefused(RefusalReason.MISSING, "the message carries no seal (an older tahnode, or forged)")
         if recipient != self.me:
-            raise SealRefused(RefusalReason.WRONG_RECIPIENT, f"sealed for {recipient!r}, not for {self.me!r} (recorded elsewhere?)")
+            raise SealRefused(RefusalReason.WRONG_RECIPIENT,
+                              f"sealed for {recipient!r}, not for {self.me!r} (recorded elsewhere?)")
         if self.run and run != self.run and not (run_optional and not run):
             raise SealRefused(RefusalReason.WRONG_RUN, f"sealed for run {run!r}, this is run {self.run!r}")
         now = self.clock()
         sent = counter / 1e6
         if abs(sent - now) > self.window:
-            raise SealRefused(RefusalReason.OFF_CLOCK, f"sealed {sent - now:+.0f} s from this node's clock: replayed, or the "
-                              f"clocks differ by more than {self.window:.0f} s (synchronise them with NTP)")
+            raise SealRefused(RefusalReason.OFF_CLOCK, f"sealed {sent - now:+.0f} s from this node's clock: replayed, "
+                              f"or the clocks differ by more than {self.window:.0f} s (synchronise them with NTP)")
         if sent < self.started - START_SLACK_S:
-            raise SealRefused(RefusalReason.OFF_CLOCK, f"sealed {self.started - sent:.0f} s before this process started: replayed")
+            raise SealRefused(RefusalReason.OFF_CLOCK,
+                              f"sealed {self.started - sent:.0f} s before this process started: replayed")
         if counter <= self.floor.get(sender, 0):
-            raise SealRefused(RefusalReason.REPLAYED, f"counter {counter} of {sender!r} is from before this process restarted: replayed")
+            raise SealRefused(RefusalReason.REPLAYED,
+                              f"counter {counter} of {sender!r} is from before this process restarted: replayed")
         seen = self.seen.setdefault(sender, {})
         if counter in seen:
             raise SealRefused(RefusalReason.REPLAYED, f"counter {counter} of {sender!r} was seen before: replayed")

@@ -13,8 +13,8 @@ from ..config.emulation import LinkEmulation
 from ..proto import tahnode_pb2 as pb
 from ..proto import tahnode_pb2_grpc as pb_grpc
 from .auth import BadMac, Sealer
-from .framing import (FrameError, FrameNotAuthenticated, FrameNotFresh, FrameTooLarge, Reassembler, frames_of, open_envelope,
-                      request_type)
+from .framing import (FrameError, FrameNotAuthenticated, FrameNotFresh, FrameTooLarge, Reassembler, frames_of,
+                      open_envelope, request_type)
 from .freshness import COORDINATOR, SealRefused
 from .links import LinkedTransport, OutLink
 from .memory import return_freed_memory
@@ -56,8 +56,10 @@ SERVER_OPTIONS = KEEPALIVE + [
 
 
 STAGE_SERVICE = pb.DESCRIPTOR.services_by_name["StageService"]
-METHOD_HANDLERS = {(False, False): grpc.unary_unary_rpc_method_handler, (True, False): grpc.stream_unary_rpc_method_handler,
-                   (False, True): grpc.unary_stream_rpc_method_handler, (True, True): grpc.stream_stream_rpc_method_handler}
+METHOD_HANDLERS = {(False, False): grpc.unary_unary_rpc_method_handler,
+                   (True, False): grpc.stream_unary_rpc_method_handler,
+                   (False, True): grpc.unary_stream_rpc_method_handler,
+                   (True, True): grpc.stream_stream_rpc_method_handler}
 
 
 def add_stage_service(servicer, server) -> None:
@@ -104,7 +106,8 @@ class StageServicer(pb_grpc.StageServiceServicer):
         try:
             async for frame in request_iterator:
                 if frame.sender not in self.t.peer_keys and self.t.sealer.key.verify_frame(frame):
-                    await self.t.peer_known(frame.sender, self.t.peer_wait_s)  # a token holder: perhaps a neighbour we will hear of
+                    # a token holder: perhaps a neighbour we will hear of
+                    await self.t.peer_known(frame.sender, self.t.peer_wait_s)
                 try:
                     data = asm.add(frame)
                     env, payload = open_envelope(data) if data is not None else (None, None)
@@ -117,8 +120,8 @@ class StageServicer(pb_grpc.StageServiceServicer):
                     slot = (direction, frame.sender)
                     self.open_streams[slot] = self.open_streams.get(slot, 0) + 1
                     if self.open_streams[slot] > STREAMS_PER_PEER:
-                        await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{frame.sender} has {STREAMS_PER_PEER} "
-                                            f"{direction} streams open here already")
+                        await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{frame.sender} has "
+                                            f"{STREAMS_PER_PEER} {direction} streams open here already")
                 frames += 1
                 nbytes += len(frame.data)
                 if env is None:
@@ -126,11 +129,13 @@ class StageServicer(pb_grpc.StageServiceServicer):
                 if not announced:
                     await self.t.inbox.put(Inbound(direction, frame.sender, stream, None))
                     announced = True
-                await self.t.inbox_bytes.put(self.t.inbox, Inbound(direction, frame.sender, stream, env, len(data), payload))  # backpressure
+                await self.t.inbox_bytes.put(self.t.inbox,  # backpressure
+                                             Inbound(direction, frame.sender, stream, env, len(data), payload))
         finally:
             if slot is not None:
                 self.open_streams[slot] -= 1
-            asm.reset()  # a refused stream's handler frame outlives it (gRPC keeps the abort's traceback): drop its data
+            # a refused stream's handler frame outlives it (gRPC keeps the abort's traceback): drop its data
+            asm.reset()
         return pb.StreamAck(frames=frames, bytes=nbytes)
 
     async def Forward(self, request_iterator, context):
@@ -154,8 +159,8 @@ class StageServicer(pb_grpc.StageServiceServicer):
             except StopAsyncIteration:
                 break
             except asyncio.TimeoutError:
-                await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"a probe sends a chunk every {PROBE_IDLE_S:.0f} s "
-                                    f"and ends within {PROBE_MAX_S:.0f} s")
+                await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "a probe sends a chunk every "
+                                    f"{PROBE_IDLE_S:.0f} s and ends within {PROBE_MAX_S:.0f} s")
             await self._check(chunk, context, "probe chunk")
             now = time.perf_counter()
             first = first if first is not None else now
@@ -168,11 +173,13 @@ class StageServicer(pb_grpc.StageServiceServicer):
         # token and the seal authenticate them, no node key; they change nothing here)
         coordinator = self.t.peer_keys.get(COORDINATOR)
         if coordinator is None:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "this node has not joined a coordinator yet: it measures nothing")
+            await context.abort(grpc.StatusCode.UNAVAILABLE,
+                                "this node has not joined a coordinator yet: it measures nothing")
         await self._check(request, context, "measure request", signed_by=coordinator)
         if self.t.measurer is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "this node does not measure links")
-        mbps, rtt = await self.t.measurer(request.target_id, request.target_address, request.payload_bytes, request.target_cert)
+        mbps, rtt = await self.t.measurer(request.target_id, request.target_address, request.payload_bytes,
+                                          request.target_cert)
         return pb.MeasureReply(mbps=mbps, rtt_ms=rtt)
 
 
@@ -180,7 +187,8 @@ class GrpcLink(OutLink):
     """One direction's client stream (StageService.Forward or .Backward), written frame by frame."""
 
     async def carry(self) -> None:
-        async with open_channel(self.address, self.transport.peer_certs.get(self.peer_id, b""), CHANNEL_OPTIONS) as channel:
+        async with open_channel(self.address, self.transport.peer_certs.get(self.peer_id, b""),
+                                CHANNEL_OPTIONS) as channel:
             try:
                 await asyncio.wait_for(channel.channel_ready(), timeout=5.0)
                 method = f"/{STAGE_SERVICE.full_name}/{'Forward' if self.direction == FORWARD else 'Backward'}"

@@ -48,7 +48,8 @@ class InProcessLink(OutLink):
                 stream = peer.next_stream(self.direction)
                 await peer.inbox.put(Inbound(self.direction, self.transport.node_id, stream, None))
             envelope, payload = open_body(data.joined())
-            await peer.inbox_bytes.put(peer.inbox, Inbound(self.direction, self.transport.node_id, stream, envelope, len(data), payload))
+            await peer.inbox_bytes.put(peer.inbox, Inbound(self.direction, self.transport.node_id, stream, envelope,
+                                                           len(data), payload))
             self.delivered(len(data), time.perf_counter() - start)
 
 

@@ -125,7 +125,8 @@ class OutLink:
                 backoff = 0.2
             except (ConnectionError, asyncio.TimeoutError) as exc:
                 reason = str(exc) or type(exc).__name__
-                log.log(logging.INFO if self.ending.is_set() else logging.WARNING,  # at the end, a peer may be gone first
+                # at the end, a peer may be gone first
+                log.log(logging.INFO if self.ending.is_set() else logging.WARNING,
                         "%s link to %s (%s) failed: %s", self.direction, self.peer_id, self.address, reason)
                 self.fail(f"{self.direction} link to {self.peer_id} failed: {reason}")
                 if self.ending.is_set():  # what was queued is lost with the stream: nothing left to end
@@ -173,7 +174,8 @@ class LinkedTransport:
         self.streams[direction] += 1
         return self.streams[direction]
 
-    def set_peer(self, direction: Direction, node_id: str, address: str, public_key: bytes = b"", tls_cert: bytes = b"") -> None:
+    def set_peer(self, direction: Direction, node_id: str, address: str, public_key: bytes = b"",
+                 tls_cert: bytes = b"") -> None:
         old = self.links[direction].peer_id
         other = {link.peer_id for d, link in self.links.items() if d != direction}
         if old and old != node_id and old not in other:  # a former neighbour may send nothing more here
@@ -244,7 +246,8 @@ class LinkedTransport:
         for node_id in [k for k in self.peer_keys if k != COORDINATOR]:  # former neighbours may send nothing more
             del self.peer_keys[node_id]
         self.peer_certs.clear()
-        self.inbox_bytes.release(self.inbox_bytes.held)  # what the old holder had taken up but not handled is gone with it
+        # what the old holder had taken up but not handled is gone with it
+        self.inbox_bytes.release(self.inbox_bytes.held)
         self.open_links()
 
     def close_links(self) -> None:

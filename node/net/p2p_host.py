@@ -24,8 +24,8 @@ from .reaper import Reaper
 
 log = logging.getLogger("tahnode.p2p")
 
-__all__ = ["P2PHost", "P2PAddress", "is_p2p_address", "process_host", "close_process_host", "use_swarm_key", "require_hivemind",
-           "IDENTITY_FILE", "INSTALL_HINT"]
+__all__ = ["P2PHost", "P2PAddress", "is_p2p_address", "process_host", "close_process_host", "use_swarm_key",
+           "require_hivemind", "IDENTITY_FILE", "INSTALL_HINT"]
 
 IDENTITY_FILE = "p2p.key"   # in the process's state folder: the same peer id across restarts
 INSTALL_HINT = "the p2p transport needs hivemind: pip install 'tahnode[p2p]'"
@@ -116,13 +116,15 @@ def check_multiaddrs(maddrs: list[str], what: str, listen: bool = False) -> None
         except Exception as exc:  # hivemind's multiaddr raises several kinds
             raise P2PStartFailed(f"{what} {text!r} is not a multiaddr ({exc})") from None
         protocols = [proto.name for proto in maddr.protocols()]
-        if listen and "tcp" in protocols and protocols[0] in ("ip4", "ip6") and int(maddr.value_for_protocol("tcp")) != 0:
+        if (listen and "tcp" in protocols and protocols[0] in ("ip4", "ip6")
+                and int(maddr.value_for_protocol("tcp")) != 0):
             family = socket.AF_INET if protocols[0] == "ip4" else socket.AF_INET6
             with socket.socket(family, socket.SOCK_STREAM) as probe:
                 try:
                     probe.bind((maddr.value_for_protocol(protocols[0]), int(maddr.value_for_protocol("tcp"))))
                 except OSError as exc:
-                    reason = "is taken by another process" if exc.errno == errno.EADDRINUSE else f"cannot be used ({exc.strerror})"
+                    reason = ("is taken by another process" if exc.errno == errno.EADDRINUSE
+                              else f"cannot be used ({exc.strerror})")
                     raise P2PStartFailed(f"{what} {text}: the port {reason}") from None
 
 
@@ -163,7 +165,8 @@ class P2PHost:
         reaper = Reaper()
         try:
             p2p = await P2P.create(initial_peers=settings.initial_peers or None, host_maddrs=settings.listen,
-                                   announce_maddrs=settings.announce or None, identity_path=str(identity) if identity else None,
+                                   announce_maddrs=settings.announce or None,
+                                   identity_path=str(identity) if identity else None,
                                    use_relay=settings.use_relay, use_auto_relay=settings.use_auto_relay,
                                    force_reachability=reachability(settings),
                                    trusted_relays=(settings.initial_peers or None) if settings.use_auto_relay else None,
@@ -230,8 +233,8 @@ class P2PHost:
         from hivemind.p2p import PeerID
 
         try:
-            _, reader, writer = await asyncio.wait_for(self.p2p.call_binary_stream_handler(PeerID.from_base58(peer_id), name),
-                                                       CONNECT_TIMEOUT_S)
+            _, reader, writer = await asyncio.wait_for(
+                self.p2p.call_binary_stream_handler(PeerID.from_base58(peer_id), name), CONNECT_TIMEOUT_S)
         except Exception as exc:
             raise PeerUnreachable(f"cannot open {name} to {peer_id}: {exc or type(exc).__name__}") from None
         return reader, writer

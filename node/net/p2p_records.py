@@ -9,8 +9,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from enum import IntEnum
 
-__all__ = ["RecordKind", "RecordTooLarge", "MAX_RECORD_BYTES", "PROTOCOL_PREFIX", "protocol_name", "write_record", "read_record",
-           "StreamsPerPeer"]
+__all__ = ["RecordKind", "RecordTooLarge", "MAX_RECORD_BYTES", "PROTOCOL_PREFIX", "protocol_name", "write_record",
+           "read_record", "StreamsPerPeer"]
 
 MAX_RECORD_BYTES = (4 << 20) + 4096   # gRPC's message limit here (grpc_transport.MAX_MESSAGE_BYTES), plus headroom
 PROTOCOL_PREFIX = "/tahnode/1"

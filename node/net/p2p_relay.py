@@ -75,7 +75,8 @@ async def _relay(host, key, reader: asyncio.StreamReader, writer: asyncio.Stream
     elif kind is not RecordKind.MESSAGE or not key.verify(request):
         refusal = (grpc.StatusCode.UNAUTHENTICATED, "relay request failed authentication (wrong swarm token?)")
     elif abs(time.time() - request.sent_at) > FRESH_S:
-        refusal = (grpc.StatusCode.PERMISSION_DENIED, "relay request is stale (or the clocks differ by more than a minute)")
+        refusal = (grpc.StatusCode.PERMISSION_DENIED,
+                   "relay request is stale (or the clocks differ by more than a minute)")
     if refusal is None:
         try:
             target_reader, target_writer = await host.open_to(request.target, request.protocol)
@@ -95,7 +96,8 @@ async def _relay(host, key, reader: asyncio.StreamReader, writer: asyncio.Stream
         target_writer.close()
 
 
-async def open_relayed(host, relay: str, target: str, protocol: str, key) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+async def open_relayed(host, relay: str, target: str, protocol: str,
+                       key) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
     """A stream of `protocol` to peer `target` through the relay at p2p address `relay`;
     PeerUnreachable if the relay cannot be reached or refuses."""
     reader, writer = await host.open_direct(relay, RELAY_PROTOCOL)

@@ -23,11 +23,9 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from ..proto import tahnode_pb2 as pb
-from .auth import signed_bytes
 from .errors import P2PError
-from .identity import verify_signature
 from .framing import request_type
-from .wire_frame import ReceivedFrame
+from .p2p_callers import call_owner
 from .p2p_host import process_host
 from .p2p_records import RecordKind, RecordTooLarge, StreamsPerPeer, protocol_name, read_record, write_record
 
@@ -36,41 +34,9 @@ log = logging.getLogger("tahnode.p2p")
 __all__ = ["serve_service", "P2PChannel", "P2PServicerContext", "RpcAborted", "CALLS_PER_PEER"]
 
 CALLS_PER_PEER = 16                   # calls one sender may have open here at once (each may hold a record in memory)
-PENDING_PER_PEER = 64                 # streams of one libp2p peer (a relay carries many senders) waiting for a first request
+# streams of one libp2p peer (a relay carries many senders) waiting for a first request
+PENDING_PER_PEER = 64
 FIRST_RECORD_S = 10.0                 # a stream's first request must arrive within this
-
-
-def authentic_sender(message, key) -> str | None:
-    """The node id a request's MAC vouches for (a frame's sender, a sealed message's seal), or None."""
-    if isinstance(message, (pb.Frame, ReceivedFrame)):
-        return message.sender if key.verify_frame(message) else None
-    seal = getattr(message, "seal", None)
-    if seal is None or not hasattr(message, "mac"):
-        return None
-    return (seal.sender or "?") if key.verify(message) else None
-
-
-def call_owner(message, key, keys, peer: str) -> str | None:
-    """Whom a call counts against: the node its first request names, where the token's MAC vouches
-    for the request and that node's bound key (`keys`: node id -> public key) signed it; a request
-    only the token vouches for (pings, probes, or a node whose key is not known here) counts against
-    the name and the libp2p peer it came on together, so that a token holder naming a neighbour fills
-    a quota of its own, never the neighbour's (issue 39, finding 10). None: the MAC fails."""
-    named = authentic_sender(message, key)
-    if named is None:
-        return None
-    public = keys.get(named) if keys is not None else None
-    if public is not None and signed_by(message, public):
-        return named
-    return f"{named}@{peer}"
-
-
-def signed_by(message, public: bytes) -> bool:
-    """Whether a frame or a sealed message carries `public`'s signature of what its MAC covers."""
-    if isinstance(message, (pb.Frame, ReceivedFrame)):
-        return verify_signature(public, message.signature, message.mac)
-    seal = message.seal
-    return seal.public_key == public and verify_signature(public, seal.signature, signed_bytes(message))
 
 
 class RpcAborted(Exception):
@@ -100,8 +66,8 @@ def _parse(kind: RecordKind, payload: bytes, message_type):
     try:
         return message_type.FromString(payload)
     except DecodeError as exc:
-        raise RpcAborted(grpc.StatusCode.INVALID_ARGUMENT,
-                         f"the request does not parse as a {message_type.DESCRIPTOR.full_name} message: {exc}") from None
+        raise RpcAborted(grpc.StatusCode.INVALID_ARGUMENT, "the request does not parse as a "
+                         f"{message_type.DESCRIPTOR.full_name} message: {exc}") from None
 
 
 async def _requests(reader: asyncio.StreamReader, message_type, first) -> AsyncIterator[Any]:
@@ -146,11 +112,14 @@ def _handler(behaviour: Callable, method, input_type, limits: CallLimits) -> Cal
         try:
             with limits.pending.holding(peer) as waiting:
                 if waiting > PENDING_PER_PEER:
-                    raise RpcAborted(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{peer} has {PENDING_PER_PEER} calls starting here already")
+                    raise RpcAborted(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                     f"{peer} has {PENDING_PER_PEER} calls starting here already")
                 first = await _first(reader, input_type)
-            sender = call_owner(first, limits.key, limits.keys, peer) if first is not None and limits.key is not None else peer
+            sender = (call_owner(first, limits.key, limits.keys, peer) if first is not None and limits.key is not None
+                      else peer)
             if sender is None:
-                raise RpcAborted(grpc.StatusCode.UNAUTHENTICATED, "the call's first request failed authentication (wrong swarm token?)")
+                raise RpcAborted(grpc.StatusCode.UNAUTHENTICATED,
+                                 "the call's first request failed authentication (wrong swarm token?)")
         except RpcAborted as exc:
             await _finish(writer, reader, pb.RpcStatus(code=exc.code.value[0], details=exc.details))
             return
@@ -158,7 +127,8 @@ def _handler(behaviour: Callable, method, input_type, limits: CallLimits) -> Cal
             writer.close()
             return
         with limits.calls.holding(sender) as calls_of_sender:
-            await _run_call(behaviour, method, input_type, P2PServicerContext(peer), reader, writer, calls_of_sender, sender, first)
+            await _run_call(behaviour, method, input_type, P2PServicerContext(peer), reader, writer, calls_of_sender,
+                            sender, first)
 
     return handle
 
@@ -169,7 +139,8 @@ async def _run_call(behaviour: Callable, method, input_type, context: P2PService
     status = pb.RpcStatus(code=grpc.StatusCode.OK.value[0])
     try:
         if calls_of_sender > CALLS_PER_PEER:
-            raise RpcAborted(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{sender} has {CALLS_PER_PEER} calls open here already")
+            raise RpcAborted(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                             f"{sender} has {CALLS_PER_PEER} calls open here already")
         requests = _requests(reader, input_type, first)
         if method.client_streaming:
             argument = requests
@@ -242,7 +213,8 @@ class P2PCall:
     callee's replies and raises grpc.aio.AioRpcError for a status other than OK (UNAVAILABLE when
     the stream cannot be opened or breaks). Awaiting the call gives its single response."""
 
-    def __init__(self, channel: "P2PChannel", method: str, serialize: Callable, deserialize: Callable, timeout: float | None):
+    def __init__(self, channel: "P2PChannel", method: str, serialize: Callable, deserialize: Callable,
+                 timeout: float | None):
         self.serialize, self.deserialize, self.timeout = serialize, deserialize, timeout
         self.name = protocol_name(method)
         self._stream = asyncio.ensure_future(channel.open(self.name))
@@ -332,7 +304,8 @@ class P2PCall:
         try:
             return await asyncio.wait_for(one(), self.timeout) if self.timeout else await one()
         except asyncio.TimeoutError:
-            raise rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED, f"{self.name} took longer than {self.timeout:.0f} s") from None
+            raise rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED,
+                            f"{self.name} took longer than {self.timeout:.0f} s") from None
         finally:
             if not self._stream.done():
                 self._stream.cancel()

@@ -62,7 +62,7 @@ async def request_measure(sealer: Sealer, node: pb.Peer, target: pb.Peer, pool: 
     """Ask `node` (over a channel of `pool`, pinning its TLS certificate where it has one) to
     measure its link to `target` over its own data plane, with `payload_bytes` (0: its own
     sizing), within `timeout` s."""
-    req = sealer.seal(pb.MeasureRequest(target_id=target.node_id, target_address=target.address, target_cert=target.tls_cert,
-                                        payload_bytes=payload_bytes), node.node_id)
+    req = sealer.seal(pb.MeasureRequest(target_id=target.node_id, target_address=target.address,
+                                        target_cert=target.tls_cert, payload_bytes=payload_bytes), node.node_id)
     reply = await pb_grpc.StageServiceStub(pool.get(node.address, node.tls_cert)).Measure(req, timeout=timeout)
     return reply.mbps, reply.rtt_ms

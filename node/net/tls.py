@@ -29,7 +29,8 @@ from .p2p_host import is_p2p_address
 
 log = logging.getLogger("tahnode.tls")
 
-__all__ = ["TlsCertificate", "CoordinatorTrust", "fingerprint", "signed_by", "is_loopback", "host_of", "wants_tls", "open_grpc_channel", "add_port",
+__all__ = ["TlsCertificate", "CoordinatorTrust", "fingerprint", "signed_by", "is_loopback", "host_of", "wants_tls",
+           "open_grpc_channel", "add_port",
            "fetch_certificate", "NotTls", "TLS_NAME", "CERT_FILE", "KEY_FILE", "PINNED_COORDINATOR_FILE"]
 
 TLS_NAME = "tahnode"                          # the name in every certificate; channels check it, not the address
@@ -83,11 +84,13 @@ class TlsCertificate:
         now = datetime.datetime.now(datetime.timezone.utc)
         cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name).public_key(key.public_key())
                 .serial_number(x509.random_serial_number())
-                .not_valid_before(now - datetime.timedelta(days=1)).not_valid_after(now + datetime.timedelta(days=VALID_DAYS))
+                .not_valid_before(now - datetime.timedelta(days=1))
+                .not_valid_after(now + datetime.timedelta(days=VALID_DAYS))
                 .add_extension(x509.SubjectAlternativeName([x509.DNSName(TLS_NAME)]), critical=False)
                 .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
                 .sign(key, hashes.SHA256()))
-        key_pem = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+        key_pem = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                    serialization.NoEncryption())
         return cls(key_pem, cert.public_bytes(serialization.Encoding.PEM))
 
     @classmethod
@@ -199,7 +202,8 @@ class CoordinatorTrust:
                     "with --coordinator-fingerprint (its `tahnode certs` shows it) or delete that file")
         else:
             log.warning("trusting the coordinator's certificate %s on first use (kept in %s; pin it with "
-                        "--coordinator-fingerprint, which `tahnode certs` on the coordinator shows)", seen, self.remembered)
+                        "--coordinator-fingerprint, which `tahnode certs` on the coordinator shows)", seen,
+                        self.remembered)
         self.remembered.parent.mkdir(parents=True, exist_ok=True)
         self.remembered.write_bytes(pem)
         return pem

@@ -11,8 +11,8 @@ from typing import Awaitable, Callable, Protocol
 from ..proto import tahnode_pb2 as pb
 from .body import Body, PendingBody
 
-__all__ = ["Direction", "FORWARD", "BACKWARD", "EnvelopeKind", "Inbound", "LinkCounters", "Measurer", "Transport", "ByteBudget", "MAX_IN_FLIGHT",
-           "QUEUE_LIMIT"]
+__all__ = ["Direction", "FORWARD", "BACKWARD", "EnvelopeKind", "Inbound", "LinkCounters", "Measurer", "Transport",
+           "ByteBudget", "MAX_IN_FLIGHT", "QUEUE_LIMIT"]
 
 
 class Direction(Enum):
@@ -82,7 +82,8 @@ class LinkCounters:
     failures: int = 0
 
 
-# measure(target node id, its address, payload bytes or 0 for "size it yourself", its TLS certificate or b"") -> (Mbit/s, RTT ms)
+# measure(target node id, its address, payload bytes or 0 for "size it yourself", its TLS certificate
+# or b"") -> (Mbit/s, RTT ms)
 Measurer = Callable[[str, str, int, bytes], Awaitable[tuple[float, float]]]
 
 
@@ -122,7 +123,8 @@ class Transport(Protocol):
     def set_stage(self, stage: int) -> None:
         """The stage this node holds (peers that ping it are told)."""
 
-    def set_peer(self, direction: Direction, node_id: str, address: str, public_key: bytes = b"", tls_cert: bytes = b"") -> None:
+    def set_peer(self, direction: Direction, node_id: str, address: str, public_key: bytes = b"",
+                 tls_cert: bytes = b"") -> None:
         """Point the outgoing link of `direction` at a peer ("" to close it); its frames to this
         node must be signed by `public_key` (its identity, as the coordinator bound it); it is
         dialled over TLS pinning `tls_cert` (empty: it serves plain gRPC)."""

@@ -26,13 +26,15 @@ def _guarded(deserializer):
         except (DecodeError, ValueError) as exc:
             owner = getattr(deserializer, "__self__", None)
             descriptor = getattr(owner, "DESCRIPTOR", None)
-            return _Unparsable(descriptor.name if descriptor is not None else getattr(owner, "__name__", "request"), str(exc))
+            return _Unparsable(descriptor.name if descriptor is not None else getattr(owner, "__name__", "request"),
+                               str(exc))
 
     return parse
 
 
 async def _refuse(context, bad: _Unparsable) -> None:
-    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"the request does not parse as a {bad.type_name} message: {bad.reason}")
+    await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                        f"the request does not parse as a {bad.type_name} message: {bad.reason}")
 
 
 def _unary_request(behavior):
@@ -78,7 +80,8 @@ class RefuseUnparsable(grpc.aio.ServerInterceptor):
         handler = await continuation(details)
         if handler is None or handler.request_streaming and handler.response_streaming:
             return handler  # no bidirectional methods here
-        kw = {"request_deserializer": _guarded(handler.request_deserializer), "response_serializer": handler.response_serializer}
+        kw = {"request_deserializer": _guarded(handler.request_deserializer),
+              "response_serializer": handler.response_serializer}
         if handler.request_streaming:
             return grpc.stream_unary_rpc_method_handler(_streaming_request(handler.stream_unary), **kw)
         if handler.response_streaming:

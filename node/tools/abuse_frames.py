@@ -37,12 +37,14 @@ class StageDaemon:
 
     def start(self) -> None:
         with open(self.log, "w") as log:
-            self.proc = subprocess.Popen([sys.executable, "-m", "tahnode.cli", *self.args], stdout=log, stderr=subprocess.STDOUT,
-                                         start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+            self.proc = subprocess.Popen([sys.executable, "-m", "tahnode.cli", *self.args], stdout=log,
+                                         stderr=subprocess.STDOUT, start_new_session=True,
+                                         env={**os.environ, "PYTHONUNBUFFERED": "1"})
 
     def alive(self) -> None:
         if self.proc.poll() is not None:
-            raise BenchError(f"the stage daemon exited with status {self.proc.returncode}:\n{self.log.read_text()[-3000:]}")
+            raise BenchError("the stage daemon exited with status "
+                             f"{self.proc.returncode}:\n{self.log.read_text()[-3000:]}")
 
     def wait_held(self, state_url: str, timeout: float = 120.0) -> str:
         """Its data-plane address, once the coordinator says it holds its stage."""

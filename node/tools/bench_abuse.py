@@ -32,8 +32,8 @@ from .bench_report import markdown_table, write_section
 __all__ = ["main", "PhaseRow"]
 
 COLUMNS = ("phase", "seconds", "coordinator RSS MB (peak)", "vs before", "stage daemon RSS MB (peak)", "vs before",
-           "state ms p50 / p99", "p50 vs before", "state KB", "nodes in state", "heartbeats sent / refused", "joins sent / refused",
-           "made-up senders sent / refused", "attack streams sent / refused")
+           "state ms p50 / p99", "p50 vs before", "state KB", "nodes in state", "heartbeats sent / refused",
+           "joins sent / refused", "made-up senders sent / refused", "attack streams sent / refused")
 
 
 @dataclass
@@ -61,7 +61,8 @@ async def _join(stub, key, name: str, stage: int, identity=None):
 
     sealer = Sealer(key, name, identity=identity or NodeKey.generate())
     try:
-        reply = await stub.Join(sealer.seal(pb.JoinRequest(node_id=name, address=f"127.0.0.1:{10000 + len(name)}", stage=stage),
+        reply = await stub.Join(sealer.seal(pb.JoinRequest(node_id=name, address=f"127.0.0.1:{10000 + len(name)}",
+                                                           stage=stage),
                                             COORDINATOR))
     except Exception:  # grpc.aio.AioRpcError: refused
         return None
@@ -116,7 +117,8 @@ async def _abuse(address: str, token: str, heartbeats: int, links: int, joins: i
             async with gate:
                 refused["joins"] += await _join(stub, key, f"sybil-{k}", -1) is None
 
-        await asyncio.gather(*(beat(links=fake) for _ in range(heartbeats)), *(beat(stats=padded) for _ in range(fat[0])),
+        await asyncio.gather(*(beat(links=fake) for _ in range(heartbeats)),
+                             *(beat(stats=padded) for _ in range(fat[0])),
                              *(sybil(k) for k in range(joins)), *(stranger(k) for k in range(senders)))
     return refused
 
@@ -141,7 +143,8 @@ def observe(coord: CoordinatorProcess, daemon: StageDaemon, phase: str, done) ->
             sizes.append(len(got[1]) / 1024)
             nodes = len(json.loads(got[1]).get("nodes", []))
         if done():
-            return PhaseRow(phase, time.monotonic() - started, peak, daemon_peak, Spread.of(latencies), max(sizes, default=0.0), nodes)
+            return PhaseRow(phase, time.monotonic() - started, peak, daemon_peak, Spread.of(latencies),
+                            max(sizes, default=0.0), nodes)
         time.sleep(POLL_S)
 
 
@@ -171,8 +174,8 @@ def run(args, workdir: Path) -> list[PhaseRow]:
         rows = [observe(coord, daemon, "before", after(args.settle))]
         with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
             for kind, streams in (("padded", args.padded_frames), ("endless", args.endless_frames)):
-                attack = pool.submit(send_frames, coord.address, coord.token, workdir / "neighbour.key", target, daemon.node_id,
-                                     {kind: streams})
+                attack = pool.submit(send_frames, coord.address, coord.token, workdir / "neighbour.key", target,
+                                     daemon.node_id, {kind: streams})
                 row = observe(coord, daemon, f"{kind} frames", attack.done)
                 outcomes = attack.result()[kind]
                 row.streams = (streams, streams - outcomes.get("OK", 0))
@@ -197,14 +200,17 @@ def cells(r: PhaseRow, before: PhaseRow) -> list[str]:
         return f"{100 * (a / b - 1):+.0f}%" if a and b else "—"
 
     return [r.phase, f"{r.seconds:.0f}", f"{r.rss_mb:.0f}", rel(r.rss_mb, before.rss_mb), f"{r.daemon_rss_mb:.0f}",
-            rel(r.daemon_rss_mb, before.daemon_rss_mb), str(r.state), rel(r.state.p50_ms, before.state.p50_ms), f"{r.state_kb:.0f}",
-            str(r.nodes), f"{r.heartbeats[0]} / {r.heartbeats[1]}", f"{r.joins[0]} / {r.joins[1]}", f"{r.senders[0]} / {r.senders[1]}",
+            rel(r.daemon_rss_mb, before.daemon_rss_mb), str(r.state), rel(r.state.p50_ms, before.state.p50_ms),
+            f"{r.state_kb:.0f}",
+            str(r.nodes), f"{r.heartbeats[0]} / {r.heartbeats[1]}", f"{r.joins[0]} / {r.joins[1]}",
+            f"{r.senders[0]} / {r.senders[1]}",
             f"{r.streams[0]} / {r.streams[1]}" + (f" ({r.refused_as})" if r.refused_as else "")]
 
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="tahnode bench abuse", description=__doc__)
-    ap.add_argument("--heartbeats", type=int, default=10_000, help="oversized heartbeats the abuser sends (default 10000)")
+    ap.add_argument("--heartbeats", type=int, default=10_000,
+                    help="oversized heartbeats the abuser sends (default 10000)")
     ap.add_argument("--links", type=int, default=5_000, help="made-up links in each (default 5000: about 120 KB)")
     ap.add_argument("--fat-heartbeats", type=int, default=200,
                     help="heartbeats whose stats maps are full of made-up entries (default 200)")
@@ -215,13 +221,15 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--senders", type=int, default=50_000,
                     help="heartbeats sealed under made-up sender names, each refused as no member (default 50000)")
     ap.add_argument("--padded-frames", type=int, default=300,
-                    help=f"streams to the stage daemon, each frame 0 of an envelope, then a frame of 1 byte of data padded "
-                         f"to {PAD_TO >> 10} KiB (default 300: 1.2 GB)")
+                    help="streams to the stage daemon, each frame 0 of an envelope, then a frame of 1 byte of data "
+                         f"padded to {PAD_TO >> 10} KiB (default 300: 1.2 GB)")
     ap.add_argument("--endless-frames", type=int, default=2_000,
-                    help="streams to the stage daemon, each frame 0 of a 2-frame envelope, then a frame naming 10^9 frames "
-                         "(default 2000)")
-    ap.add_argument("--settle", type=float, default=10.0, help="seconds measured before and after the abuse (default 10)")
-    ap.add_argument("--doc", default="docs/benchmarks-log.md", help="where the rows go (default docs/benchmarks-log.md)")
+                    help="streams to the stage daemon, each frame 0 of a 2-frame envelope, then a frame naming 10^9 "
+                         "frames (default 2000)")
+    ap.add_argument("--settle", type=float, default=10.0,
+                    help="seconds measured before and after the abuse (default 10)")
+    ap.add_argument("--doc", default="docs/benchmarks-log.md",
+                    help="where the rows go (default docs/benchmarks-log.md)")
     ap.add_argument("--no-doc", action="store_true", help="print the rows only; leave the doc alone")
     ap.add_argument("--json", action="store_true", help="print the rows as JSON")
     return ap
@@ -239,15 +247,16 @@ def main(argv: list[str] | None = None) -> int:
     command = ("tahnode bench abuse " + " ".join(sys.argv[3:] if argv is None else argv)).strip()
     if not args.no_doc:
         write_section(Path(args.doc), "abuse", "A token holder's abuse: the coordinator and a stage daemon", [
-            text, "", f"A real coordinator (`tahnode coordinator`, plain gRPC on loopback) and a real stage daemon (`tahnode join "
-            f"--stage 1`, its data plane plain gRPC); stage 0 is held by the attacking neighbour, stage 2 by a client. First the "
-            f"neighbour (a process of its own, with the token and its bound key) opens {args.padded_frames} Forward streams to the "
-            f"daemon, each frame 0 of a 2-frame envelope then a frame of 1 byte of data padded to {PAD_TO} bytes with a field "
-            f"Frame does not have, and {args.endless_frames} streams whose second frame names 10^9 frames (issue 39, finding 2; "
-            f"{STREAMS_PER_PEER} streams at once, what a receiver lets one sender hold open). Then one client with the "
-            f"token sends as a member {args.heartbeats} heartbeats of {args.links} "
-            f"made-up links each and {args.fat_heartbeats} of {args.stats} made-up entries in each stats map, {args.joins} joins "
-            f"under fresh ids and keys, and {args.senders} heartbeats sealed under made-up sender names, 8 requests in flight. "
-            f"RSS: each process's peak in the phase; state: GET /api/v1/state every {POLL_S} s.", "", "", f"Command: `{command}`"], [])
+            text, "", "A real coordinator (`tahnode coordinator`, plain gRPC on loopback) and a real stage daemon "
+            "(`tahnode join --stage 1`, its data plane plain gRPC); stage 0 is held by the attacking neighbour, stage "
+            "2 by a client. First the neighbour (a process of its own, with the token and its bound key) opens "
+            f"{args.padded_frames} Forward streams to the daemon, each frame 0 of a 2-frame envelope then a frame of 1 "
+            f"byte of data padded to {PAD_TO} bytes with a field Frame does not have, and {args.endless_frames} "
+            f"streams whose second frame names 10^9 frames (issue 39, finding 2; {STREAMS_PER_PEER} streams at once, "
+            "what a receiver lets one sender hold open). Then one client with the token sends as a member "
+            f"{args.heartbeats} heartbeats of {args.links} made-up links each and {args.fat_heartbeats} of "
+            f"{args.stats} made-up entries in each stats map, {args.joins} joins under fresh ids and keys, and "
+            f"{args.senders} heartbeats sealed under made-up sender names, 8 requests in flight. RSS: each process's "
+            f"peak in the phase; state: GET /api/v1/state every {POLL_S} s.", "", "", f"Command: `{command}`"], [])
     print(json.dumps([asdict(r) for r in rows]) if args.json else text)
     return 0

@@ -31,7 +31,8 @@ from .swarm import free_port
 
 __all__ = ["CoordinatorRow", "Spread", "CoordinatorProcess", "BenchError", "main"]
 
-COLUMNS = ("nodes", "joins s", "placed", "placed s", "pipelines", "heartbeats", "heartbeat ms p50 / p99", "heartbeat errors",
+COLUMNS = ("nodes", "joins s", "placed", "placed s", "pipelines", "heartbeats", "heartbeat ms p50 / p99",
+           "heartbeat errors",
            "coordinator CPU %", "RSS MB (peak)", "probes", "probe GB", "probes per node at once", "probes at once",
            "state ms p50 / p99", "state KB", "metrics ms p50 / p99", "metrics KB", "SIGTERM exit s", "sim CPU %")
 PLACED = ("active", "standby")
@@ -103,10 +104,12 @@ class CoordinatorProcess:
 
     def start(self) -> None:
         args = ["coordinator", "--listen", self.address, "--http", self.http.removeprefix("http://"), "--tls", "off",
-                "--token-file", str(self.workdir / "token"), "--stages", str(self.stages), "--store", str(self.workdir / "store")]
+                "--token-file", str(self.workdir / "token"), "--stages", str(self.stages), "--store",
+                str(self.workdir / "store")]
         with open(self.log, "w") as log:
-            self.proc = subprocess.Popen([sys.executable, "-m", "tahnode.cli", *args], stdout=log, stderr=subprocess.STDOUT,
-                                         start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+            self.proc = subprocess.Popen([sys.executable, "-m", "tahnode.cli", *args], stdout=log,
+                                         stderr=subprocess.STDOUT, start_new_session=True,
+                                         env={**os.environ, "PYTHONUNBUFFERED": "1"})
 
     def alive(self) -> None:
         """Raise BenchError if the coordinator exited."""
@@ -141,7 +144,8 @@ class CoordinatorProcess:
             self.proc.wait()
 
     def log_tail(self, lines: int = 30) -> str:
-        return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:]) if self.log.exists() else "(no log)"
+        return ("\n".join(self.log.read_text(errors="replace").splitlines()[-lines:]) if self.log.exists()
+                else "(no log)")
 
 
 def say(text: str) -> None:
@@ -178,7 +182,8 @@ async def wait_placed(coord: CoordinatorProcess, sims: SimVolunteers, timeout: f
             return
         if elapsed - shown >= 5:
             p = sims.probes
-            say(f"N={n}: {placed}/{n} placed after {elapsed:.0f} s; {p.stats.probes} probes done, {p.in_flight} in flight")
+            say(f"N={n}: {placed}/{n} placed after {elapsed:.0f} s; {p.stats.probes} probes done, "
+                f"{p.in_flight} in flight")
             shown = elapsed
         await asyncio.sleep(POLL_S)
 
@@ -188,10 +193,12 @@ def fmt(value: float | None, spec: str = ".1f") -> str:
 
 
 def cells(r: CoordinatorRow) -> list[str]:
-    return [str(r.nodes), fmt(r.join_s, ".2f"), f"{r.placed}/{r.nodes}", fmt(r.placed_s), str(r.pipelines), str(r.heartbeats),
+    return [str(r.nodes), fmt(r.join_s, ".2f"), f"{r.placed}/{r.nodes}", fmt(r.placed_s), str(r.pipelines),
+            str(r.heartbeats),
             str(r.heartbeat_ms), str(r.heartbeat_errors), f"{r.cpu_pct:.0f}", f"{r.rss_mb:.0f} ({r.peak_rss_mb:.0f})",
             str(r.probes), f"{r.probe_gb:.2f}", str(r.probes_per_node_max), str(r.probes_at_once_max), str(r.state_ms),
-            f"{r.state_kb:,.0f}", str(r.metrics_ms), f"{r.metrics_kb:,.0f}", fmt(r.sigterm_exit_s, ".2f"), f"{r.sim_cpu_pct:.0f}"]
+            f"{r.state_kb:,.0f}", str(r.metrics_ms), f"{r.metrics_kb:,.0f}", fmt(r.sigterm_exit_s, ".2f"),
+            f"{r.sim_cpu_pct:.0f}"]
 
 
 class Bench:
@@ -219,8 +226,9 @@ class Bench:
                 gc.freeze()  # the volunteers' keys and records live to the end: collections need not scan them
                 sims.start_heartbeats()
                 await wait_placed(coord, sims, self.args.place_timeout, row)
-                say(f"N={n}: " + (f"all placed {row.placed_s:.1f} s after the last join" if row.placed_s is not None else
-                                  f"only {row.placed}/{n} placed within {self.args.place_timeout:g} s"))
+                say(f"N={n}: "
+                    + (f"all placed {row.placed_s:.1f} s after the last join" if row.placed_s is not None else
+                       f"only {row.placed}/{n} placed within {self.args.place_timeout:g} s"))
                 await self.window(coord, sims)
                 sims.beats.counting = False
                 row.sigterm_exit_s = await asyncio.to_thread(coord.stop)
@@ -266,7 +274,8 @@ class Bench:
         r.heartbeats, r.heartbeat_ms, r.rejoins = len(hb.latencies_ms), Spread.of(hb.latencies_ms), hb.rejoins
         r.heartbeat_errors = sum(hb.errors.values())
         r.errors.update(hb.errors)
-        r.probes, r.probe_gb, r.probes_per_node_max, r.probes_at_once_max = p.probes, p.bytes / 1e9, p.per_node_max, p.at_once_max
+        r.probes, r.probe_gb, r.probes_per_node_max, r.probes_at_once_max = (p.probes, p.bytes / 1e9, p.per_node_max,
+                                                                             p.at_once_max)
 
 
 NOTES = {  # what the columns mean: the --help epilog and the sentence under the table
@@ -276,7 +285,8 @@ NOTES = {  # what the columns mean: the --help epilog and the sentence under the
     "heartbeat ms": "latency of the heartbeats answered in the window, as the volunteers see it",
     "coordinator CPU %": "user+system time of the coordinator (and any children) over the window, % of one core",
     "RSS MB (peak)": "the coordinator's resident memory at the end of the window (VmRSS; VmHWM in brackets)",
-    "probes, probe GB": "link measurements the coordinator asked for over the whole run, and the bytes real probes would send",
+    "probes, probe GB": "link measurements the coordinator asked for over the whole run, and the bytes "
+                        "real probes would send",
     "probes per node at once": "the most probes one volunteer was in at once, as sender or target (should be 1)",
     "state, metrics": "GET /api/v1/state and /metrics every 0.5 s in the window: latency p50 / p99, largest size",
     "SIGTERM exit s": "seconds from SIGTERM to the coordinator's exit, the volunteers still heartbeating",
@@ -298,13 +308,17 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--nodes", type=counts, default="10,100,1000", help="comma-separated volunteer counts, one fresh "
                     "coordinator each (default 10,100,1000)")
     ap.add_argument("--stages", type=int, default=4, help="pipeline stages of the run (default 4)")
-    ap.add_argument("--window", type=float, default=30.0, help="seconds measured once every volunteer is placed (default 30)")
-    ap.add_argument("--place-timeout", type=float, default=180.0, help="seconds to wait for every volunteer to be placed; "
-                    "then it is reported as not placed and the window runs anyway (default 180)")
-    ap.add_argument("--seed", type=int, default=0, help="seed of the volunteers' link speeds and compute speeds (default 0)")
-    ap.add_argument("--doc", default="docs/benchmarks-log.md", help="where the rows go (default docs/benchmarks-log.md)")
+    ap.add_argument("--window", type=float, default=30.0,
+                    help="seconds measured once every volunteer is placed (default 30)")
+    ap.add_argument("--place-timeout", type=float, default=180.0, help="seconds to wait for every volunteer to be "
+                    "placed; then it is reported as not placed and the window runs anyway (default 180)")
+    ap.add_argument("--seed", type=int, default=0,
+                    help="seed of the volunteers' link speeds and compute speeds (default 0)")
+    ap.add_argument("--doc", default="docs/benchmarks-log.md",
+                    help="where the rows go (default docs/benchmarks-log.md)")
     ap.add_argument("--no-doc", action="store_true", help="print the rows only; leave the doc alone")
-    ap.add_argument("--json", action="store_true", help="print the rows as a JSON list on stdout (instead of the table)")
+    ap.add_argument("--json", action="store_true",
+                    help="print the rows as a JSON list on stdout (instead of the table)")
     return ap
 
 
@@ -312,9 +326,9 @@ def report(rows: list[CoordinatorRow], args, command: str) -> str:
     text = markdown_table(COLUMNS, [cells(r) for r in rows])
     if not args.no_doc:
         write_section(Path(args.doc), "coordinator", "Coordinator at scale", [
-            text, "", f"A real coordinator (`tahnode coordinator`, plain gRPC on loopback, {args.stages} stages) against N "
-            "simulated volunteers in one process that join with --stage auto, heartbeat, and answer its link probes over "
-            "emulated links (up and down 10-1000 Mbit/s, log-uniform; RTT 5-80 ms); the window lasted "
+            text, "", f"A real coordinator (`tahnode coordinator`, plain gRPC on loopback, {args.stages} stages) "
+            "against N simulated volunteers in one process that join with --stage auto, heartbeat, and answer its link "
+            "probes over emulated links (up and down 10-1000 Mbit/s, log-uniform; RTT 5-80 ms); the window lasted "
             f"{args.window:g} s. " + "; ".join(f"*{name}*: {what}" for name, what in NOTES.items()) + ".",
             "", f"Command: `{command}`"], [])
     return text

@@ -139,7 +139,8 @@ def count_copies(shape: tuple[int, ...] = (2, 512, 768), codecs: tuple[str, ...]
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="tahnode bench copies", description=__doc__.split("\n\n")[0],
-                                 epilog=__doc__.split("\n\n", 1)[1], formatter_class=argparse.RawDescriptionHelpFormatter)
+                                 epilog=__doc__.split("\n\n", 1)[1],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", default="2,512,768", help="B,S,C of the bf16 activations sent (default 2,512,768)")
     ap.add_argument("--codecs", default=",".join(CODECS), help=f"comma-separated codecs (default {','.join(CODECS)})")
     ap.add_argument("--json", action="store_true", help="print the counts as one JSON list")

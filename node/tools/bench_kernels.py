@@ -67,11 +67,13 @@ def build_parser() -> argparse.ArgumentParser:
                     help="B,S,C of the activations, or 'all' for " + " ".join(",".join(map(str, s)) for s in ALL_SHAPES)
                     + " (default 4,2048,4096)")
     ap.add_argument("--dtype", choices=sorted(DTYPES), default="bf16", help="input dtype (default bf16)")
-    ap.add_argument("--iters", type=int, default=50, help="timed runs per op after warm-up; the median is reported (default 50)")
+    ap.add_argument("--iters", type=int, default=50,
+                    help="timed runs per op after warm-up; the median is reported (default 50)")
     ap.add_argument("--doc", default="docs/benchmarks-log.md",
                     help="markdown file the rows are appended to (default docs/benchmarks-log.md)")
     ap.add_argument("--profile", action="store_true",
-                    help="also print the GPU time of each kernel of one encode and one decode (torch.profiler), per shape")
+                    help="also print the GPU time of each kernel of one encode and one decode "
+                    "(torch.profiler), per shape")
     ap.add_argument("--sweep", action="store_true",
                     help="instead of the usual rows, time a run's default pair (tahquant layout 3, pertoken) at other "
                          "launch settings of its kernels (values/warps per program; 'default' marks the current ones)")
@@ -81,8 +83,8 @@ def build_parser() -> argparse.ArgumentParser:
 def profile_codecs(shape, dtype) -> str:
     """Per-kernel GPU times of one encode + decode of each codec the bench times (after warm-up), a
     table per codec (their kernels share names): where the time goes, for tuning."""
-    from tahnode.kernels import (naive_ref, naive_triton, pertoken_ref, pertoken_triton, tahquant_ref, tahquant_rice_triton,
-                                 tahquant_triton)
+    from tahnode.kernels import (naive_ref, naive_triton, pertoken_ref, pertoken_triton, tahquant_ref,
+                                 tahquant_rice_triton, tahquant_triton)
 
     x = activations(shape, dtype)
     tq, nv, pt = tahquant_ref.TahQuantParams(), naive_ref.NaiveParams(), pertoken_ref.PerTokenParams()
@@ -94,11 +96,13 @@ def profile_codecs(shape, dtype) -> str:
 
     tables = []
     for name, once in (
-            ("tahquant (the paper's layout 1)", lambda: tahquant_triton.decode(tahquant_triton.encode(x, tq), shape, tq, dtype)),
+            ("tahquant (the paper's layout 1)",
+             lambda: tahquant_triton.decode(tahquant_triton.encode(x, tq), shape, tq, dtype)),
             ("naive", naive),
             ("tahquant layout 3 (a run's forward codec)",
              lambda: tahquant_rice_triton.decode(tahquant_rice_triton.encode(x, layout3), shape, layout3, dtype)),
-            ("pertoken (a run's backward codec)", lambda: pertoken_triton.decode(pertoken_triton.encode(x, pt), shape, pt, dtype))):
+            ("pertoken (a run's backward codec)",
+             lambda: pertoken_triton.decode(pertoken_triton.encode(x, pt), shape, pt, dtype))):
         tables.append(f"{name}, one encode + decode:\n{_profile(once)}")
     return "\n".join(tables)
 
@@ -148,7 +152,8 @@ def activations(shape, dtype, device="cuda", seed=0) -> torch.Tensor:
 
 
 def bench_shape(shape, dtype, iters: int, sweep: bool = False) -> list[dict]:
-    """x.clone()'s row, then codec_rows' (or sweep_rows'), each with the shape, the input's bytes and the clone's time."""
+    """x.clone()'s row, then codec_rows' (or sweep_rows'), each with the shape, the input's bytes and the
+    clone's time."""
     x = activations(shape, dtype)
     t_clone = time_cuda(lambda: x.clone(), iters)
     rows = [dict(op="x.clone()", t=t_clone, ref=None, diff="")]
@@ -171,7 +176,8 @@ def codec_rows(x: torch.Tensor, iters: int) -> list[dict]:
 
     pay_k = tahquant_triton.encode(x, tq)
     pay_r = tahquant_ref.encode(x, tq)
-    diff = str(int((pay_k != pay_r).sum())) if pay_k.numel() == pay_r.numel() else f"size {pay_k.numel()} vs {pay_r.numel()}"
+    diff = (str(int((pay_k != pay_r).sum())) if pay_k.numel() == pay_r.numel()
+            else f"size {pay_k.numel()} vs {pay_r.numel()}")
     rows.append(dict(op="tahquant encode", t=time_cuda(lambda: tahquant_triton.encode(x, tq), iters),
                      ref=time_cuda(lambda: tahquant_ref.encode(x, tq), ref_iters), diff=diff))
     rows.append(dict(op="tahquant decode", t=time_cuda(lambda: tahquant_triton.decode(pay_r, shape, tq, dtype), iters),
@@ -200,13 +206,16 @@ def symtiles_rows(x: torch.Tensor, iters: int, ref_iters: int) -> list[dict]:
     layout3 = tahquant_ref.TahQuantParams(**CODECS["tahquant"].run_params)
     for op, kernel, ref, params in (
             ("pertoken encode", pertoken_triton, pertoken_ref, pertoken_ref.PerTokenParams()),
-            ("tahquant rotated encode", tahquant_rotated_triton, tahquant_rotated_ref, tahquant_ref.TahQuantParams(layout=2)),
+            ("tahquant rotated encode", tahquant_rotated_triton, tahquant_rotated_ref,
+             tahquant_ref.TahQuantParams(layout=2)),
             ("tahquant rice encode", tahquant_rice_triton, tahquant_rice_ref, layout3)):
         pay_k, pay_r = kernel.encode(x, params), ref.encode(x, params)
-        diff = str(int((pay_k != pay_r).sum())) if pay_k.numel() == pay_r.numel() else f"size {pay_k.numel()} vs {pay_r.numel()}"
+        diff = (str(int((pay_k != pay_r).sum())) if pay_k.numel() == pay_r.numel()
+                else f"size {pay_k.numel()} vs {pay_r.numel()}")
         rows.append(dict(op=op, t=time_cuda(lambda: kernel.encode(x, params), iters),
                          ref=time_cuda(lambda: ref.encode(x, params), ref_iters), diff=diff))
-        rows.append(dict(op=op.replace("encode", "decode"), t=time_cuda(lambda: kernel.decode(pay_r, shape, params, dtype), iters),
+        rows.append(dict(op=op.replace("encode", "decode"),
+                         t=time_cuda(lambda: kernel.decode(pay_r, shape, params, dtype), iters),
                          ref=time_cuda(lambda: ref.decode(pay_r, shape, params, dtype), ref_iters), diff=""))
     return rows
 
@@ -236,7 +245,8 @@ def host_path_rows(x: torch.Tensor, iters: int, codecs: tuple[str, ...] = HOST_P
     rows = []
     if x.is_cuda:
         pinned = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
-        rows.append(dict(op="x -> pinned host", t=time_wall(lambda: pinned.copy_(x, non_blocking=True), iters), ref=None, diff=""))
+        rows.append(dict(op="x -> pinned host", t=time_wall(lambda: pinned.copy_(x, non_blocking=True), iters),
+                         ref=None, diff=""))
     rows.append(dict(op="x.cpu()", t=time_wall(lambda: x.cpu(), iters), ref=None, diff=""))
     runs = [(name, name, {}) for name in codecs]
     if "tahquant" in codecs:
@@ -248,7 +258,8 @@ def host_path_rows(x: torch.Tensor, iters: int, codecs: tuple[str, ...] = HOST_P
         sent = [path.send(x) for _ in range(iters + 3)]  # a frame list is received once: no replays
         received = path.receive(sent.pop(), x.device)
         diff = str(int((received != expected).sum())) if received.shape == expected.shape else "shape differs"
-        rows.append(dict(op=f"{label}: frames -> tensor", t=time_wall(lambda: path.receive(sent.pop(), x.device), iters),
+        rows.append(dict(op=f"{label}: frames -> tensor",
+                         t=time_wall(lambda: path.receive(sent.pop(), x.device), iters),
                          ref=None, diff=diff if diff != "0" else ""))
     return rows
 
@@ -298,7 +309,8 @@ def main(argv: list[str] | None = None) -> int:
         rows = bench_shape(shape, DTYPES[args.dtype], args.iters, args.sweep)
         print(f"{gpu}  shape {list(shape)} {args.dtype}  ({rows[0]['nbytes'] / 1e6:.1f} MB)")
         for r in rows:
-            ref = f"  reference {r['ref'] * 1e6:9.1f} us (ref/kernel {r['ref'] / r['t']:.1f})" if r["ref"] is not None else ""
+            ref = (f"  reference {r['ref'] * 1e6:9.1f} us (ref/kernel {r['ref'] / r['t']:.1f})" if r["ref"] is not None
+                   else "")
             note = f"  bytes != ref: {r['diff']}" if r["diff"] else ""
             print(f"  {r['op']:<16} {r['t'] * 1e6:9.1f} us  {r['nbytes'] / r['t'] / 1e9:7.1f} GB/s  "
                   f"{r['t'] / r['clone']:5.2f}x clone{ref}{note}")

@@ -45,7 +45,8 @@ def write_section(doc: Path, name: str, title: str, body: list[str], plots: list
     machine and the date, then the plots (linked relative to the doc)."""
     begin, end = BEGIN.format(name=name), END.format(name=name)
     links = [f"![{p.stem}]({os.path.relpath(p, doc.parent)})" for p in plots]
-    section = "\n".join([begin, *body, "", f"Machine: {machine(device)}. Date: {datetime.date.today().isoformat()}.", "", *links, end])
+    section = "\n".join([begin, *body, "", f"Machine: {machine(device)}. Date: {datetime.date.today().isoformat()}.",
+                         "", *links, end])
     text = doc.read_text() if doc.exists() else "# Benchmarks\n"
     if begin in text and end in text:
         text = text[:text.index(begin)] + section + text[text.index(end) + len(end):]
@@ -86,13 +87,15 @@ def plot_throughput(rows, out: Path) -> Path:
     fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4.2), squeeze=False)
     for ax, (stages, rtt) in zip(axes[0], panels):
         for k, pair in enumerate(pairs):
-            sel = sorted((r for r in rows if r.series == pair and (r.stages, r.rtt_ms) == (stages, rtt)), key=lambda r: xs[r.rate_mbps])
+            sel = sorted((r for r in rows if r.series == pair and (r.stages, r.rtt_ms) == (stages, rtt)),
+                         key=lambda r: xs[r.rate_mbps])
             if sel:
                 ax.plot([xs[r.rate_mbps] for r in sel], [r.tokens_per_s for r in sel], "o-", color=f"C{k}", label=pair)
                 ax.plot([xs[r.rate_mbps] for r in sel], [r.limit_tokens_per_s or float("nan") for r in sel], "--",
                         color=f"C{k}", alpha=0.6)
         ax.set_xticks(list(xs.values()), [f"{r:g}" if r else "unshaped" for r in xs])
-        ax.set(xlabel="link rate, Mbit/s", ylabel="tokens/s (dashed: limit)", yscale="log", title=f"{stages} stages, RTT {rtt:g} ms")
+        ax.set(xlabel="link rate, Mbit/s", ylabel="tokens/s (dashed: limit)", yscale="log",
+               title=f"{stages} stages, RTT {rtt:g} ms")
         ax.grid(alpha=0.3)
     axes[0][0].legend(fontsize=8)
     fig.tight_layout()

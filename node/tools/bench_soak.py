@@ -66,7 +66,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--standbys", type=int, default=1, help="spare nodes that wait as standbys (default 1)")
     ap.add_argument("--model", default="llama-tiny", help="model preset or TOML (default llama-tiny)")
     ap.add_argument("--bandwidth", default="0", help="link rate in Mbit/s, userspace-shaped (default 0: unshaped)")
-    ap.add_argument("--doc", default="docs/benchmarks-log.md", help="where the report goes (default docs/benchmarks-log.md)")
+    ap.add_argument("--doc", default="docs/benchmarks-log.md",
+                    help="where the report goes (default docs/benchmarks-log.md)")
     ap.add_argument("--plots", default="docs/plots", help="where the PNG plot goes (default docs/plots)")
     ap.add_argument("--workdir", default="bench-soak", help="logs of the swarm (default bench-soak)")
     ap.add_argument("--prefix", default="tnk-", help="name prefix of the swarm (default tnk-)")
@@ -110,7 +111,8 @@ def report(series: list[ProcessSeries], state: dict, args, command: str) -> str:
     for s in series:
         r0, r1, rg = s.growth(warmup, "rss_mb")
         f0, f1, fg = s.growth(warmup, "fds")
-        rows.append([s.name, f"{r0:,.0f}", f"{r1:,.0f}", f"{100 * rg:+.1f}%", f"{f0:.0f}", f"{f1:.0f}", f"{100 * fg:+.1f}%"])
+        rows.append([s.name, f"{r0:,.0f}", f"{r1:,.0f}", f"{100 * rg:+.1f}%", f"{f0:.0f}", f"{f1:.0f}",
+                     f"{100 * fg:+.1f}%"])
     text = markdown_table(COLUMNS, rows)
     plt = pyplot_for(Path(args.plots) / "soak.png")
     fig, (ax_rss, ax_fd) = plt.subplots(1, 2, figsize=(11, 4))
@@ -129,8 +131,9 @@ def report(series: list[ProcessSeries], state: dict, args, command: str) -> str:
     t = state.get("training", {})
     write_section(Path(args.doc), "soak", "Soak: memory and file descriptors over a long run", [
         text, "", f"Model: {args.model}; {args.stages} stages and {args.standbys} standby on 127.0.0.1, "
-        f"{args.minutes:g} minutes, sampled every {args.every:g} s; growth from the mean of the first three samples after "
-        f"{args.warmup_minutes:g} minutes of warm-up to the mean of the last three. Steps trained: {t.get('step', 0)}.",
+        f"{args.minutes:g} minutes, sampled every {args.every:g} s; growth from the mean of the first three samples "
+        f"after {args.warmup_minutes:g} minutes of warm-up to the mean of the last three. Steps trained: "
+        f"{t.get('step', 0)}.",
         "", f"Command: `{command}`"], [plot])
     return text
 

@@ -11,7 +11,8 @@ import torch
 
 from ..codecs import CODECS
 
-__all__ = ["SYMTILES_BLOCKS", "RICE_BLOCKS", "Setting", "launch_blocks", "sweep_settings", "sweep_rows", "fastest_settings"]
+__all__ = ["SYMTILES_BLOCKS", "RICE_BLOCKS", "Setting", "launch_blocks", "sweep_settings", "sweep_rows",
+           "fastest_settings"]
 
 # the launch settings --sweep times beside each module's defaults (GPU_ENCODE_BLOCK, GPU_DECODE_BLOCK):
 # (values, warps) per program of symtiles_triton's kernels (one setting for both), and pairs of
@@ -74,7 +75,8 @@ def sweep_rows(x: torch.Tensor, iters: int, timer: Callable[[Callable[[], object
             for name in names:
                 kernel, _, params = codecs[name]
                 payload, values = wanted[name]
-                ops = (("encode", encode_block, lambda: kernel.encode(x, params), _differing(kernel.encode(x, params), payload)),
+                ops = (("encode", encode_block, lambda: kernel.encode(x, params),
+                        _differing(kernel.encode(x, params), payload)),
                        ("decode", decode_block, lambda: kernel.decode(payload, shape, params, dtype),
                         _differing(kernel.decode(payload, shape, params, dtype), values)))
                 for op, block, fn, diff in ops:

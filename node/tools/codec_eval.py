@@ -37,7 +37,8 @@ def load_tensor(path: Path, key: str | None = None) -> torch.Tensor:
                 keys = list(f.keys())
                 if key is None:
                     if len(keys) != 1:
-                        raise CodecError(f"{path} holds {len(keys)} tensors ({', '.join(keys[:8])}); choose one with --key")
+                        raise CodecError(f"{path} holds {len(keys)} tensors "
+                                         f"({', '.join(keys[:8])}); choose one with --key")
                     key = keys[0]
                 if key not in keys:
                     raise CodecError(f"{path} has no tensor {key!r}; it has: {', '.join(keys[:8])}")
@@ -53,7 +54,8 @@ def load_tensor(path: Path, key: str | None = None) -> torch.Tensor:
     if isinstance(obj, dict) and key is not None:
         obj = obj.get(key)
     if not isinstance(obj, torch.Tensor):
-        raise CodecError(f"{path} does not hold a tensor (got {type(obj).__name__}); save one with torch.save(tensor, path)")
+        raise CodecError(f"{path} does not hold a tensor (got {type(obj).__name__}); save one with "
+                         "torch.save(tensor, path)")
     return obj
 
 
@@ -140,7 +142,8 @@ def format_report(r: dict) -> str:
         f"encode / decode  {r['encode_ms']:.2f} ms / {r['decode_ms']:.2f} ms  on {r['device']}",
     ]
     if "first_visit_bits_per_element" in r:
-        lines.append(f"first visit      {r['first_visit_bits_per_element']:.4f} bits/element; cache {r['cache_bytes'] / 2**20:.1f} MiB")
+        lines.append(f"first visit      {r['first_visit_bits_per_element']:.4f} bits/element; cache "
+                     f"{r['cache_bytes'] / 2**20:.1f} MiB")
     if "mean_channel_bits" in r:
         lines.append(f"channel bits     mean {r['mean_channel_bits']:.2f}")
     if "note" in r:
@@ -156,7 +159,8 @@ def main(args) -> int:
     params = codecs.parse_param_args(args.codec, args.param or [])
     report = evaluate(x.to(device), args.codec, params, repeat=args.repeat, drift=args.drift)
     if args.json:  # strict JSON: an exact reconstruction's infinite SQNR is written as null
-        print(json.dumps({k: (None if isinstance(v, float) and math.isinf(v) else v) for k, v in report.items()}, allow_nan=False))
+        print(json.dumps({k: (None if isinstance(v, float) and math.isinf(v) else v) for k, v in report.items()},
+                         allow_nan=False))
     else:
         print(format_report(report))
     return 0

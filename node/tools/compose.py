@@ -63,15 +63,16 @@ def compose_command() -> list[str]:
         return ["docker", "compose"]
     if shutil.which("docker-compose"):
         return ["docker-compose"]
-    raise ComposeError("neither `docker compose` nor `docker-compose` is installed (Debian: apt-get install docker.io docker-compose)")
+    raise ComposeError("neither `docker compose` nor `docker-compose` is installed (Debian: apt-get install "
+                       "docker.io docker-compose)")
 
 
 def check_engine() -> None:
     if not shutil.which("docker"):
         raise ComposeError("docker is not installed (Debian: apt-get install docker.io docker-compose)")
     if subprocess.run(["docker", "info"], capture_output=True).returncode != 0:
-        raise ComposeError("no Docker engine answers: start one (`systemctl start docker`, or `dockerd &` as root where "
-                           "there is no service manager)")
+        raise ComposeError("no Docker engine answers: start one (`systemctl start docker`, or `dockerd &` as root "
+                           "where there is no service manager)")
 
 
 def image_exists(name: str) -> bool:
@@ -90,7 +91,8 @@ def make_local_base(mirror: str = DEBIAN_MIRROR) -> str:
         raise ComposeError("making the local base image (debootstrap) needs root; or give --base IMAGE")
     with tempfile.TemporaryDirectory(prefix="tahnode-base-") as tmp:
         print(f"tahnode compose: making {LOCAL_BASE} with debootstrap (about 40 s, once)", file=sys.stderr)
-        run(["debootstrap", "--variant=minbase", "--include=python3,python3-venv,ca-certificates", "bookworm", tmp, mirror],
+        run(["debootstrap", "--variant=minbase", "--include=python3,python3-venv,ca-certificates", "bookworm", tmp,
+             mirror],
             quiet=True)
         tar = subprocess.Popen(["tar", "-C", tmp, "-c", "."], stdout=subprocess.PIPE)
         run(["docker", "import", "-", LOCAL_BASE], quiet=True, stdin=tar.stdout)
@@ -122,8 +124,8 @@ def build_wheels(torch_req: str, quiet: bool = False, extras: str = "p2p") -> Pa
     out = DEPLOY / "wheels"
     out.mkdir(exist_ok=True)
     index = ["--extra-index-url", "https://download.pytorch.org/whl/cpu"] if "+cpu" in torch_req else []
-    run([sys.executable, "-m", "pip", "wheel", "-q", "--wheel-dir", str(out), *index, f"{ROOT}[{extras}]" if extras else str(ROOT),
-         torch_req], quiet=quiet)
+    run([sys.executable, "-m", "pip", "wheel", "-q", "--wheel-dir", str(out), *index,
+         f"{ROOT}[{extras}]" if extras else str(ROOT), torch_req], quiet=quiet)
     return out
 
 
@@ -137,7 +139,8 @@ def token_file() -> Path:
 
 
 def compose(spec: ComposeSpec, *args: str) -> subprocess.CompletedProcess:
-    files = ["-f", str(DEPLOY / "docker-compose.yml")] + (["-f", str(DEPLOY / "docker-compose.gpu.yml")] if spec.gpu else [])
+    files = ["-f", str(DEPLOY / "docker-compose.yml")] + (["-f", str(DEPLOY / "docker-compose.gpu.yml")] if spec.gpu
+                                                          else [])
     env = {**os.environ, "TAHNODE_HTTP_PORT": str(spec.http_port), "TAHNODE_TORCH": spec.torch, **spec.env}
     return run([*compose_command(), *files, "-p", spec.project, *args], quiet=spec.quiet, env=env)
 
@@ -150,8 +153,8 @@ def up(spec: ComposeSpec) -> None:
     if local:  # no network in the build: every dependency from wheels made here (gRPC nodes: no p2p extra)
         if sys.version_info[:2] != (3, 11):
             raise ComposeError(f"the local Debian base has Python 3.11, and wheels built by this Python "
-                               f"{sys.version_info[0]}.{sys.version_info[1]} would not install there: run tahnode compose "
-                               "from a Python 3.11 environment, or give --base an image with this Python")
+                               f"{sys.version_info[0]}.{sys.version_info[1]} would not install there: run tahnode "
+                               "compose from a Python 3.11 environment, or give --base an image with this Python")
         spec.env["TAHNODE_EXTRAS"] = ""
         print("tahnode compose: building the wheels of tahnode's dependencies on this machine (deploy/wheels/; "
               "pip's cache makes it quick after the first time)", file=sys.stderr)
@@ -180,15 +183,17 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="tahnode compose", description=__doc__.split("\n\n")[0].replace("\n", " "))
     sub = ap.add_subparsers(dest="action", required=True)
     u = sub.add_parser("up", help="build the image and start the coordinator and three nodes (detached)")
-    u.add_argument("--base", default="", help=f"base image (default {HUB_BASE}; where it cannot be pulled, {LOCAL_BASE}, "
-                   "made with debootstrap as root)")
-    u.add_argument("--torch", default="torch==2.13.0", help="torch requirement of the image (default torch==2.13.0, CPU build)")
+    u.add_argument("--base", default="", help=f"base image (default {HUB_BASE}; where it cannot be pulled, "
+                   f"{LOCAL_BASE}, made with debootstrap as root)")
+    u.add_argument("--torch", default="torch==2.13.0",
+                   help="torch requirement of the image (default torch==2.13.0, CPU build)")
     u.add_argument("--gpu", action="store_true", help="one NVIDIA GPU per node (deploy/docker-compose.gpu.yml)")
     u.add_argument("--http-port", type=int, default=8080, help="host port of the status page (default 8080)")
     d = sub.add_parser("down", help="stop the swarm; remove its containers, network and volume")
     d.add_argument("--keep-volumes", action="store_true", help="keep the volume with the store and checkpoints")
     sub.add_parser("base", help=f"make {LOCAL_BASE} (debootstrap, root) without starting anything")
-    w = sub.add_parser("wheels", help="build deploy/wheels/ (tahnode, torch and their needs) for a build without network")
+    w = sub.add_parser("wheels", help="build deploy/wheels/ (tahnode, torch and their needs) for "
+                       "a build without network")
     w.add_argument("--torch", default="torch==2.13.0", help="torch requirement (default torch==2.13.0)")
     for p in (u, d):
         p.add_argument("--project", default=PROJECT, help=f"compose project name (default {PROJECT})")
@@ -200,8 +205,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         if args.action == "up":
-            up(ComposeSpec(project=args.project, base=args.base, torch=args.torch, http_port=args.http_port, gpu=args.gpu,
-                           quiet=args.quiet))
+            up(ComposeSpec(project=args.project, base=args.base, torch=args.torch, http_port=args.http_port,
+                           gpu=args.gpu, quiet=args.quiet))
         elif args.action == "down":
             down(ComposeSpec(project=args.project, quiet=args.quiet), args.keep_volumes)
         elif args.action == "base":

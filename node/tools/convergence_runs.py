@@ -78,7 +78,8 @@ class RunSpec:
             "codec.forward": self.forward, "codec.forward_params": dict(self.forward_params),
             "codec.backward": self.backward, "codec.backward_params": dict(self.backward_params),
             **{f"codec.{k}": v for k, v in (self.schedule or NO_SCHEDULE).items()},
-            **{f"swarm.{k}": v for k, v in {"pipelines": 1, **self.swarm}.items()}})  # one pipeline's samples: one stream
+            # one pipeline's samples: one stream
+            **{f"swarm.{k}": v for k, v in {"pipelines": 1, **self.swarm}.items()}})
 
 
 @dataclass
@@ -173,5 +174,6 @@ def train_one(spec: RunSpec, progress=None) -> RunResult:
     result.error_bwd = replica.errors.mean(BACKWARD)
     result.activation_bytes = spec.pipelines * sum(replica.stats.encoded_bytes.values())
     if isinstance(replica, ReplicaGroup):
-        result.averaging_bytes, result.outer_steps, result.spread = replica.averaging_bytes, replica.outer_steps, replica.spread
+        result.averaging_bytes, result.outer_steps, result.spread = (replica.averaging_bytes, replica.outer_steps,
+                                                                     replica.spread)
     return result

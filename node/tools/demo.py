@@ -141,17 +141,21 @@ def main(args, run: RunConfig) -> int:
     for sig in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, _interrupt)
     try:
-        swarm.start("coordinator", ["coordinator", "--listen", f"127.0.0.1:{grpc_port}", "--http", f"127.0.0.1:{http_port}",
-                                    "--model", args.model, "--config", str(workdir / "run.toml"), "--token-file", str(token),
-                                    "--store", str(workdir / "store")])
-        pipelines = 1 if run.swarm.auto else run.swarm.pipelines  # --pipelines N: N chains (a pinned node takes the first open one)
+        swarm.start("coordinator",
+                    ["coordinator", "--listen", f"127.0.0.1:{grpc_port}", "--http", f"127.0.0.1:{http_port}",
+                     "--model", args.model, "--config", str(workdir / "run.toml"), "--token-file", str(token),
+                     "--store", str(workdir / "store")])
+        # --pipelines N: N chains (a pinned node takes the first open one)
+        pipelines = 1 if run.swarm.auto else run.swarm.pipelines
         for name in (f"p{p}-stage{k}" if p else f"stage{k}" for p in range(pipelines) for k in range(run.stages)):
             stage = name.rsplit("stage", 1)[1]
-            swarm.start(name, ["join", "--coordinator", f"127.0.0.1:{grpc_port}", "--stage", stage, "--listen", "127.0.0.1:0",
-                               "--node-id", f"demo-{name}", "--token-file", str(token), "--checkpoint-dir",
-                               str(workdir / "checkpoints" / name), "--device", args.device,
-                               "--threads", str(share_of_cores(run.stages * pipelines))])
-        chains = f"{pipelines} pipelines of {run.stages} stage daemons" if pipelines > 1 else f"{run.stages} stage daemons"
+            swarm.start(name,
+                        ["join", "--coordinator", f"127.0.0.1:{grpc_port}", "--stage", stage, "--listen", "127.0.0.1:0",
+                         "--node-id", f"demo-{name}", "--token-file", str(token), "--checkpoint-dir",
+                         str(workdir / "checkpoints" / name), "--device", args.device,
+                         "--threads", str(share_of_cores(run.stages * pipelines))])
+        chains = (f"{pipelines} pipelines of {run.stages} stage daemons" if pipelines > 1
+                  else f"{run.stages} stage daemons")
         console.print(f"tahnode demo: coordinator + {chains} on 127.0.0.1, {run.model.n_layers}-layer model, "
                       f"codecs {run.codec.forward}/{run.codec.backward}, {run.train.steps} steps, device {args.device}")
         console.print(f"status page: http://127.0.0.1:{http_port}/   logs and checkpoints: {workdir}")
@@ -166,13 +170,15 @@ def main(args, run: RunConfig) -> int:
                 if failed:
                     bar.stop()
                     for name in failed:
-                        console.print(f"[red]{name} exited with an error[/red]; last lines of {workdir / (name + '.log')}:\n{swarm.tail(name)}")
+                        console.print(f"[red]{name} exited with an error[/red]; last lines of "
+                                      f"{workdir / (name + '.log')}:\n{swarm.tail(name)}")
                     return 1
                 state = fetch(f"http://127.0.0.1:{http_port}") or state
                 if not state:
                     continue
                 t = state["training"]
-                info = f"loss {t['loss']:.3f}  {t['tokens_per_s']:.0f} tok/s  {t['bits_per_element']:.2f} bits/el" if t["loss"] is not None else "warming up"
+                info = (f"loss {t['loss']:.3f}  {t['tokens_per_s']:.0f} tok/s  {t['bits_per_element']:.2f} bits/el"
+                        if t["loss"] is not None else "warming up")
                 bar.update(task, completed=t["step"], info=info)
                 if warm is None and t["step"] >= warm_at > 0:
                     warm = state
@@ -189,9 +195,9 @@ def main(args, run: RunConfig) -> int:
         swarm.stop()
     ratio = summary["uncompressed_bytes"] / max(1, summary["wire_bytes"])
     console.print(
-        f"done: {summary['steps']} steps in {summary['seconds']} s; loss {summary['loss_first']:.3f} -> {summary['loss_last']:.3f}; "
-        f"{summary['tokens_per_s']:.0f} tokens/s ({100 * summary['codec_share']:.1f}% of a stage's step in encode + decode); "
-        f"activations {summary['forward_bits_per_element']:.2f} bits/element, "
+        f"done: {summary['steps']} steps in {summary['seconds']} s; loss {summary['loss_first']:.3f} -> "
+        f"{summary['loss_last']:.3f}; {summary['tokens_per_s']:.0f} tokens/s ({100 * summary['codec_share']:.1f}% of a "
+        f"stage's step in encode + decode); activations {summary['forward_bits_per_element']:.2f} bits/element, "
         f"gradients {summary['backward_bits_per_element']:.2f}; {summary['wire_bytes'] / 2**20:.1f} MB on the wire vs "
         f"{summary['uncompressed_bytes'] / 2**20:.1f} MB uncompressed ({ratio:.1f}x less)"
     )

@@ -51,7 +51,8 @@ def run_folder(directory: Path) -> Path:
     if not runs:
         raise ExportError(f"{directory} holds no stage checkpoints (stageK-ofN-stepS.safetensors) and no run-* "
                           "folder of a coordinator's --store")
-    raise ExportError(f"{directory} holds several runs ({', '.join(p.name for p in runs)}): pass the folder of the one to export")
+    raise ExportError(f"{directory} holds several runs ({', '.join(p.name for p in runs)}): pass the "
+                      "folder of the one to export")
 
 
 def pick_step(folder: Path, step: int | None) -> tuple[int, int]:
@@ -70,10 +71,12 @@ def pick_step(folder: Path, step: int | None) -> tuple[int, int]:
     if step is not None:
         if step not in common:
             without = [k for k in range(stages) if step not in by_stage[k]]
-            raise ExportError(f"step {step} is not saved for stage(s) {without}; every stage has {sorted(common) or 'no common step'}")
+            raise ExportError(f"step {step} is not saved for stage(s) {without}; every stage has "
+                              f"{sorted(common) or 'no common step'}")
         return stages, step
     if not common:
-        raise ExportError(f"the stages of {folder} have no saved step in common ({ {k: sorted(v) for k, v in by_stage.items()} })")
+        raise ExportError(f"the stages of {folder} have no saved step in common "
+                          f"({ {k: sorted(v) for k, v in by_stage.items()} })")
     return stages, max(common)
 
 
@@ -97,7 +100,8 @@ def merge(folder: Path, stages: int, step: int) -> tuple[RunConfig, dict[str, to
     weights = {k: v for k, v in weights.items() if k not in aliases}  # older files stored it twice
     if set(weights) != expected:
         missing, extra = sorted(expected - set(weights)), sorted(set(weights) - expected)
-        raise ExportError(f"the stages at step {step} do not make the whole model: missing {missing[:5]}, unexpected {extra[:5]}")
+        raise ExportError(f"the stages at step {step} do not make the whole model: missing {missing[:5]}, "
+                          f"unexpected {extra[:5]}")
     return run, weights
 
 
@@ -119,7 +123,8 @@ def write_shards(weights: dict[str, torch.Tensor], out: Path, shard_bytes: int) 
         save_file({n: weights[n].contiguous() for n in names}, str(out / file), metadata={"format": "pt"})
         weight_map.update(dict.fromkeys(names, file))
     total = sum(t.numel() * t.element_size() for t in weights.values())
-    (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+    (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total},
+                                                                  "weight_map": weight_map}, indent=2))
     return len(shards), total
 
 
@@ -137,7 +142,8 @@ def copy_tokenizer(run: RunConfig, out: Path) -> DatasetInfo | None:
     return info
 
 
-def export(checkpoint_dir: str | Path, out: str | Path, step: int | None = None, shard_bytes: int = SHARD_BYTES) -> Exported:
+def export(checkpoint_dir: str | Path, out: str | Path, step: int | None = None,
+           shard_bytes: int = SHARD_BYTES) -> Exported:
     """Write the Hugging Face folder `out` (which must not exist, or be empty) from the stage
     checkpoints under `checkpoint_dir`; written in a temporary folder, renamed when whole."""
     out = Path(out)

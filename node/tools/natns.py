@@ -44,8 +44,8 @@ class NatTopology:
 
 def _nat_rules(wan: str, lan: str) -> str:
     """MASQUERADE out of `wan`; forward only what `lan` started (no inbound port)."""
-    return (f"table ip nat {{\n  chain post {{ type nat hook postrouting priority 100; oifname \"{wan}\" masquerade; }}\n}}\n"
-            f"table ip filter {{\n  chain guard {{ type filter hook forward priority 0; policy drop; "
+    return (f"table ip nat {{\n  chain post {{ type nat hook postrouting priority 100; oifname \"{wan}\" masquerade; "
+            f"}}\n}}\ntable ip filter {{\n  chain guard {{ type filter hook forward priority 0; policy drop; "
             f"ct state established,related accept; iifname \"{lan}\" accept; }}\n}}\n")
 
 
@@ -59,8 +59,8 @@ def _veth(a: str, dev_a: str, ip_a: str, b: str, dev_b: str, ip_b: str) -> None:
 
 
 def _shape(ns: str, dev: str, rate_bps: float) -> None:
-    _run("tc", "-n", ns, "qdisc", "add", "dev", dev, "root", "tbf", "rate", f"{int(rate_bps)}bit", "burst", _burst(rate_bps),
-         "latency", "400ms")
+    _run("tc", "-n", ns, "qdisc", "add", "dev", dev, "root", "tbf", "rate", f"{int(rate_bps)}bit", "burst",
+         _burst(rate_bps), "latency", "400ms")
 
 
 def create_nat(topo: NatTopology) -> None:
@@ -78,12 +78,13 @@ def create_nat(topo: NatTopology) -> None:
         _run("ip", "netns", "exec", pub, "sysctl", "-qw", "net.ipv4.ip_forward=1")
         for k in range(1, topo.homes + 1):
             router, home = topo.router(k), topo.home(k)
-            wan_pub, wan, lan, eth = f"{topo.prefix}p{k}", f"{topo.prefix}w{k}", f"{topo.prefix}l{k}", f"{topo.prefix}e{k}"
+            wan_pub, wan, lan, eth = (f"{topo.prefix}p{k}", f"{topo.prefix}w{k}", f"{topo.prefix}l{k}",
+                                      f"{topo.prefix}e{k}")
             _veth(pub, wan_pub, f"10.79.{k}.1", router, wan, f"10.79.{k}.2")
             _veth(router, lan, f"192.168.{k}.1", home, eth, f"192.168.{k}.2")
             _run("ip", "netns", "exec", router, "sysctl", "-qw", "net.ipv4.ip_forward=1")
-            rules = subprocess.run(["ip", "netns", "exec", router, "nft", "-f", "-"], input=_nat_rules(wan, lan), text=True,
-                                   capture_output=True)
+            rules = subprocess.run(["ip", "netns", "exec", router, "nft", "-f", "-"], input=_nat_rules(wan, lan),
+                                   text=True, capture_output=True)
             if rules.returncode != 0:
                 raise NetnsError(f"nft in {router} failed: {rules.stderr.strip()}")
             if topo.wan_bps:
@@ -108,13 +109,14 @@ class NatSwarm:
 
     def _start(self, name: str, namespace: str, args: list[str]) -> None:
         log = open(self.workdir / f"{name}.log", "w")
-        self.procs[name] = subprocess.Popen(["ip", "netns", "exec", namespace, sys.executable, "-m", "tahnode.cli", *args],
-                                            stdout=log, stderr=subprocess.STDOUT, env=self.env)
+        self.procs[name] = subprocess.Popen(["ip", "netns", "exec", namespace, sys.executable, "-m", "tahnode.cli",
+                                             *args], stdout=log, stderr=subprocess.STDOUT, env=self.env)
 
     def _join(self, name: str, namespace: str, stage: int, *extra: str) -> None:
         self._start(name, namespace, ["join", "--transport", "p2p", "--stage", "auto" if self.auto else str(stage),
                                       "--node-id", name, "--device", "cpu", "--threads", "1", "--quiet",
-                                      "--checkpoint-dir", str(self.workdir / name), "--initial-peers", self.maddr, *extra])
+                                      "--checkpoint-dir", str(self.workdir / name), "--initial-peers", self.maddr,
+                                      *extra])
 
     def up(self, wait_s: float = 60.0) -> None:
         """The coordinator, then the public node (the last stage) and the homes (stages 0, 1, ...)."""
@@ -152,7 +154,8 @@ class NatSwarm:
         while time.monotonic() < deadline:
             for name, proc in self.procs.items():
                 if proc.poll() not in (None, 0):
-                    raise NetnsError(f"{name} exited with {proc.returncode} while waiting for {what}:\n{self.log(name)[-3000:]}")
+                    raise NetnsError(f"{name} exited with {proc.returncode} while waiting for "
+                                     f"{what}:\n{self.log(name)[-3000:]}")
             state = self.state()
             if state and predicate(state):
                 return state

@@ -10,8 +10,8 @@ import shutil
 import subprocess
 from dataclasses import dataclass, field
 
-__all__ = ["NetnsError", "Host", "Topology", "check_root", "create", "free_host_link", "remove", "namespaces", "pids_in",
-           "class_bytes"]
+__all__ = ["NetnsError", "Host", "Topology", "check_root", "create", "free_host_link", "remove", "namespaces",
+           "pids_in", "class_bytes"]
 
 SUBNET = "10.77.0"
 HOST_LINKS = "10.78"                   # the root namespace's veths: the first free /30 in 10.78.0.0/16
@@ -121,19 +121,22 @@ def _shape(topo: Topology, src: Host) -> None:
         return
     tc = ("tc", "-n", ns)
     _run(*tc, "qdisc", "add", "dev", "eth0", "root", "handle", "1:", "htb", "default", "1")
-    _run(*tc, "class", "add", "dev", "eth0", "parent", "1:", "classid", "1:1", "htb", "rate", "10gbit", "quantum", "60000")
+    _run(*tc, "class", "add", "dev", "eth0", "parent", "1:", "classid", "1:1", "htb", "rate", "10gbit",
+         "quantum", "60000")
     for k, (dst, (classid, rate)) in enumerate(classes.items()):
         tbf, inner = f"{0x100 + k:x}:", f"{0x200 + k:x}:"
-        _run(*tc, "class", "add", "dev", "eth0", "parent", "1:", "classid", classid, "htb", "rate", "10gbit", "quantum", "60000")
+        _run(*tc, "class", "add", "dev", "eth0", "parent", "1:", "classid", classid, "htb", "rate", "10gbit",
+             "quantum", "60000")
         _run(*tc, "filter", "add", "dev", "eth0", "parent", "1:", "protocol", "ip", "prio", "1", "u32",
              "match", "ip", "dst", f"{topo.host(dst).address}/32", "flowid", classid)
         _run(*tc, "qdisc", "add", "dev", "eth0", "parent", classid, "handle", tbf, "tbf", "rate", f"{int(rate)}bit",
              "burst", _burst(rate), "latency", f"{QUEUE_S * 1000:g}ms")
         _run(*tc, "qdisc", "add", "dev", "eth0", "parent", f"{tbf}1", "handle", inner, "htb", "default", "2")
         for minor, prio in ((1, 0), (2, 1)):
-            _run(*tc, "class", "add", "dev", "eth0", "parent", inner, "classid", f"{inner}{minor}", "htb", "rate", "10gbit",
-                 "prio", str(prio), "quantum", "60000")
-        _run(*tc, "qdisc", "add", "dev", "eth0", "parent", f"{inner}2", "bfifo", "limit", str(max(65536, int(rate * QUEUE_S / 8))))
+            _run(*tc, "class", "add", "dev", "eth0", "parent", inner, "classid", f"{inner}{minor}", "htb", "rate",
+                 "10gbit", "prio", str(prio), "quantum", "60000")
+        _run(*tc, "qdisc", "add", "dev", "eth0", "parent", f"{inner}2", "bfifo", "limit",
+             str(max(65536, int(rate * QUEUE_S / 8))))
         _run(*tc, "filter", "add", "dev", "eth0", "parent", inner, "protocol", "ip", "prio", "1", "u32",
              "match", "u16", "0x0000", "0xff80", "at", "2", "flowid", f"{inner}1")  # IP total length < 128
 
@@ -169,7 +172,8 @@ def create(topo: Topology) -> None:
             ns = host.namespace(topo.prefix)
             _run("ip", "netns", "add", ns)
             _run("ip", "-n", ns, "link", "set", "lo", "up")
-            _run("ip", "-n", topo.hub, "link", "add", host.name[:15], "type", "veth", "peer", "name", "eth0", "netns", ns)
+            _run("ip", "-n", topo.hub, "link", "add", host.name[:15], "type", "veth", "peer", "name", "eth0",
+                 "netns", ns)
             _run("ip", "-n", topo.hub, "link", "set", host.name[:15], "master", "br0", "up")
             _run("ip", "-n", ns, "addr", "add", f"{host.address}/24", "dev", "eth0")
             _run("ip", "-n", ns, "link", "set", "eth0", "up")

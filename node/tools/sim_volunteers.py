@@ -28,7 +28,8 @@ from ..net.identity import NodeKey
 from ..proto import tahnode_pb2 as pb
 from ..proto import tahnode_pb2_grpc as pb_grpc
 
-__all__ = ["Volunteer", "Links", "ProbeStats", "ProbeLedger", "HeartbeatLog", "JoinStats", "SimVolunteers", "sized_probe"]
+__all__ = ["Volunteer", "Links", "ProbeStats", "ProbeLedger", "HeartbeatLog", "JoinStats", "SimVolunteers",
+           "sized_probe"]
 
 ROUGH_BYTES = 512 << 10                    # tahnode.net.probe.measure_link: the rough probe ...
 MIN_PROBE, MAX_PROBE = 1 << 20, 64 << 20   # ... then one sized to last about a second, clamped

@@ -83,7 +83,8 @@ class SwarmSpec:
     workdir: Path | None = None
     transport: TransportKind = TransportKind.GRPC  # the nodes' data plane (the control plane is gRPC)
     placement_flags: list[str] = field(default_factory=list)  # for the coordinator: --probe-wait, --rebalance-every
-    late: int = 0                         # the last `late` nodes start only with start_late() (a volunteer who comes later)
+    # the last `late` nodes start only with start_late() (a volunteer who comes later)
+    late: int = 0
     device: str = "cpu"                   # the nodes' --device (cuda: they share this machine's GPU)
 
     def __post_init__(self):
@@ -140,8 +141,8 @@ class LocalSwarm:
         swarm = cls(spec, topo)
         try:
             swarm._start_all()
-            swarm.wait(lambda s: len([n for n in s["nodes"] if n["status"] != "failed"]) >= spec.nodes - spec.late, wait_s,
-                       "every node to join")
+            swarm.wait(lambda s: len([n for n in s["nodes"] if n["status"] != "failed"]) >= spec.nodes - spec.late,
+                       wait_s, "every node to join")
         except BaseException:
             cls.down(spec.prefix, spec.workdir)
             raise
@@ -159,7 +160,8 @@ class LocalSwarm:
         token = ["--token-file", str(token_file_of(spec.workdir))]
         self._start("coord", ["coordinator", "--listen", self.coordinator, "--http", listen_http, *token,
                               "--stages", str(spec.stages), "--store", str(spec.workdir / "store"),
-                              "--heartbeat-timeout", f"{spec.heartbeat_timeout:g}", *spec.placement_flags, *spec.run_flags])
+                              "--heartbeat-timeout", f"{spec.heartbeat_timeout:g}", *spec.placement_flags,
+                              *spec.run_flags])
         for k, name in enumerate(spec.names[:spec.nodes - spec.late]):
             self._start_node(k, name)
 
@@ -188,8 +190,9 @@ class LocalSwarm:
     def _start(self, name: str, args: list[str]) -> None:
         prefix = ["ip", "netns", "exec", self.topo.host(name).namespace(self.spec.prefix)] if self.topo else []
         log = open(self.spec.workdir / "logs" / f"{name}.log", "w")
-        proc = subprocess.Popen([*prefix, sys.executable, "-m", "tahnode.cli", *args], stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        proc = subprocess.Popen([*prefix, sys.executable, "-m", "tahnode.cli", *args], stdout=log,
+                                stderr=subprocess.STDOUT, start_new_session=True,
+                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
         self.pids[name] = proc.pid
         self._save()
 
@@ -248,7 +251,8 @@ class LocalSwarm:
         recorded = doc.get("pids", {})
         coordinator = [recorded["coord"]] if "coord" in recorded else []
         pids = [pid for name, pid in recorded.items() if name != "coord"]
-        pids += [pid for pid in _pids_with(str(token_file_of(workdir))) if pid not in pids + coordinator]  # not recorded: a crashed `up`
+        # not recorded: a crashed `up`
+        pids += [pid for pid in _pids_with(str(token_file_of(workdir))) if pid not in pids + coordinator]
         if os.geteuid() == 0 and _has_ip():
             for ns in netns.namespaces(prefix):
                 pids += [pid for pid in netns.pids_in(ns) if pid not in pids + coordinator]

@@ -25,30 +25,39 @@ def add_parser(sub) -> None:
     up = ssub.add_parser("up", help="start a coordinator and N nodes on shaped links (returns once they joined)",
                          description="Start a coordinator and N `--stage N` nodes (or `--stage auto` when there are "
                          "more nodes than stages) as background processes with shaped links. With --shaper tc (root): "
-                         "one network namespace per process, every directed link between two nodes its own tc tbf; with "
-                         "--shaper userspace: 127.0.0.1, each process paces its own links. This kernel has no netem, so "
-                         "--rtt is always emulated in user space: every message and reply between two processes, data "
-                         "and control, waits RTT/2 each way (TCP's own acknowledgements are not delayed).")
+                         "one network namespace per process, every directed link between two nodes its own tc tbf; "
+                         "with --shaper userspace: 127.0.0.1, each process paces its own links. This kernel has no "
+                         "netem, so --rtt is always emulated in user space: every message and reply between two "
+                         "processes, data and control, waits RTT/2 each way (TCP's own "
+                         "acknowledgements are not delayed).")
     up.add_argument("--nodes", type=int, default=3, help="stage daemons to start (default 3)")
-    up.add_argument("--bandwidth", default="", metavar="RATE", help="rate of every link between two nodes, each direction (e.g. 50mbit; default unshaped)")
-    up.add_argument("--rtt", default="", metavar="DURATION", help="round-trip time between processes (e.g. 50ms), in user space (see above)")
-    up.add_argument("--slow-link", action="append", default=[], metavar="A-B:RATE", help="a slower link between nodes A and B, both directions (e.g. n2-n3:10mbit), repeatable")
-    up.add_argument("--shaper", default=Shaper.TC.value, choices=[s.value for s in Shaper], help="tc (root, namespaces; default) or userspace (no root)")
-    up.add_argument("--prefix", default="tns-", help="name prefix of the namespaces (a second swarm needs another; default tns-)")
+    up.add_argument("--bandwidth", default="", metavar="RATE",
+                    help="rate of every link between two nodes, each direction (e.g. 50mbit; default unshaped)")
+    up.add_argument("--rtt", default="", metavar="DURATION",
+                    help="round-trip time between processes (e.g. 50ms), in user space (see above)")
+    up.add_argument("--slow-link", action="append", default=[], metavar="A-B:RATE",
+                    help="a slower link between nodes A and B, both directions (e.g. n2-n3:10mbit), repeatable")
+    up.add_argument("--shaper", default=Shaper.TC.value, choices=[s.value for s in Shaper],
+                    help="tc (root, namespaces; default) or userspace (no root)")
+    up.add_argument("--prefix", default="tns-",
+                    help="name prefix of the namespaces (a second swarm needs another; default tns-)")
     up.add_argument("--workdir", default="", help="state, logs, checkpoints (default: $TMPDIR/tahnode-swarm/PREFIX); "
                     "its checkpoints are wiped: every `up` trains from scratch")
-    up.add_argument("--auto", action="store_true", help="every node joins with --stage auto: the coordinator probes the links "
-                    "and places the nodes (the default when there are more nodes than stages; else node nK holds stage K-1)")
+    up.add_argument("--auto", action="store_true", help="every node joins with --stage auto: the coordinator probes "
+                    "the links and places the nodes (the default when there are more nodes than stages; else "
+                    "node nK holds stage K-1)")
     up.add_argument("--transport", default="grpc", choices=["grpc", "p2p"],
                     help="the nodes' data plane: gRPC or libp2p (needs pip install 'tahnode[p2p]'; default grpc)")
-    up.add_argument("--heartbeat-timeout", type=float, default=10.0, help="the coordinator's failure detection, seconds (default 10)")
-    up.add_argument("--probe-wait", type=float, default=4.0, help="with --auto: the coordinator's longest wait for probes "
-                    "before the first chain, seconds (default 4)")
-    up.add_argument("--rebalance-every", type=float, default=30.0, help="with --auto: seconds between the coordinator's "
-                    "rebalancing checks (0 = never; default 30)")
+    up.add_argument("--heartbeat-timeout", type=float, default=10.0,
+                    help="the coordinator's failure detection, seconds (default 10)")
+    up.add_argument("--probe-wait", type=float, default=4.0, help="with --auto: the coordinator's longest wait for "
+                    "probes before the first chain, seconds (default 4)")
+    up.add_argument("--rebalance-every", type=float, default=30.0, help="with --auto: seconds between the "
+                    "coordinator's rebalancing checks (0 = never; default 30)")
     up.add_argument("--wait", type=float, default=90.0, help="seconds to wait for every node to join (default 90)")
     up.set_defaults(run_actions=add_run_flags(up))
-    for name, text in (("down", "stop every process and remove every namespace, link and qdisc of the swarm (also after a crash)"),
+    for name, text in (("down", "stop every process and remove every namespace, link and qdisc of the "
+                        "swarm (also after a crash)"),
                        ("status", "the swarm's nodes and training progress")):
         p = ssub.add_parser(name, help=text, description=text)
         p.add_argument("--prefix", default="tns-", help="the swarm's prefix (default tns-)")
@@ -85,11 +94,13 @@ def main(args) -> int:
                 return 1
             _print_state(fetch(doc["http"]), doc["http"])
             return 0
-        spec = SwarmSpec(nodes=args.nodes, stages=args.stages or 0, bandwidth_bps=parse_rate(args.bandwidth) if args.bandwidth else 0.0,
+        spec = SwarmSpec(nodes=args.nodes, stages=args.stages or 0,
+                         bandwidth_bps=parse_rate(args.bandwidth) if args.bandwidth else 0.0,
                          rtt_s=parse_duration(args.rtt) if args.rtt else 0.0, slow_links=_slow_links(args.slow_link),
                          shaper=Shaper(args.shaper), prefix=args.prefix, workdir=workdir, auto=args.auto,
                          heartbeat_timeout=args.heartbeat_timeout, transport=TransportKind(args.transport),
-                         placement_flags=["--probe-wait", f"{args.probe_wait:g}", "--rebalance-every", f"{args.rebalance_every:g}"],
+                         placement_flags=["--probe-wait", f"{args.probe_wait:g}", "--rebalance-every",
+                                          f"{args.rebalance_every:g}"],
                          run_flags=run_flag_args(args, args.run_actions, skip=("stages",)))
         if spec.shaper is Shaper.TC:
             netns.check_root()
@@ -98,8 +109,8 @@ def main(args) -> int:
         print(f"tahnode swarm: {exc}", file=sys.stderr)
         return 2
     shaped = f"{spec.bandwidth_bps / 1e6:g} Mbit/s links" if spec.bandwidth_bps else "unshaped links"
-    print(f"swarm {spec.prefix!r} is up: coordinator {swarm.coordinator}, {spec.nodes} nodes, {spec.stages} stages, {shaped}"
-          f" ({spec.shaper} shaper), RTT {spec.rtt_s * 1e3:g} ms")
+    print(f"swarm {spec.prefix!r} is up: coordinator {swarm.coordinator}, {spec.nodes} nodes, {spec.stages} stages, "
+          f"{shaped} ({spec.shaper} shaper), RTT {spec.rtt_s * 1e3:g} ms")
     _print_state(swarm.state(), swarm.http)
     print(f"logs: {spec.workdir / 'logs'}; stop it with: tahnode swarm down --prefix {spec.prefix}")
     return 0

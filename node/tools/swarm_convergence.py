@@ -23,7 +23,8 @@ def convergence_cells(rows: list[Row], reference: str = "none/none") -> list[lis
         vs = f"{statistics.fmean(gaps):+.2f}% ({', '.join(f'{g:+.1f}' for g in gaps)})" if gaps else "no reference run"
         cells.append([pair, str(max(len(r.losses) for r in runs)), str(len(runs)),
                       f"{statistics.fmean(final_loss(r) for r in runs):.4f}", vs,
-                      f"{statistics.fmean(r.bits_fwd for r in runs):.2f} / {statistics.fmean(r.bits_bwd for r in runs):.2f}",
+                      f"{statistics.fmean(r.bits_fwd for r in runs):.2f} / "
+                      f"{statistics.fmean(r.bits_bwd for r in runs):.2f}",
                       f"{statistics.fmean(r.tokens_per_s for r in runs):,.0f}"])
     return cells
 
@@ -34,7 +35,8 @@ def mean_curves(rows: list[Row]) -> list[Row]:
     for pair in dict.fromkeys(r.pair for r in rows):
         runs = [r for r in rows if r.pair == pair]
         n = min(len(r.losses) for r in runs)
-        out.append(Row(0.0, 0.0, runs[0].stages, pair, losses=[statistics.fmean(r.losses[i] for r in runs) for i in range(n)]))
+        out.append(Row(0.0, 0.0, runs[0].stages, pair,
+                       losses=[statistics.fmean(r.losses[i] for r in runs) for i in range(n)]))
     return out
 
 
@@ -44,7 +46,8 @@ def report_convergence(rows: list[Row], cfg: BenchConfig, args, command: str) ->
     seeds = sorted({r.seed for r in rows})
     plots = [plot_convergence(mean_curves(rows), reference, Path(args.plots) / f"{args.name}-convergence.png")]
     write_section(Path(args.doc), f"{args.name}-convergence", f"Convergence: {args.name}", [
-        text, "", f"Model: {cfg.model}, {cfg.tokens_per_step} tokens per step, {cfg.unshaped_steps} steps, 3 stages on unshaped "
-        f"links; every pair trained with seeds {', '.join(map(str, seeds))} (weights and data order), the same data for the "
-        f"same seed; the plot shows each pair's loss averaged over the seeds.", "", f"Command: `{command}`"], plots)
+        text, "", f"Model: {cfg.model}, {cfg.tokens_per_step} tokens per step, {cfg.unshaped_steps} steps, 3 stages on "
+        f"unshaped links; every pair trained with seeds {', '.join(map(str, seeds))} (weights and data order), the "
+        "same data for the same seed; the plot shows each pair's loss averaged over the seeds.", "",
+        f"Command: `{command}`"], plots)
     return text

@@ -151,7 +151,8 @@ class SampleSchedule:
         if step < 0:
             raise ValueError(f"step must be >= 0, got {step}")
         if not 0 <= pipeline < self.slots:
-            raise ValueError(f"pipeline {pipeline} is out of range: the schedule keeps {self.slots} apart (0..{self.slots - 1})")
+            raise ValueError(f"pipeline {pipeline} is out of range: the schedule keeps {self.slots} apart "
+                             f"(0..{self.slots - 1})")
         if offset < 0 or count < 1 or offset + count > self.samples_per_step:
             raise ValueError(f"samples {offset}..{offset + count - 1} are not within a step of {self.samples_per_step}")
         return list(self._stream(pipeline * self.lane + step * self.samples_per_step + offset, count))

@@ -31,7 +31,8 @@ def admitted(norms: list[float], own: int, ratio: float) -> list[bool]:
     large part is refused even in a group of two."""
     finite = [n for n in norms if n == n and n != float("inf")]
     reference = lower_median(finite) if finite else 0.0
-    return [k == own or (n == n and n != float("inf") and n <= ratio * max(reference, 1e-30)) for k, n in enumerate(norms)]
+    return [k == own or (n == n and n != float("inf") and n <= ratio * max(reference, 1e-30))
+            for k, n in enumerate(norms)]
 
 
 def accepted(own: torch.Tensor, averaged: torch.Tensor, ratio: float) -> bool:

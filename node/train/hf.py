@@ -43,7 +43,8 @@ def check_hf_config(model: ModelConfig, directory: str | Path) -> None:
     ValueError names every field that differs, or the field tahnode cannot honour."""
     directory = Path(directory)
     if not (directory / "config.json").is_file():
-        raise FileNotFoundError(f"--init-from {directory}: no config.json there (a Hugging Face checkpoint directory has one)")
+        raise FileNotFoundError(f"--init-from {directory}: no config.json there (a Hugging Face "
+                                "checkpoint directory has one)")
     theirs = ModelConfig.from_hf_config(directory)
     differ = [f"{f.name} is {getattr(theirs, f.name)!r} there but {getattr(model, f.name)!r} in the run"
               for f in dataclasses.fields(ModelConfig) if getattr(theirs, f.name) != getattr(model, f.name)]

@@ -220,7 +220,8 @@ class StageModel(nn.Module):
         if seq_len > self.cfg.max_seq_len:
             raise ValueError(f"sequence length {seq_len} exceeds max_seq_len "
                              f"{self.cfg.max_seq_len}")
-        cos, sin = rope_cos_sin(seq_len, self.cfg.head_dim, self.cfg.rope_theta, x.device, x.dtype, self.cfg.rope_scaling)
+        cos, sin = rope_cos_sin(seq_len, self.cfg.head_dim, self.cfg.rope_theta, x.device, x.dtype,
+                                self.cfg.rope_scaling)
         for layer in self.model.layers.values():
             x = layer(x, cos, sin)
         if self.is_last:

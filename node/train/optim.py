@@ -37,7 +37,8 @@ class StageOptimizer:
     def __init__(self, params, train: TrainConfig):
         self.params = [p for p in params if p.requires_grad]
         self.train = train
-        self.opt = torch.optim.AdamW(self.params, lr=train.lr, betas=(train.beta1, train.beta2), weight_decay=train.weight_decay)
+        self.opt = torch.optim.AdamW(self.params, lr=train.lr, betas=(train.beta1, train.beta2),
+                                     weight_decay=train.weight_decay)
 
     def clip_coef(self, total_sumsq: float) -> float:
         if self.train.grad_clip <= 0:

@@ -29,27 +29,31 @@ def make_input(shape, dtype: str, seed: int, outlier: float) -> torch.Tensor:
 CASES = [
     dict(name="none-fp32", codec="none", params={}, shape=[2, 3], dtype="float32", seed=1, outlier=1.0),
     dict(name="naive-6bit", codec="naive", params={"bits": 6}, shape=[3, 8], dtype="float32", seed=2, outlier=1.0),
-    dict(name="group-4bit-g8", codec="group", params={"bits": 4, "group_size": 8}, shape=[2, 16], dtype="float32", seed=3, outlier=1.0),
-    dict(name="tahquant-g8-fp16", codec="tahquant", params={"group_size": 8}, shape=[1, 5, 16], dtype="float16", seed=4, outlier=12.0),
-    dict(name="tahquant-g8-tile-bf16-padded", codec="tahquant", params={"group_size": 8, "alloc": 1}, shape=[1, 4, 12], dtype="bfloat16", seed=5, outlier=12.0),
+    dict(name="group-4bit-g8", codec="group", params={"bits": 4, "group_size": 8}, shape=[2, 16], dtype="float32",
+         seed=3, outlier=1.0),
+    dict(name="tahquant-g8-fp16", codec="tahquant", params={"group_size": 8}, shape=[1, 5, 16], dtype="float16", seed=4,
+         outlier=12.0),
+    dict(name="tahquant-g8-tile-bf16-padded", codec="tahquant", params={"group_size": 8, "alloc": 1}, shape=[1, 4, 12],
+         dtype="bfloat16", seed=5, outlier=12.0),
     dict(name="pertoken-6bit-g8-bf16-short-tile", codec="pertoken", params={"bits": 6, "group_size": 8}, shape=[3, 20],
          dtype="bfloat16", seed=8, outlier=1000.0),
     dict(name="pertoken-4bit-g16-fp32", codec="pertoken", params={"bits": 4, "group_size": 16}, shape=[2, 2, 32],
          dtype="float32", seed=9, outlier=1.0),
-    dict(name="tahquant-rotated-g8-fp16-padded", codec="tahquant", params={"group_size": 8, "layout": 2}, shape=[1, 4, 12],
-         dtype="float16", seed=10, outlier=12.0),
+    dict(name="tahquant-rotated-g8-fp16-padded", codec="tahquant", params={"group_size": 8, "layout": 2},
+         shape=[1, 4, 12], dtype="float16", seed=10, outlier=12.0),
     dict(name="tahquant-rotated-g32-bf16", codec="tahquant", params={"group_size": 32, "layout": 2}, shape=[2, 3, 64],
          dtype="bfloat16", seed=11, outlier=12.0),
     dict(name="tahquant-rice-g8-fp16-blocks", codec="tahquant", params={"group_size": 8, "layout": 3, "qmax": 12},
          shape=[1, 4, 12], dtype="float16", seed=12, outlier=12.0),
     dict(name="tahquant-rice-g32-bf16-k0", codec="tahquant", params={"group_size": 32, "layout": 3, "qmax": 1},
          shape=[2, 3, 64], dtype="bfloat16", seed=13, outlier=12.0),
-    dict(name="tahquant-rice-g128-w96-bf16-blocks", codec="tahquant", params={"group_size": 128, "layout": 3, "qmax": 12},
+    dict(name="tahquant-rice-g128-w96-bf16-blocks", codec="tahquant",
+         params={"group_size": 128, "layout": 3, "qmax": 12},
          shape=[2, 3, 96], dtype="bfloat16", seed=14, outlier=12.0),
-    dict(name="amaq-learned", codec="amaq", params={"anneal_steps": 0}, shape=[2, 4, 8], dtype="float32", seed=6, outlier=1.0,
-         gates=[-6.0, -2.0, 0.0, 0.5, 1.0, 2.0, 4.0, 6.0]),
-    dict(name="aqsgd-two-visits", codec="aqsgd", params={"bits": 4, "group_size": 8}, shape=[2, 2, 8], dtype="float32", seed=7, outlier=1.0,
-         sample_ids=[5, 2]),
+    dict(name="amaq-learned", codec="amaq", params={"anneal_steps": 0}, shape=[2, 4, 8], dtype="float32", seed=6,
+         outlier=1.0, gates=[-6.0, -2.0, 0.0, 0.5, 1.0, 2.0, 4.0, 6.0]),
+    dict(name="aqsgd-two-visits", codec="aqsgd", params={"bits": 4, "group_size": 8}, shape=[2, 2, 8], dtype="float32",
+         seed=7, outlier=1.0, sample_ids=[5, 2]),
 ]
 
 
@@ -76,7 +80,8 @@ def main() -> None:
         entry["messages_hex"] = [m.hex() for m in messages(case)]
         ctx = CodecContext(sample_ids=case.get("sample_ids"))
         entry["decoded_hex"] = [
-            codecs.decode(codecs.parse_message(bytes.fromhex(m)), ctx).contiguous().view(torch.uint8).numpy().tobytes().hex()
+            codecs.decode(codecs.parse_message(bytes.fromhex(m)), ctx)
+            .contiguous().view(torch.uint8).numpy().tobytes().hex()
             for m in entry["messages_hex"]
         ]
         vectors.append(entry)
