@@ -13,7 +13,7 @@ from .config.flags import add_run_flags, run_config_from
 from .config.node import COORDINATOR_P2P_LISTEN, NODE_P2P_LISTEN
 from .net.errors import P2PError
 from .net.loop import use_fast_event_loop
-from .tools.certs_cli import _add_certs_command, _certs
+from .tools.certs_cli import add_certs_command, run_certs
 
 BENCHES = {  # `tahnode bench NAME`: tahnode.tools.bench_NAME.main
     "kernels": "Triton codec kernels vs x.clone() and the reference (needs a GPU)",
@@ -233,7 +233,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     _add_codec_commands(sub)
     _add_swarm_commands(sub)
-    _add_certs_command(sub)
+    add_certs_command(sub)
     _add_export_command(sub)
     from .tools import swarm_cli
     swarm_cli.add_parser(sub)
@@ -269,7 +269,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "export":
             return _export(args)
         if args.command == "certs":
-            return _certs(args)
+            return run_certs(args)
         if args.command == "swarm":
             from .tools import swarm_cli
             return swarm_cli.main(args)

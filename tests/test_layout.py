@@ -121,7 +121,8 @@ def import_graph(found: dict[str, Path]) -> dict[str, set[str]]:
             continue
         package = name.rpartition(".")[0]
         graph[name] = {t for t in imports_of(name, path.read_text(), False)
-                       if t in found and t != name and t.rpartition(".")[0] == package and found[t].name != "__init__.py"}
+                       if t in found and t != name and t.rpartition(".")[0] == package
+                       and found[t].name != "__init__.py"}
     return graph
 
 
@@ -177,7 +178,8 @@ def test_module_has_a_docstring_and_stays_small(name):
     doc = ast.get_docstring(ast.parse(source))
     assert doc and len(doc.strip().splitlines()) >= 2, f"{path}: say what the module is in two lines or more"
     if part_of(name) not in ("kernels", "proto"):
-        assert len(source.splitlines()) <= MAX_MODULE_LINES, f"{path} has more than {MAX_MODULE_LINES} lines: split it by job"
+        assert len(source.splitlines()) <= MAX_MODULE_LINES, \
+            f"{path} has more than {MAX_MODULE_LINES} lines: split it by job"
 
 
 def test_no_line_is_longer_than_120_characters():

@@ -4,7 +4,7 @@ or a node (in its --checkpoint-dir) serves with, and the coordinator certificate
 from __future__ import annotations
 
 
-def _add_certs_command(sub) -> None:
+def add_certs_command(sub) -> None:
     ce = sub.add_parser("certs", help="make (on first use) and show a TLS certificate: the coordinator's or a node's",
                         description="Show the TLS certificate a coordinator (in its --store) or a node (in its "
                         "--checkpoint-dir) serves with, making it first if there is none yet. Volunteers pin the "
@@ -14,7 +14,7 @@ def _add_certs_command(sub) -> None:
     ce.add_argument("--json", action="store_true", help="print one JSON object")
 
 
-def _certs(args) -> int:
+def run_certs(args) -> int:
     import json
     from pathlib import Path
 
