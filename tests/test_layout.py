@@ -177,9 +177,8 @@ def test_module_has_a_docstring_and_stays_small(name):
     source = path.read_text()
     doc = ast.get_docstring(ast.parse(source))
     assert doc and len(doc.strip().splitlines()) >= 2, f"{path}: say what the module is in two lines or more"
-    if part_of(name) not in ("kernels", "proto"):
-        assert len(source.splitlines()) <= MAX_MODULE_LINES, \
-            f"{path} has more than {MAX_MODULE_LINES} lines: split it by job"
+    assert len(source.splitlines()) <= MAX_MODULE_LINES, \
+        f"{path} has more than {MAX_MODULE_LINES} lines: split it by job"
 
 
 def test_no_line_is_longer_than_120_characters():
