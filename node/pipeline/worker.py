@@ -34,6 +34,7 @@ log = logging.getLogger("tahnode.pipeline")
 
 __all__ = ["StageWorker", "PipelineError", "STALE"]
 
+
 class StageWorker(StageCore):
     """Holds stage `stage` of `run` in pipeline `pipeline` (whose samples stage 0 trains); drive with
     `run()` (stage 0 also drives the steps). Its parts are StageCore's; its helpers take those parts
@@ -50,9 +51,9 @@ class StageWorker(StageCore):
         self.outer = OuterSync(self, averager) if has_outer(run) else None
         self.saver.outer, self.saver.pipeline = self.outer, pipeline  # its checkpoints keep the outer weights
         self.resync = Resync(self, self.commit, self.outer)
-        self.driver = StepDriver(self, dataset, self.forward_first, self.commit, self.resync.roll_back, self.outer) \
-            if self.first else None
-        if self.driver is not None:
+        self.driver = None
+        if self.first:
+            self.driver = StepDriver(self, dataset, self.forward_first, self.commit, self.resync.roll_back, self.outer)
             self.abort_step = self.driver.abort_step
         self.inbox = Inbox(self, StageOps(self.forward, self.backward, self.commit, self.resync, self.driver))
         self.t.on_link_down(self._link_down)
