@@ -19,7 +19,7 @@ __all__ = ["add_pipeline_args", "pipeline_specs", "pipeline_report", "COLUMNS"]
 COLUMNS = ("pipelines", "outer step", "seeds", "held-out loss (mean)",
            "vs 1 pipeline × P batch: mean ± s.e. (per seed)", "averaging / activation bytes", "replica spread",
            "steps to 1 pipeline's final loss",
-           "wall-clock to it vs 1 pipeline at {rate} Mbit/s", "the same, P× the batch in one step (the bound)")
+           "wall-clock to it vs 1 pipeline at {rate} Mbit/s", "the same for 1 pipeline × P batch")
 
 
 # a swarm run's label: its pair's, then what pipeline_specs adds
@@ -118,7 +118,8 @@ def pipeline_report(results: list[RunResult], specs: list[RunSpec], rate_mbps: f
         singles = {r.seed: by_key.get((pair, r.seed)) for r in summary.runs}
         steps = [steps_to_reach(r.evals, singles[r.seed].final_eval) for r in summary.runs if singles.get(r.seed)]
         wall = [_wall_share(r, spec, singles[r.seed], rate_mbps) for r in summary.runs if singles.get(r.seed)]
-        # the bound any averaging meets: one pipeline with P times the batch (no outer steps) to the same loss
+        # the synchronous reference (P times the batch, no outer steps) to the same loss: a swarm that trains
+        # as well as it gets there as soon
         refs = {r.seed: r for r in runs if r.pair == reference}
         ref_wall = [_wall_share(refs[r.seed], spec, singles[r.seed], rate_mbps) for r in summary.runs
                     if singles.get(r.seed) and r.seed in refs]
