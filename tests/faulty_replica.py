@@ -1,7 +1,7 @@
 """A stage replica that misbehaves at its outer steps, for tests/test_pipelines_faults.py: the real
 `tahnode join` daemon, patched in-process on a script.
 
-- `liar`: from outer step 2 on, its pseudo-gradient is 1e30 everywhere (finite: it goes out); its own
+- `liar`: from outer step 6 on, its pseudo-gradient is 1e30 everywhere (finite: it goes out); its own
   weights it keeps well (lie()).
 - `stall`: in its third outer step, once its group formed, it writes MARKER and stops before it sends
   a part (the test kills it with SIGKILL: a replica that dies in the middle of an all-reduce).
@@ -20,7 +20,7 @@ from tahnode import cli
 from tahnode.net import averaging_parts
 from tahnode.train import outer
 
-LIE_FROM, STALL_AT = 2, 3  # outer steps
+LIE_FROM, STALL_AT = 6, 3  # outer steps: the liar lies once the victim (its third) is dealt with
 
 
 def lie() -> None:

@@ -1,8 +1,9 @@
 """Faults among the replicas, with real daemons: three pipelines of two stages, every node pinned to
 its stage (pipelines n0/n1, n2/liar, victim/n5: the stage-0 nodes join first, a pinned node takes the
 first pipeline whose stage is open). The liar's stage-1 replica sends pseudo-gradients of 1e30
-from its second outer step on: the honest replicas refuse its parts, never average them in, report
-it, and the coordinator bans it. The victim stalls in the middle of its third outer step and is
+from its sixth outer step on (after the victim's stall, so that the two faults do not meet in one
+all-reduce) and keeps its own weights well: the honest replicas refuse its parts, never average
+them in, report it, and the coordinator bans it. The victim stalls in the middle of its third outer step and is
 killed with SIGKILL there (its whole machine: the daemon, its p2p daemon, its averager): the other
 replicas of its stage finish that outer step within the deadline. Pipeline 0 trains to the end,
 every step of it in the ledger once, its weights finite."""
