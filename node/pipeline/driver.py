@@ -33,7 +33,7 @@ class StepDriver:
     def __init__(self, core: StageCore, dataset: TokenDataset | None, forward_first: Callable[..., tuple],
                  commit: Callable[[pb.StepEnd], Awaitable[float]], roll_back: Callable[[int], Awaitable[bool]],
                  outer: OuterSync | None):
-        self.w, self.forward_first, self.commit, self.roll_back, self.outer = (
+        self.core, self.forward_first, self.commit, self.roll_back, self.outer = (
             core, forward_first, commit, roll_back, outer)
         t = core.train
         self.split = Split.of(t, core.num_stages)
@@ -60,7 +60,7 @@ class StepDriver:
         self.abort.set()
 
     def sync_answered(self, ack: pb.SyncAck) -> None:
-        st = self.w.state
+        st = self.core.state
         if ack.abort:
             self.abort.set()
         elif (self.sync_reply is not None and not self.sync_reply.done()
@@ -70,11 +70,11 @@ class StepDriver:
     # -- the loop ----------------------------------------------------------------------------------
     def _forward(self, index: int):
         split = self.split
-        ids = self.samples.ids_at(self.w.state.step, index * split.batch_size, split.batch_size, self.w.pipeline)
+        ids = self.samples.ids_at(self.core.state.step, index * split.batch_size, split.batch_size, self.core.pipeline)
         tokens, labels = self.dataset.batch(ids)
         if self.sample_bytes:
             return self.forward_first(index, split.micro_batches, ids, tokens, labels)
-        with SavedBytes(self.w.model) as saved:
+        with SavedBytes(self.core.model) as saved:
             result = self.forward_first(index, split.micro_batches, ids, tokens, labels)
         self.sample_bytes = max(1.0, saved.bytes / split.batch_size)
         self.window.cap(self._memory_cap(split))
@@ -84,16 +84,16 @@ class StepDriver:
 
     def _memory_cap(self, split: Split) -> int:
         """Micro-batches of `split` whose saved activations fit in the memory budget (at least 1)."""
-        budget = self.w.train.memory_budget_mb * 2**20
+        budget = self.core.train.memory_budget_mb * 2**20
         return (max(1, int(budget // (self.sample_bytes * split.batch_size))) if self.sample_bytes
                 else split.micro_batches)
 
     def _begin_step(self) -> None:
         """This step's cut (the tuner's), and a window for it: as many places, in samples, as the
         last step's window had, within the step and the memory budget."""
-        old, self.split = self.split, Split.with_count(self.w.train, self.tuner.count)
+        old, self.split = self.split, Split.with_count(self.core.train, self.tuner.count)
         if self.split != old:
-            fresh = Window.initial(self.w.num_stages, self.split, self.w.train.schedule)
+            fresh = Window.initial(self.core.num_stages, self.split, self.core.train.schedule)
             self.window = Window(max(fresh.size, self.window.size * self.split.micro_batches // old.micro_batches),
                                  fresh.limit)
             self.window.cap(self._memory_cap(self.split))
@@ -106,7 +106,7 @@ class StepDriver:
         if not self.window.full:
             return await self.window.admit(self.abort)
         admitted = asyncio.ensure_future(self.window.admit(self.abort))
-        drained = asyncio.ensure_future(self.w.t.drained(FORWARD))
+        drained = asyncio.ensure_future(self.core.t.drained(FORWARD))
         done, _ = await asyncio.wait({admitted, drained}, return_when=asyncio.FIRST_COMPLETED)
         drained.cancel()
         if admitted not in done and self.window.grow():
@@ -119,7 +119,7 @@ class StepDriver:
         Stages that answer with different committed steps are all rolled back to the smallest; with
         pipelines in data parallel (`regroup`, or other pipelines training) every stage returns to
         its stage's latest outer step instead, until they agree."""
-        w, st = self.w, self.w.state
+        core, st = self.core, self.core.state
         rollback = False
         wait = 1.0  # the first Sync may reach a stage before it listens: ask again soon, then less often
         while True:
@@ -128,14 +128,14 @@ class StepDriver:
                 await self.outer.regroup()
                 # every stage may wait that long for a replica's state
                 wait = max(wait, self.outer.swarm.outer_timeout_s)
-            await w.compute(w.restart_step, st.committed, attempt)
+            await core.compute(core.restart_step, st.committed, attempt)
             self.window = Window(self.window.size, self.window.limit)  # none in flight; what it learned stays
-            if w.num_stages == 1:
+            if core.num_stages == 1:
                 return
             self.sync_reply = asyncio.get_running_loop().create_future()
             sync = pb.Sync(step=st.step, attempt=attempt, last_commit=st.last_commit, rollback=rollback,
                            regroup=regroup)
-            await w.send(FORWARD, sync=sync)
+            await core.send(FORWARD, sync=sync)
             try:
                 ack = await asyncio.wait_for(asyncio.shield(self.sync_reply), timeout=wait)
             except asyncio.TimeoutError:
@@ -171,11 +171,11 @@ class StepDriver:
                 if not await self._admit():
                     return False
                 try:
-                    env, gen = await self.w.compute(self._forward, index)
+                    env, gen = await self.core.compute(self._forward, index)
                 except DivergedStep as exc:
                     log.error("%s: the model diverged; the step will be replayed", exc)
                     return False
-                await self.w.send(FORWARD, gen, envelope=env)
+                await self.core.send(FORWARD, gen, envelope=env)
             waiter = asyncio.ensure_future(self.all_backward.wait())
             aborted = asyncio.ensure_future(self.abort.wait())
             done, _ = await asyncio.wait({waiter, aborted}, return_when=asyncio.FIRST_COMPLETED)
@@ -188,7 +188,7 @@ class StepDriver:
     async def _watch_for_stall(self) -> None:
         """Abort the step when no gradient came back for `stall_timeout_s` (a message lost or
         dropped on the way, a peer that hangs): every wait of the step has this deadline."""
-        timeout = self.w.train.stall_timeout_s
+        timeout = self.core.train.stall_timeout_s
         if not timeout:
             return
         seen = self.progress
@@ -202,7 +202,7 @@ class StepDriver:
 
     async def drive(self, steps: int) -> None:
         """Train until `steps` steps are committed (or the worker stops), then shut the run down."""
-        w, st = self.w, self.w.state
+        core, st = self.core, self.core.state
         # a fresh attempt number per incarnation of stage 0: leftovers of a previous one never match
         attempt = random.randrange(1, 1 << 30)
         outer = self.outer
@@ -210,26 +210,26 @@ class StepDriver:
             await outer.wait_ready()
         await self._sync(attempt, regroup=outer is not None and outer.active)
         replayed = False  # a replayed step's time says nothing about its cut
-        while st.committed < steps and not w.stopping:
-            if w.num_stages == 1:
+        while st.committed < steps and not core.stopping:
+            if core.num_stages == 1:
                 raise PipelineError("a single-stage swarm: use tahnode.train.local instead")
             if not await self._run_step():
-                if w.stopping:
+                if core.stopping:
                     break
-                w.stats.replays += 1
+                core.stats.replays += 1
                 attempt, replayed = st.attempt + 1, True
                 log.warning("stage 0 replays step %d (attempt %d)", st.committed, attempt)
                 await self._sync(attempt)
                 continue
-            total = st.partial_sumsq + await w.compute(grad_sumsq, w.opt.params)
+            total = st.partial_sumsq + await core.compute(grad_sumsq, core.opt.params)
             seconds = await self.commit(pb.StepEnd(step=st.step, attempt=st.attempt, grad_sumsq=total))
             if not replayed:
                 self.tuner.record(seconds)
             replayed = False
             if outer is not None and outer.active and outer.needs_regroup and st.committed < steps:
-                log.warning("stage 0: pipeline %d missed an outer step: it regroups with the others", w.pipeline)
+                log.warning("stage 0: pipeline %d missed an outer step: it regroups with the others", core.pipeline)
                 outer.needs_regroup = False
                 await self._sync(st.attempt + 1, regroup=True)
-        if not w.stopping:
-            await w.send(FORWARD, shutdown=pb.Shutdown(step=st.committed))
-            w.finish()
+        if not core.stopping:
+            await core.send(FORWARD, shutdown=pb.Shutdown(step=st.committed))
+            core.finish()

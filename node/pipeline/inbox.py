@@ -42,17 +42,17 @@ class Inbox:
     """The envelope side of a stage (`serve` until the run ends for the stage)."""
 
     def __init__(self, core: StageCore, ops: StageOps):
-        self.w, self.ops = core, ops
+        self.core, self.ops = core, ops
         self.handling = asyncio.Lock()  # held while one envelope is being handled
 
     async def serve(self) -> None:
         """Handle envelopes, gradients first (InboxOrder), until a Shutdown went through (or stop()
         was called)."""
-        w = self.w
-        order = InboxOrder(w.t.inbox, w.t.inbox_bytes, FORWARD if w.first else BACKWARD)
-        while not w.shutdown.is_set():
+        core = self.core
+        order = InboxOrder(core.t.inbox, core.t.inbox_bytes, FORWARD if core.first else BACKWARD)
+        while not core.shutdown.is_set():
             getter = asyncio.ensure_future(order.next())
-            stopper = asyncio.ensure_future(w.shutdown.wait())
+            stopper = asyncio.ensure_future(core.shutdown.wait())
             done, _ = await asyncio.wait({getter, stopper}, return_when=asyncio.FIRST_COMPLETED)
             if getter not in done:
                 getter.cancel()
@@ -62,21 +62,21 @@ class Inbox:
             if item.envelope is None:
                 continue  # a new stream: its codec state starts afresh (CodecStreams)
             async with self.handling:
-                if w.shutdown.is_set():
+                if core.shutdown.is_set():
                     break
                 await self.handle(item)
-                if w.drained():
-                    w.shutdown.set()
+                if core.drained():
+                    core.shutdown.set()
 
     async def handle(self, item: Inbound) -> None:
-        w, env = self.w, item.envelope
+        core, env = self.core, item.envelope
         kind = EnvelopeKind.of(env)
         if kind is None:
             return
         try:
-            w.admission.envelope(item, kind, w.t)
+            core.admission.envelope(item, kind, core.t)
         except BadMicroBatch as exc:
-            w.offence(item, exc)
+            core.offence(item, exc)
             return
         if kind is EnvelopeKind.MICRO_BATCH:
             await self._on_micro_batch(item, env.micro_batch)
@@ -89,57 +89,57 @@ class Inbox:
             if self.ops.driver is not None:
                 self.ops.driver.sync_answered(ack)
         elif kind is EnvelopeKind.SHUTDOWN:
-            if not w.last:
-                await w.send(FORWARD, shutdown=env.shutdown)
-            w.finish()
+            if not core.last:
+                await core.send(FORWARD, shutdown=env.shutdown)
+            core.finish()
 
     def refused(self, item: Inbound, mb: pb.MicroBatch, exc: Exception) -> None:
         """A received micro-batch failed admission or decoding: count it, replay the step."""
-        w = self.w
-        w.stats.refused_from(item.sender)
+        core = self.core
+        core.stats.refused_from(item.sender)
         reason = f"refused {item.direction} micro-batch {mb.index} of step {mb.step} from {item.sender or '?'}: {exc}"
-        log.warning("stage %d %s; the step will be replayed", w.stage, reason)
-        w.replay_step(reason, tell=True)
+        log.warning("stage %d %s; the step will be replayed", core.stage, reason)
+        core.replay_step(reason, tell=True)
 
     async def _on_micro_batch(self, item: Inbound, mb: pb.MicroBatch) -> None:
-        w = self.w
+        core = self.core
         try:
-            result = await w.compute(self.ops.forward if item.direction == FORWARD else self.ops.backward, item, mb)
+            result = await core.compute(self.ops.forward if item.direction == FORWARD else self.ops.backward, item, mb)
         except BadMicroBatch as exc:
             self.refused(item, mb, exc)
             return
         except DivergedStep as exc:
             log.error("%s: the model diverged; the step will be replayed", exc)
-            w.replay_step(str(exc), tell=True)
+            core.replay_step(str(exc), tell=True)
             return
         except Exception as exc:  # whatever a peer's message caused, it never ends the daemon
-            log.exception("stage %d: handling a micro-batch from %s failed", w.stage, item.sender or "?")
+            log.exception("stage %d: handling a micro-batch from %s failed", core.stage, item.sender or "?")
             self.refused(item, mb, exc)
             return
         if result is STALE:
             return
         if item.direction == FORWARD:
             direction, out, gen = result
-            await w.send(direction, gen, envelope=out)
+            await core.send(direction, gen, envelope=out)
             return
         if result is not None:
-            await w.send(BACKWARD, result[1], envelope=result[0])
+            await core.send(BACKWARD, result[1], envelope=result[0])
         if self.ops.driver is not None:
-            self.ops.driver.backward_done(w.state.all_backward)
+            self.ops.driver.backward_done(core.state.all_backward)
 
     async def _on_step_end(self, item: Inbound, end: pb.StepEnd) -> None:
-        w = self.w
-        st = w.state
+        core = self.core
+        st = core.state
         if end.step == st.committed and st.awaits_step_end():
             try:  # the global norm includes what this stage sent back: it cannot be less
-                w.admission.grad_sumsq(end.grad_sumsq, at_least=st.sent_sumsq)
+                core.admission.grad_sumsq(end.grad_sumsq, at_least=st.sent_sumsq)
             except BadMicroBatch as exc:  # commit in step with the others, clipping by what this stage knows
-                w.offence(item, exc)
+                core.offence(item, exc)
                 end = pb.StepEnd(step=end.step, attempt=end.attempt, grad_sumsq=st.sent_sumsq)
             await self.ops.commit(end)
         elif end.step < st.committed:
-            log.debug("stage %d dropped step end %d: already applied (from a sync)", w.stage, end.step)
+            log.debug("stage %d dropped step end %d: already applied (from a sync)", core.stage, end.step)
         else:  # ahead of this stage: it missed steps (restarted behind the others, its neighbour not yet told): resync
             reason = f"step end {end.step} arrived with gradients of {st.done_backward} micro-batches of step {st.step}"
-            log.warning("stage %d: %s; the step will be replayed", w.stage, reason)
-            w.replay_step(reason, tell=True)
+            log.warning("stage %d: %s; the step will be replayed", core.stage, reason)
+            core.replay_step(reason, tell=True)

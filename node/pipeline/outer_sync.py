@@ -79,7 +79,7 @@ class OuterSync:
     nothing to average and the stage's weights are its outer weights at every boundary."""
 
     def __init__(self, core: StageCore, averager: Averager | None = None):
-        self.w, self.swarm = core, core.run_cfg.swarm
+        self.core, self.swarm = core, core.run_cfg.swarm
         self.outer = OuterOptimizer(core.model.parameters(), self.swarm)
         self.averager = averager
         self.ready = asyncio.Event()  # set once it has an averager (the daemon starts one when pipelines train)
@@ -109,40 +109,40 @@ class OuterSync:
             try:
                 await asyncio.wait_for(self.ready.wait(), self.swarm.outer_timeout_s)
             except asyncio.TimeoutError:
-                log.warning("stage %d: its averager did not start within %.3g s", self.w.stage,
+                log.warning("stage %d: its averager did not start within %.3g s", self.core.stage,
                             self.swarm.outer_timeout_s)
 
     def due(self, committed: int) -> bool:
         """Whether the replicas average after `committed` steps (every outer_every, and the run's last)."""
-        return committed > 0 and (committed % self.swarm.outer_every == 0 or committed == self.w.train.steps)
+        return committed > 0 and (committed % self.swarm.outer_every == 0 or committed == self.core.train.steps)
 
     async def after_commit(self) -> None:
         """At an outer boundary: average the pseudo-gradient with the other replicas of the stage
         that come within outer_timeout_s, and take the outer step (alone: keep the weights)."""
-        committed = self.w.committed
+        committed = self.core.committed
         if not self.due(committed):
             return
         await self.wait_ready()  # its averager may be starting: the other replicas wait for it
         if not self.active:
-            await self.w.compute(self._take, committed, None)
+            await self.core.compute(self._take, committed, None)
             return
-        pseudo = await self.w.compute(self.outer.pseudo_gradient)
+        pseudo = await self.core.compute(self.outer.pseudo_gradient)
         await self._wait_members()
         try:
             result = await self.averager.average(pseudo, outer_round(committed, self.swarm.outer_every), self.expected,
                                                  self.swarm.outer_timeout_s)
         except AveragingError as exc:
             # its own pseudo-gradient not finite (it diverged), or its averager's process ended
-            log.error("stage %d: outer step after step %d without the others: %s", self.w.stage, committed, exc)
+            log.error("stage %d: outer step after step %d without the others: %s", self.core.stage, committed, exc)
             result = AveragingRound(None, 0)
         self._count(result)
-        await self.w.compute(self._take, committed, result.mean)
+        await self.core.compute(self._take, committed, result.mean)
         self.needs_regroup = result.mean is None and not await self._catch_up(committed)
         if self.needs_regroup:
             log.warning("stage %d: no replica of it came to outer step %d within %.3g s; it keeps its weights",
-                        self.w.stage, outer_round(committed, self.swarm.outer_every), self.swarm.outer_timeout_s)
+                        self.core.stage, outer_round(committed, self.swarm.outer_every), self.swarm.outer_timeout_s)
         elif result.mean is not None:
-            log.info("stage %d: outer step after step %d with %d replicas (%.2f s, %d bytes sent)", self.w.stage,
+            log.info("stage %d: outer step after step %d with %d replicas (%.2f s, %d bytes sent)", self.core.stage,
                      committed, result.group, result.seconds, result.bytes_sent)
 
     async def _wait_members(self) -> None:
@@ -161,7 +161,7 @@ class OuterSync:
         else the replica keeps its own, and its pipeline regroups. At the run's last boundary, where
         no regroup follows, it looks for twice outer_timeout_s longer: a replica that comes that much
         later, alone too, may outrank it."""
-        last = committed >= self.w.train.steps
+        last = committed >= self.core.train.steps
         deadline = time.monotonic() + CATCH_UP_S + (2 * self.swarm.outer_timeout_s if last else 0.0)
         while time.monotonic() < deadline:
             try:
@@ -172,7 +172,7 @@ class OuterSync:
             if served is not None and served.step > committed:  # a newer step: the pipeline regroups instead
                 return False
             if served is not None and served.step == committed and self.outranked_by(served):
-                return await self.w.compute(self._adopt, peer[1], served)
+                return await self.core.compute(self._adopt, peer[1], served)
             await asyncio.sleep(0.5)
         return False
 
@@ -191,11 +191,11 @@ class OuterSync:
         """(compute thread) A peer's outer weights of the step this replica just committed become its
         own, and its weights."""
         with self._lock:
-            if self.w.committed != served.step or not self._fits(tensors):
+            if self.core.committed != served.step or not self._fits(tensors):
                 return False
             self._take_peer(tensors, served)
             self._weights_to_anchor()
-        log.warning("stage %d missed outer step %d; it takes another replica's outer weights of it", self.w.stage,
+        log.warning("stage %d missed outer step %d; it takes another replica's outer weights of it", self.core.stage,
                     outer_round(served.step, self.swarm.outer_every))
         return True
 
@@ -217,7 +217,7 @@ class OuterSync:
                 self.outer.reset()
             else:
                 self.outer.step(mean)
-            self.anchor_step, self.source = committed, self.w.pipeline
+            self.anchor_step, self.source = committed, self.core.pipeline
             self.alone_at = committed if mean is None and self.active else None
 
     def regroup_asked(self, by_later_stage: bool) -> bool:
@@ -225,8 +225,8 @@ class OuterSync:
         regroup: this replica missed an outer step it could not catch up on, or a later stage asked.
         Stage 0 drives the regroup, once an outer period at most (a neighbour could ask every step),
         right after a boundary; before, a stage other than 0 that needed one never got it."""
-        if self.w.first:
-            if by_later_stage and self.active and self.due(self.w.committed):
+        if self.core.first:
+            if by_later_stage and self.active and self.due(self.core.committed):
                 self.needs_regroup = True
             return False
         return self.active and (self.needs_regroup or by_later_stage)
@@ -262,23 +262,23 @@ class OuterSync:
         than this one's, else this one's own (the steps since are trained again); the committed
         step the stage is at then."""
         peer = await self.averager.load_state(self.swarm.outer_timeout_s) if self.active else None
-        return await self.w.compute(self._regroup, peer)
+        return await self.core.compute(self._regroup, peer)
 
     def _regroup(self, peer: tuple[dict, list[torch.Tensor]] | None) -> int:
-        w = self.w
+        core = self.core
         self.needs_regroup = False
         with self._lock:
             served = ServedState.parse(peer[0]) if peer is not None else None
             if served is not None and self.outranked_by(served) and self._fits(peer[1]):
                 self._take_peer(peer[1], served)
-                log.warning("stage %d takes the outer weights of step %d from a replica in another pipeline", w.stage,
-                            self.anchor_step)
+                log.warning("stage %d takes the outer weights of step %d from a replica in another pipeline",
+                            core.stage, self.anchor_step)
             self._weights_to_anchor()
             step = self.anchor_step
-        if w.committed != step:
-            w.resumed_at(step)
-            w.stats.losses = [r for r in w.stats.losses if r.step < step]
-            w.codecs.drop_streams()
+        if core.committed != step:
+            core.resumed_at(step)
+            core.stats.losses = [r for r in core.stats.losses if r.step < step]
+            core.codecs.drop_streams()
         return step
 
     def _take_peer(self, tensors: list[torch.Tensor], served: ServedState) -> None:
@@ -287,7 +287,7 @@ class OuterSync:
         self.outer.load(dict(zip(list(self.outer.tensors()), tensors)))
         self.anchor_step = served.step
         self.alone_at = served.step if served.alone else None
-        self.source = served.source if served.alone and served.source is not None else self.w.pipeline
+        self.source = served.source if served.alone and served.source is not None else self.core.pipeline
         self.stats.adopted += 1
 
     def _weights_to_anchor(self) -> None:

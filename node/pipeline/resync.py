@@ -26,62 +26,62 @@ class Resync:
     the worker's commit (a Sync may carry the step end this stage missed) and its outer sync (a regroup)."""
 
     def __init__(self, core: StageCore, commit: Callable[[pb.StepEnd], Awaitable[float]], outer: OuterSync | None):
-        self.w, self.commit, self.outer = core, commit, outer
+        self.core, self.commit, self.outer = core, commit, outer
 
     async def roll_back(self, step: int) -> bool:
         """Return to the committed state of `step`; False (stage 0 is told, the stage goes on as it
         was) if neither this stage nor the coordinator's store has a checkpoint of it."""
-        w = self.w
-        if await w.saver.ensure(step):
-            await w.compute(self.rollback, step)
+        core = self.core
+        if await core.saver.ensure(step):
+            await core.compute(self.rollback, step)
             return True
-        reason = (f"stage {w.stage} cannot roll back to step {step}: no checkpoint of it here or in the "
+        reason = (f"stage {core.stage} cannot roll back to step {step}: no checkpoint of it here or in the "
                   "coordinator's store")
         log.error("%s", reason)
-        w.replay_step(reason, tell=True)
+        core.replay_step(reason, tell=True)
         return False
 
     def rollback(self, step: int) -> None:
         """(compute thread) The committed state of `step`: a checkpoint of it, or the initial weights."""
-        w = self.w
+        core = self.core
         if step == 0:
-            init_weights(w.model, w.train.seed)
-            w.opt = StageOptimizer(w.model.parameters(), w.train)
-            w.codecs.restart()
-        elif not w.saver.load(step, w.model, w.opt.opt, w.codecs):
-            raise PipelineError(f"stage {w.stage} cannot roll back to step {step}: its checkpoint cannot be loaded")
-        w.resumed_at(step)
-        w.stats.losses = [r for r in w.stats.losses if r.step < step]
-        w.codecs.drop_streams()
-        log.warning("stage %d rolled back to step %d", w.stage, step)
+            init_weights(core.model, core.train.seed)
+            core.opt = StageOptimizer(core.model.parameters(), core.train)
+            core.codecs.restart()
+        elif not core.saver.load(step, core.model, core.opt.opt, core.codecs):
+            raise PipelineError(f"stage {core.stage} cannot roll back to step {step}: its checkpoint cannot be loaded")
+        core.resumed_at(step)
+        core.stats.losses = [r for r in core.stats.losses if r.step < step]
+        core.codecs.drop_streams()
+        log.warning("stage %d rolled back to step %d", core.stage, step)
 
     async def on_sync(self, sync: pb.Sync) -> None:
         """Stage 0 restarts step `sync.step` (rolling every stage back to it, if asked): follow,
         then pass the Sync on (or, the last stage, answer it)."""
-        w, st = self.w, self.w.state
+        core, st = self.core, self.core.state
         if sync.regroup and self.outer is not None:
             await self.outer.regroup()
         elif sync.rollback and st.committed != sync.step and not await self.roll_back(sync.step):
             return
         lc = sync.last_commit
         if lc.step + 1 == sync.step and st.committed == lc.step and st.awaits_step_end():
-            log.info("stage %d applies step %d from the sync", w.stage, lc.step)
+            log.info("stage %d applies step %d from the sync", core.stage, lc.step)
             await self.commit(lc)
-        await w.compute(w.restart_step, sync.step, sync.attempt)
-        if w.last:
+        await core.compute(core.restart_step, sync.step, sync.attempt)
+        if core.last:
             ack = pb.SyncAck(step=sync.step, attempt=sync.attempt, min_committed=st.committed,
                              max_committed=st.committed)
-            await w.send(BACKWARD, sync_ack=ack)
+            await core.send(BACKWARD, sync_ack=ack)
         else:
-            await w.send(FORWARD, sync=sync)
+            await core.send(FORWARD, sync=sync)
 
     async def on_sync_ack(self, ack: pb.SyncAck) -> pb.SyncAck:
         """An answer on its way back to stage 0: add this stage's committed step to its range and pass
         it on (stage 0: the answer, for its driver)."""
-        w = self.w
+        core = self.core
         if not ack.abort:
-            ack.min_committed = min(ack.min_committed, w.committed)
-            ack.max_committed = max(ack.max_committed, w.committed)
-        if not w.first:
-            await w.send(BACKWARD, sync_ack=ack)
+            ack.min_committed = min(ack.min_committed, core.committed)
+            ack.max_committed = max(ack.max_committed, core.committed)
+        if not core.first:
+            await core.send(BACKWARD, sync_ack=ack)
         return ack

@@ -120,9 +120,9 @@ def pipeline_report(results: list[RunResult], specs: list[RunSpec], rate_mbps: f
         wall = [_wall_share(r, spec, singles[r.seed], rate_mbps) for r in summary.runs if singles.get(r.seed)]
         # the synchronous reference (P times the batch, no outer steps) to the same loss: a swarm that trains
         # as well as it gets there as soon
-        refs = {r.seed: r for r in runs if r.pair == reference}
+        refs = {r.seed: by_key.get((reference, r.seed)) for r in summary.runs}
         ref_wall = [_wall_share(refs[r.seed], spec, singles[r.seed], rate_mbps) for r in summary.runs
-                    if singles.get(r.seed) and r.seed in refs]
+                    if singles.get(r.seed) and refs[r.seed]]
         total = len(summary.runs[0].losses) if summary.runs else 0
         per_seed = ", ".join(f"{g:+.2f}" for g in gaps)
         rows.append([f"{spec.pipelines}", _outer_label(spec), str(len(summary.runs)),
