@@ -1,8 +1,7 @@
 """A stage replica that misbehaves at its outer steps, for tests/test_pipelines_faults.py: the real
 `tahnode join` daemon, patched in-process on a script.
 
-- `liar`: from outer step 6 on, its pseudo-gradient is 1e30 everywhere (finite: it goes out); its own
-  weights it keeps well (lie()).
+- `liar`: from outer step 6 on, its pseudo-gradient is 1e30 everywhere (finite: it goes out).
 - `stall`: in its third outer step, once its group formed, it writes MARKER and stops before it sends
   a part (the test kills it with SIGKILL: a replica that dies in the middle of an all-reduce).
 
@@ -24,25 +23,17 @@ LIE_FROM, STALL_AT = 6, 3  # outer steps: the liar lies once the victim (its thi
 
 
 def lie() -> None:
-    """Lie at every outer step from LIE_FROM on, and stay well itself: where the mean it gets back holds
-    its own lie (its own reducer always takes its own part, and in a group of two the lower median
-    cannot tell which part is the lie), it steps with its honest pseudo-gradient instead. A liar that
-    poisoned itself would diverge at its first lie and lie no more: with two replicas of its stage
-    (a third pipeline not placed yet) its one lie is two offences, short of the ban's three."""
-    honest, step = outer.OuterOptimizer.pseudo_gradient, outer.OuterOptimizer.step
-    calls = {"n": 0, "own": None}
+    """Lie at every outer step from LIE_FROM on. Its own weights stay well without its help: every
+    reducer, its own among them, leaves the lie out of the mean (group_mean.admitted)."""
+    honest = outer.OuterOptimizer.pseudo_gradient
+    calls = {"n": 0}
 
     def pseudo_gradient(self):
         calls["n"] += 1
-        g = calls["own"] = honest(self)
+        g = honest(self)
         return torch.full_like(g, 1e30) if calls["n"] >= LIE_FROM else g
 
-    def step_itself_unharmed(self, averaged):
-        poisoned = calls["own"] is not None and float(averaged.abs().max()) > 1e20
-        step(self, calls["own"] if poisoned else averaged)
-
     outer.OuterOptimizer.pseudo_gradient = pseudo_gradient
-    outer.OuterOptimizer.step = step_itself_unharmed
 
 
 def stall(marker: Path) -> None:

@@ -143,6 +143,59 @@ def test_a_stage_whose_own_output_overflows_replays_instead_of_exiting(dataset):
     assert swarm.losses() == pytest.approx(train_local(run, dataset), abs=1e-5)
 
 
+def test_a_step_that_diverges_again_and_again_is_retried_ever_more_slowly(dataset, monkeypatch, caplog):
+    """A model that diverged replayed its step about 20 times a second for ever. Now after
+    DIVERGED_TRIES attempts in a row each next one waits twice as long (up to DIVERGED_WAIT_MAX_S,
+    shortened here) with an error line that says what to do; a later stage's divergence reaches stage
+    0 as such (SyncAck.diverged). Here stage 1's output is inf on the first 5 attempts of step 1."""
+    from tahnode.pipeline import driver
+
+    monkeypatch.setattr(driver, "DIVERGED_WAIT_MAX_S", 0.01)
+    run = build_run(3, **NONE)
+    swarm = Swarm(run, dataset)
+
+    async def scenario():
+        await swarm.start()
+        stage1, hits = swarm.workers[1], []
+        forward = stage1.model.forward
+
+        def overflow(x):
+            out = forward(x)
+            if stage1.state.step == 1 and len(hits) < 5:
+                if stage1.state.attempt not in hits:
+                    hits.append(stage1.state.attempt)
+                return out * math.inf
+            return out
+
+        stage1.model.forward = overflow
+        try:
+            await asyncio.wait_for(asyncio.gather(*(w.run(3) for w in swarm.workers)), 120)
+        finally:
+            await swarm.close()
+        return hits
+
+    with caplog.at_level("ERROR", logger="tahnode.pipeline"):
+        assert len(asyncio.run(scenario())) == 5
+    waits = [r.getMessage() for r in caplog.records if "the next attempt in" in r.getMessage()]
+    assert len(waits) == 5 - driver.DIVERGED_TRIES + 1 and "step 1 diverged 3 times in a row" in waits[0]
+    assert swarm.workers[0].stats.replays == 5 and not any(w.stats.offences for w in swarm.workers)
+    assert swarm.losses() == pytest.approx(train_local(run, dataset), abs=1e-5)
+
+
+def test_the_count_of_a_diverged_step_and_what_follows_it():
+    from tahnode.pipeline.state import AfterDivergence, Divergence
+
+    d = Divergence(tries=3, wait_max_s=5.0)
+    assert [d.failed(7, regroup_possible=True) for _ in range(3)][-1] == AfterDivergence(regroup=True)
+    assert [d.failed(7, True).wait for _ in range(4)] == [2.0, 4.0, 5.0, 5.0]  # one regroup per step
+    d.committed(5)  # the steps retrained after the regroup: the count goes on
+    assert d.failed(7, True).wait == 5.0
+    d.committed(8)  # the step that diverged committed at last
+    assert [d.failed(9, False) for _ in range(4)] == [AfterDivergence(), AfterDivergence(), AfterDivergence(wait=1.0),
+                                                      AfterDivergence(wait=2.0)]
+    assert d.failed(10, False) == AfterDivergence()  # another step: a count of its own
+
+
 @pytest.mark.parametrize("forward",
                          [{"codec.forward": "group"},
                           {"codec.forward": "tahquant", "codec.forward_params": {"layout": 1}}],

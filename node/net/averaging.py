@@ -12,6 +12,7 @@ from typing import Callable
 
 import torch
 
+from .averaging_rules import allreduce_timeout_s
 from .p2p_host import STARTUP_TIMEOUT_S, require_hivemind
 
 log = logging.getLogger("tahnode.averaging")
@@ -82,7 +83,8 @@ class StageAverager:
         self.prefix, self.size, self._state, self._started = prefix, size, state, False
         kind = self.averager_class or parts.CheckedAverager
         self._averager = kind(torch.zeros(size, dtype=torch.float32), dht, prefix=prefix,
-                              compression=parts.compression_for(bits), ratio=norm_ratio, state=state)
+                              compression=parts.compression_for(bits), ratio=norm_ratio, state=state,
+                              allreduce_timeout=allreduce_timeout_s(size, bits))
 
     @property
     def peer_id(self) -> str:

@@ -28,7 +28,7 @@ from hivemind.utils.asyncio import amap_in_executor, as_aiter, azip, enter_async
 from hivemind.utils.timed_storage import get_dht_time
 
 from ..train.group_mean import accepted, admitted
-from .averaging_rules import (ALLREDUCE_TIMEOUT_S, CHUNK_TIMEOUT_S, CONTROL_TIMEOUT_S, GRACE_S, MIN_MATCHMAKING_S,
+from .averaging_rules import (CHUNK_TIMEOUT_S, CONTROL_TIMEOUT_S, GRACE_S, MIN_MATCHMAKING_S,
                               REQUEST_TIMEOUT_S, STATE_KEY, Ledger, usable)
 from .averaging_codec import compression_for, decoded  # noqa: F401  (compression_for: StageAverager's)
 
@@ -76,9 +76,9 @@ class CheckedReducer(TensorPartReducer):
         senders = sorted(self.parts)
         parts = [self.parts[s] for s in senders]
         norms = [float(p.double().norm()) if p is not None else float("nan") for p in parts]
-        ok = admitted(norms, senders.index(self.own) if self.own in self.parts else -1, self.ratio)
+        ok = admitted(norms, self.ratio)
         for sender, keep in zip(senders, ok):
-            if not keep:
+            if not keep and sender != self.own:  # its own part left out is no peer's offence
                 self.refuse(sender)
         kept = [p for p, keep in zip(parts, ok) if keep and p is not None]
         return torch.stack(kept).mean(dim=0) if kept else None
@@ -237,14 +237,15 @@ class CheckedAverager(DecentralizedAverager):
 
     runner_class = CheckedRunner
 
-    def __init__(self, tensor: torch.Tensor, dht, *, prefix: str, compression: CompressionBase, ratio: float, state):
+    def __init__(self, tensor: torch.Tensor, dht, *, prefix: str, compression: CompressionBase, ratio: float, state,
+                 allreduce_timeout: float):
         sharing = state is not None and not dht.client_mode
         super().__init__([tensor], dht, start=False, prefix=prefix, target_group_size=2, min_group_size=2,
                          min_matchmaking_time=MIN_MATCHMAKING_S, request_timeout=REQUEST_TIMEOUT_S,
                          compression=compression, next_chunk_timeout=CHUNK_TIMEOUT_S, sender_timeout=CHUNK_TIMEOUT_S,
-                         reducer_timeout=2 * CHUNK_TIMEOUT_S, allreduce_timeout=ALLREDUCE_TIMEOUT_S,
+                         reducer_timeout=2 * CHUNK_TIMEOUT_S, allreduce_timeout=allreduce_timeout,
                          allow_state_sharing=sharing)
-        self.ledger, self.ratio, self.state = Ledger(), ratio, state
+        self.ledger, self.ratio, self.state, self.allreduce_timeout = Ledger(), ratio, state, allreduce_timeout
         self.control_lock = threading.Lock()  # the parent's threads share the control pipe
 
     @classmethod
@@ -274,7 +275,7 @@ class CheckedAverager(DecentralizedAverager):
             control = self.step(scheduled_time=get_dht_time() + timeout, timeout=timeout + GRACE_S,
                                 allow_retries=False, wait=False)
         try:
-            return control.result(timeout=timeout + GRACE_S + ALLREDUCE_TIMEOUT_S)
+            return control.result(timeout=timeout + GRACE_S + self.allreduce_timeout)
         except Exception as exc:  # no group, or one that failed: hivemind raises several kinds; none is fatal here
             log.info("averaging %s (key %s) formed no group: %r", self.prefix, group_bits, exc)
             return None

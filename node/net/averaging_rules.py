@@ -10,7 +10,7 @@ from typing import AsyncIterator
 import torch
 
 __all__ = ["Ledger", "usable", "MIN_MATCHMAKING_S", "REQUEST_TIMEOUT_S", "CHUNK_TIMEOUT_S", "GRACE_S",
-           "ALLREDUCE_TIMEOUT_S", "CONTROL_TIMEOUT_S", "STATE_KEY"]
+           "allreduce_timeout_s", "CONTROL_TIMEOUT_S", "STATE_KEY"]
 
 MIN_MATCHMAKING_S = 0.5      # the least time a replica looks for its group
 REQUEST_TIMEOUT_S = 0.3      # how long a would-be leader may take to answer (below MIN_MATCHMAKING_S: hivemind)
@@ -19,9 +19,16 @@ REQUEST_TIMEOUT_S = 0.3      # how long a would-be leader may take to answer (be
 # the outer step's deadline (swarm.outer_timeout_s, 30 s); with 20 s it cost them 70 s
 CHUNK_TIMEOUT_S = 5.0
 GRACE_S = 1.5                # after the deadline, the time the leader's "begin" message may take to arrive
-ALLREDUCE_TIMEOUT_S = 600.0  # the most an all-reduce may take once its group formed
+SLOWEST_LINK_BPS = 10e6      # the slowest link the design serves (design.md section 1)
 CONTROL_TIMEOUT_S = 30.0     # the most the averager's process may take to answer a control message
 STATE_KEY = "tahnode"        # served metadata is wrapped: hivemind takes an empty dict for "no state"
+
+
+def allreduce_timeout_s(values: int, bits: int) -> float:
+    """The most an all-reduce of `values` at `bits` bits may take once its group formed: a minute, and
+    four times what a replica sends and receives in it (its vector twice) takes on the slowest link.
+    A fixed 600 s let a round whose other two replicas had left hold its stage for over nine minutes."""
+    return 60.0 + 4 * 2 * values * bits / SLOWEST_LINK_BPS
 
 
 def usable(part: torch.Tensor | None, shape) -> torch.Tensor | None:

@@ -50,7 +50,7 @@ class StageCore:
         split = Split.of(self.train, run.stages)
         self.state = StepState(micro_batches=split.micro_batches, samples_per_step=split.samples)
         self.ending = Stopping()
-        self.abort_step: Callable[[], None] | None = None  # stage 0: its driver's
+        self.abort_step: Callable[[bool], None] | None = None  # stage 0: its driver's (diverged or not)
 
     # -- what the stage is ----------------------------------------------------------------------
     @property
@@ -117,13 +117,14 @@ class StageCore:
         self.stats.refused_from(item.sender)
         log.warning("stage %d dropped an envelope from %s: %s", self.stage, item.sender or "?", exc)
 
-    def replay_step(self, reason: str, tell: bool) -> None:
+    def replay_step(self, reason: str, tell: bool, diverged: bool = False) -> None:
         """Have stage 0 replay the step in flight; a later stage tells it (if `tell`) through the
-        backward chain."""
+        backward chain, and whether the step diverged here (DivergedStep)."""
         if self.first:
-            self.abort_step()
+            self.abort_step(diverged)
         elif tell:
-            ack = pb.SyncAck(step=self.state.step, attempt=self.state.attempt, abort=True, reason=reason)
+            ack = pb.SyncAck(step=self.state.step, attempt=self.state.attempt, abort=True, reason=reason,
+                             diverged=diverged)
             asyncio.get_running_loop().create_task(self.send(BACKWARD, sync_ack=ack))
 
     def restart_step(self, step: int, attempt: int) -> None:

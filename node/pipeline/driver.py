@@ -16,13 +16,19 @@ from ..train.optim import grad_sumsq
 from .core import StageCore
 from .outer_sync import OuterSync
 from .schedule import SavedBytes, Split, SplitTuner, Window
-from .state import DivergedStep, PipelineError
+from .state import DivergedStep, Divergence, PipelineError
 
 log = logging.getLogger("tahnode.pipeline")
 
 __all__ = ["StepDriver"]
 
 SYNC_WAIT_MAX_S = 5.0  # the longest stage 0 waits for a Sync's answer before asking again
+# attempts of one step that diverge one after another before stage 0 does more than replay it: with
+# pipelines in data parallel its pipeline regroups (once per step), and then, as in a lone pipeline,
+# each further attempt waits twice as long as the one before, up to DIVERGED_WAIT_MAX_S (a diverged
+# model replayed its step about 20 times a second for ever)
+DIVERGED_TRIES = 3
+DIVERGED_WAIT_MAX_S = 60.0
 
 
 class StepDriver:
@@ -46,6 +52,8 @@ class StepDriver:
         self.abort = asyncio.Event()
         self.sync_reply: asyncio.Future | None = None
         self.progress = 0  # gradients that came back so far (the stall watchdog's measure)
+        self.diverged = False  # the step in flight diverged at a stage (its own output or gradient not finite)
+        self.divergence = Divergence(DIVERGED_TRIES, DIVERGED_WAIT_MAX_S)
 
     # -- what the worker tells -------------------------------------------------------------------
     def backward_done(self, step_complete: bool) -> None:
@@ -55,13 +63,19 @@ class StepDriver:
             self.all_backward.set()
         self.window.release()
 
-    def abort_step(self) -> None:
-        """A link failed: the step in flight is given up and replayed."""
+    def abort_step(self, diverged: bool = False) -> None:
+        """A link failed, or the step diverged here: the step in flight is given up and replayed."""
+        self.diverged |= diverged
         self.abort.set()
 
     def sync_answered(self, ack: pb.SyncAck) -> None:
+        """A Sync's answer, or a later stage's abort of the step in flight. An abort of an attempt
+        before this one is stale (each micro-batch of a diverged attempt sends one): it ends nothing."""
         st = self.core.state
         if ack.abort:
+            if ack.step == st.step and ack.attempt < st.attempt:
+                return
+            self.diverged |= ack.diverged
             self.abort.set()
         elif (self.sync_reply is not None and not self.sync_reply.done()
                 and (ack.step, ack.attempt) == (st.step, st.attempt)):
@@ -164,6 +178,7 @@ class StepDriver:
         """Send every micro-batch of the step, wait for its gradients. False if aborted (a link
         failed, a stage refused a micro-batch, or the step stalled)."""
         self.all_backward.clear()
+        self.diverged = False
         self._begin_step()
         watchdog = asyncio.ensure_future(self._watch_for_stall())
         try:
@@ -174,6 +189,7 @@ class StepDriver:
                     env, gen = await self.core.compute(self._forward, index)
                 except DivergedStep as exc:
                     log.error("%s: the model diverged; the step will be replayed", exc)
+                    self.diverged = True
                     return False
                 await self.core.send(FORWARD, gen, envelope=env)
             waiter = asyncio.ensure_future(self.all_backward.wait())
@@ -184,6 +200,23 @@ class StepDriver:
             return waiter in done and not self.abort.is_set()
         finally:
             watchdog.cancel()
+
+    async def _after_divergence(self) -> bool:
+        """After an attempt that diverged: whether its pipeline regroups (the DIVERGED_TRIES-th in a
+        row, once per step, with other pipelines training); past that, the wait before the next attempt."""
+        outer, step = self.outer, self.core.committed
+        action = self.divergence.failed(step, regroup_possible=outer is not None and outer.active)
+        if action.regroup:
+            log.error("stage 0: step %d diverged %d times in a row: pipeline %d returns to its stages' latest outer "
+                      "weights", step, self.divergence.in_a_row, self.core.pipeline)
+        elif action.wait:
+            log.error("stage 0: step %d diverged %d times in a row; the next attempt in %.0f s (lower train.lr, or "
+                      "resume from an earlier checkpoint)", step, self.divergence.in_a_row, action.wait)
+            try:
+                await asyncio.wait_for(self.core.shutdown.wait(), action.wait)
+            except asyncio.TimeoutError:
+                pass
+        return action.regroup
 
     async def _watch_for_stall(self) -> None:
         """Abort the step when no gradient came back for `stall_timeout_s` (a message lost or
@@ -219,10 +252,11 @@ class StepDriver:
                 core.stats.replays += 1
                 attempt, replayed = st.attempt + 1, True
                 log.warning("stage 0 replays step %d (attempt %d)", st.committed, attempt)
-                await self._sync(attempt)
+                await self._sync(attempt, regroup=await self._after_divergence() if self.diverged else False)
                 continue
             total = st.partial_sumsq + await core.compute(grad_sumsq, core.opt.params)
             seconds = await self.commit(pb.StepEnd(step=st.step, attempt=st.attempt, grad_sumsq=total))
+            self.divergence.committed(st.committed)
             if not replayed:
                 self.tuner.record(seconds)
             replayed = False

@@ -110,7 +110,7 @@ class Inbox:
             return
         except DivergedStep as exc:
             log.error("%s: the model diverged; the step will be replayed", exc)
-            core.replay_step(str(exc), tell=True)
+            core.replay_step(str(exc), tell=True, diverged=True)
             return
         except Exception as exc:  # whatever a peer's message caused, it never ends the daemon
             log.exception("stage %d: handling a micro-batch from %s failed", core.stage, item.sender or "?")

@@ -269,7 +269,8 @@ class OuterSync:
         self.needs_regroup = False
         with self._lock:
             served = ServedState.parse(peer[0]) if peer is not None else None
-            if served is not None and self.outranked_by(served) and self._fits(peer[1]):
+            # its own outer weights blown up (an outer step's mean that was not the group's): any peer's
+            if served is not None and (self.outranked_by(served) or not self._own_finite()) and self._fits(peer[1]):
                 self._take_peer(peer[1], served)
                 log.warning("stage %d takes the outer weights of step %d from a replica in another pipeline",
                             core.stage, self.anchor_step)
@@ -295,6 +296,10 @@ class OuterSync:
         with torch.no_grad():
             for a, p in zip(self.outer.anchor, self.outer.params):
                 p.copy_(a)
+
+    def _own_finite(self) -> bool:
+        """(holding the lock) Every value of its outer weights and momentum finite."""
+        return all(bool(torch.isfinite(t).all()) for t in self.outer.tensors().values())
 
     def _fits(self, tensors: list[torch.Tensor]) -> bool:
         """A replica's state of this stage's shapes, every value finite."""

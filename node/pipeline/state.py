@@ -12,8 +12,8 @@ import torch
 from ..net.transport import BACKWARD, FORWARD
 from ..proto import tahnode_pb2 as pb
 
-__all__ = ["PipelineError", "DivergedStep", "Pending", "StepState", "StopRequest", "Stopping", "StepRecord", "Stats",
-           "BAD_MICRO_BATCH", "STALE"]
+__all__ = ["PipelineError", "DivergedStep", "Divergence", "AfterDivergence", "Pending", "StepState", "StopRequest",
+           "Stopping", "StepRecord", "Stats", "BAD_MICRO_BATCH", "STALE"]
 
 BAD_MICRO_BATCH = "bad_micro_batch"  # the refusal count of the micro-batches a stage refused (heartbeats' stats)
 STALE = object()  # what the worker's compute returns for a micro-batch of an attempt that was dropped meanwhile
@@ -26,6 +26,44 @@ class PipelineError(RuntimeError):
 class DivergedStep(RuntimeError):
     """This stage's own output or gradient cannot be encoded (non-finite, or beyond a codec's range):
     the step diverged here; it is replayed, with a clear log line, and no peer is blamed."""
+
+
+@dataclass(frozen=True)
+class AfterDivergence:
+    """What stage 0 does before its next attempt of a step that diverged: regroup its pipeline, or wait."""
+
+    regroup: bool = False
+    wait: float = 0.0
+
+
+@dataclass
+class Divergence:
+    """The attempts of one step that diverged one after another (stage 0's count): the first `tries`
+    are replayed at once, then the pipeline regroups (once, where other pipelines train), then each
+    attempt waits twice as long as the one before, up to `wait_max_s`. A step after it that commits
+    starts the count again; the steps retrained after a regroup do not."""
+
+    tries: int
+    wait_max_s: float
+    at: int = -1          # the step that diverged
+    in_a_row: int = 0
+    regrouped: bool = False
+
+    def failed(self, step: int, regroup_possible: bool) -> AfterDivergence:
+        if step != self.at:
+            self.at, self.in_a_row, self.regrouped = step, 0, False
+        self.in_a_row += 1
+        if self.in_a_row < self.tries:
+            return AfterDivergence()
+        if regroup_possible and not self.regrouped:
+            self.regrouped = True
+            return AfterDivergence(regroup=True)
+        return AfterDivergence(wait=min(self.wait_max_s, 2.0 ** (self.in_a_row - self.tries)))
+
+    def committed(self, committed: int) -> None:
+        """`committed` steps are committed: once past the step that diverged, the count starts again."""
+        if committed > self.at:
+            self.at, self.in_a_row, self.regrouped = -1, 0, False
 
 
 @dataclass

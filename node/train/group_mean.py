@@ -25,14 +25,14 @@ def lower_median(values: list[float]) -> float:
     return ordered[(len(ordered) - 1) // 2]
 
 
-def admitted(norms: list[float], own: int, ratio: float) -> list[bool]:
-    """Which senders' parts a reducer averages: its own always; another's if its norm is finite and
-    at most `ratio` times the lower median of every sender's norm (its own counted), so that one
-    large part is refused even in a group of two."""
+def admitted(norms: list[float], ratio: float) -> list[bool]:
+    """Which senders' parts a reducer averages, its own among them by the same rule: those whose norm
+    is finite and at most `ratio` times the lower median of the finite norms, so that one large part
+    is refused even in a group of two (the part at the lower median is always in). A reducer that
+    took its own part unchecked averaged its own lie, or its own blow-up, into its weights."""
     finite = [n for n in norms if n == n and n != float("inf")]
     reference = lower_median(finite) if finite else 0.0
-    return [k == own or (n == n and n != float("inf") and n <= ratio * max(reference, 1e-30))
-            for k, n in enumerate(norms)]
+    return [n == n and n != float("inf") and n <= ratio * max(reference, 1e-30) for n in norms]
 
 
 def accepted(own: torch.Tensor, averaged: torch.Tensor, ratio: float) -> bool:
@@ -94,7 +94,7 @@ def butterfly_mean(vectors: list[torch.Tensor], bits: int, ratio: float) -> Grou
         for i in range(p):
             if i != j:
                 sent[i] += wire_bytes(hi - lo, bits)
-        ok = admitted([float(r.norm()) for r in received], j, ratio)
+        ok = admitted([float(r.norm()) for r in received], ratio)
         refused[j] = {i for i in range(p) if not ok[i]}
         mean = _crossed(torch.stack([r for r, keep in zip(received, ok) if keep]).mean(dim=0), bits)
         for i in range(p):
