@@ -14,11 +14,9 @@ from typing import Callable
 
 import torch
 
-from . import (naive_ref, pertoken_cpu, pertoken_ref, tahquant_cpu, tahquant_ref, tahquant_rice_cpu, tahquant_rice_ref,
-               tahquant_rotated_ref)
+from . import naive_ref, pertoken_cpu, pertoken_ref, tahquant_cpu, tahquant_ref, tahquant_rice_cpu, tahquant_rice_ref
 
-__all__ = ["use_triton", "triton_available", "Paths", "NAIVE", "PERTOKEN", "TAHQUANT", "TAHQUANT_ROTATED",
-           "TAHQUANT_RICE"]
+__all__ = ["use_triton", "triton_available", "Paths", "NAIVE", "PERTOKEN", "TAHQUANT", "TAHQUANT_RICE"]
 
 
 @functools.lru_cache(maxsize=None)
@@ -77,11 +75,6 @@ def _tahquant_triton() -> ModuleType:
     return tahquant_triton
 
 
-def _tahquant_rotated_triton() -> ModuleType:
-    from . import tahquant_rotated_triton
-    return tahquant_rotated_triton
-
-
 def _tahquant_rice_triton() -> ModuleType:
     from . import tahquant_rice_triton
     return tahquant_rice_triton
@@ -90,5 +83,4 @@ def _tahquant_rice_triton() -> ModuleType:
 NAIVE = Paths(naive_ref, None, _naive_triton)
 PERTOKEN = Paths(pertoken_ref, pertoken_cpu, _pertoken_triton)
 TAHQUANT = Paths(tahquant_ref, tahquant_cpu, _tahquant_triton)                  # layout 1, the paper's
-TAHQUANT_ROTATED = Paths(tahquant_rotated_ref, None, _tahquant_rotated_triton)  # layout 2
 TAHQUANT_RICE = Paths(tahquant_rice_ref, tahquant_rice_cpu, _tahquant_rice_triton)  # layout 3

@@ -16,13 +16,11 @@ __all__ = ["encode", "decode"]
 def encode(x: torch.Tensor, params: PerTokenParams = PerTokenParams()) -> torch.Tensor:
     params.validate()
     n, c, _ = tiles_of(tuple(x.shape), params)
-    payload, _ = symtiles_triton.encode(x.detach().reshape(n, c), int(params.group_size), int(params.bits), False,
-                                        "pertoken")
-    return payload
+    return symtiles_triton.encode(x.detach().reshape(n, c), int(params.group_size), int(params.bits), "pertoken")
 
 
 def decode(payload: torch.Tensor, shape, params: PerTokenParams, dtype: torch.dtype) -> torch.Tensor:
     scale, codes = sections(payload, shape, params)
     n, c, _ = tiles_of(shape, params)
-    out = symtiles_triton.decode(scale, codes, n, c, int(params.group_size), int(params.bits), False, dtype, "pertoken")
+    out = symtiles_triton.decode(scale, codes, n, c, int(params.group_size), int(params.bits), dtype, "pertoken")
     return out.reshape(shape)

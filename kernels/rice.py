@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import torch
 
-from .bitpack import pack_bits, packed_nbytes, padded_count, unpack_bits
+from .bitpack import pack_bits, padded_count, unpack_bits
 from .wire import CodecError
 
-__all__ = ["best_k", "bits_at_each_k", "shortest_k", "coded_nbytes", "encode", "decode", "check_k", "check_length",
-           "wrong_end", "out_of_range", "check_whole_bytes"]
+__all__ = ["best_k", "bits_at_each_k", "shortest_k", "encode", "decode", "check_k", "check_length", "wrong_end",
+           "out_of_range", "check_whole_bytes"]
 
 
 def best_k(z: torch.Tensor, zmax: int) -> int:
@@ -35,12 +35,6 @@ def bits_at_each_k(counts: torch.Tensor, zmax: int) -> list[int]:
 def shortest_k(bits: list[int]) -> int:
     """The k of the fewest coded bits (bits[k]), the smallest on a tie."""
     return min(range(len(bits)), key=lambda k: (bits[k], k))
-
-
-def coded_nbytes(z: torch.Tensor, k: int) -> tuple[int, int]:
-    """(bytes of the low bits, bytes of the unary stream) of values z coded at k."""
-    unary_bits = int((z.reshape(-1).long() >> k).sum()) + z.numel()
-    return (packed_nbytes(z.numel(), k) if k else 0), -(-unary_bits // 8)
 
 
 def encode(z: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,6 +1,6 @@
 """symtiles_ref in Triton: symmetric absmax per tile of G channels of a token with a bf16 scale, after
-the random-sign Hadamard rotation where asked; the kernels of `pertoken` and of TAH-Quant's
-rotated layout, giving the references' bytes and values exactly.
+the random-sign Hadamard rotation where asked; the kernels of `pertoken` (encode, decode) and of
+TAH-Quant's layout 3 (launch_*, rotated), giving the references' bytes and values exactly.
 
 encode: one kernel over blocks of (BR tokens x one tile): load, [signs, fwht butterflies in fp32],
 absmax, scale, quantize, and the codes straight into their bit planes when every tile starts on a
@@ -233,13 +233,12 @@ def _launch(block: tuple[int, int], g: int, n_rows: int) -> tuple[int, int]:
     return max(1, min(triton.next_power_of_2(max(1, n_rows)), values // g)), warps
 
 
-def encode(x2: torch.Tensor, g: int, bits: int, rotate: bool, codec: str, qmax: int = 0) -> tuple[torch.Tensor, int]:
-    """x2 (N, C) on a CUDA device (or interpreted) -> (payload: bf16 scales (N, T) then the packed
-    codes, width): symtiles_ref's bytes for that layout (width = C, or T*G rotated). The grid is
-    q in [-qmax, qmax], qmax = 2^(bits-1) - 1 unless given (at most 2^(bits-1) - 1)."""
-    out, width, status = launch_encode(x2, g, bits, rotate, qmax)
+def encode(x2: torch.Tensor, g: int, bits: int, codec: str) -> torch.Tensor:
+    """x2 (N, C) on a CUDA device (or interpreted) -> payload: bf16 scales (N, T) then the packed
+    codes of the unrotated values on the grid q in [-qmax, qmax], qmax = 2^(bits-1) - 1 (pertoken's)."""
+    out, _, status = launch_encode(x2, g, bits, False)
     raise_for_encode(int(status.item()), x2, codec)  # the one synchronization
-    return out, width
+    return out
 
 
 def launch_encode(x2: torch.Tensor, g: int, bits: int, rotate: bool, qmax: int = 0,
@@ -288,11 +287,11 @@ def raise_for_encode(status: int, x2: torch.Tensor, codec: str) -> None:
         raise CodecError(f"{codec}: an activation is too large to rotate (|x| near the float32 maximum)")
 
 
-def decode(scale: torch.Tensor, codes: torch.Tensor, n: int, c: int, g: int, bits: int, rotate: bool,
-           dtype: torch.dtype, codec: str, qmax: int = 0) -> torch.Tensor:
+def decode(scale: torch.Tensor, codes: torch.Tensor, n: int, c: int, g: int, bits: int, dtype: torch.dtype,
+           codec: str) -> torch.Tensor:
     """(N, C) of `dtype` from checked sections (scale bf16 (N, T), packed codes), on their device;
     the grid as encode's."""
-    out, worst = launch_decode(scale, codes, n, c, g, bits, rotate, dtype, qmax)
+    out, worst = launch_decode(scale, codes, n, c, g, bits, False, dtype)
     raise_for_decode(int(worst), codec)  # the one synchronization
     return out
 

@@ -19,7 +19,7 @@ import torch
 from .bitpack import padded_count
 from .bitpack_cpu import pack_planes_np, pack_rows_np, unpack_rows_np
 from .quant_ref import dequantize_asym, fp16_min_scale, hadamard
-from .tahquant_ref import ALLOC_TOKEN, TahQuantParams, low_bit_mask, read_header, tile_bits, to_tiles
+from .tahquant_ref import TahQuantParams, low_bit_mask, read_header, tile_bits, to_tiles
 
 __all__ = ["encode", "decode"]
 
@@ -67,13 +67,8 @@ def encode(x: torch.Tensor, params: TahQuantParams = TahQuantParams()) -> torch.
     g = params.group_size
     lay, _, tiles = to_tiles(x, params)
     mag = tiles.abs()
-    if params.alloc == ALLOC_TOKEN:
-        low_token = low_bit_mask(_entropy(mag.reshape(lay.nseq, lay.seq_len, -1)), params.rho)
-        low = low_token[..., None].expand(-1, -1, lay.tiles_per_token).reshape(-1)
-        low_stored = low_token.reshape(-1)
-    else:
-        low = low_bit_mask(_entropy(mag).reshape(lay.nseq, -1), params.rho).reshape(-1)
-        low_stored = low
+    low_token = low_bit_mask(_entropy(mag.reshape(lay.nseq, lay.seq_len, -1)), params.rho)
+    low = low_token[..., None].expand(-1, -1, lay.tiles_per_token).reshape(-1)
     flag, pivot = _outliers(mag, params.tau)
     flag, pivot = flag.reshape(-1), pivot.reshape(-1)
     y = tiles.reshape(-1, g).clone()
@@ -89,7 +84,7 @@ def encode(x: torch.Tensor, params: TahQuantParams = TahQuantParams()) -> torch.
     pivots = np.zeros(padded_count(flagged.numel()), dtype=np.uint8)
     pivots[: flagged.numel()] = pivot[flagged].numpy()
     return torch.from_numpy(np.concatenate([
-        np.packbits(low_stored.numpy(), bitorder="little"),
+        np.packbits(low_token.reshape(-1).numpy(), bitorder="little"),
         np.packbits(flag.numpy(), bitorder="little"),
         zero.numpy().view(np.uint8),
         scale.numpy().view(np.uint8),

@@ -20,12 +20,10 @@ from .wire import CodecError, PayloadReader, as_bytes, bitmap, read_bitmap
 
 __all__ = ["TahQuantParams", "Layout", "encode", "decode", "token_entropy", "low_bit_mask", "outlier_pivots"]
 
-ALLOC_TOKEN = 0  # one bit width per token (the paper's v1 rule, the default)
-ALLOC_TILE = 1   # one bit width per tile (the paper's v2 variant)
-LAYOUT_PAPER = 1    # the paper's algorithm: entropy-guided INT3/INT4, outlier tiles rotated, min-max per tile
-LAYOUT_ROTATED = 2  # every tile sign-flipped and Hadamard-rotated, symmetric INT4, a bf16 scale per tile
-LAYOUT_RICE = 3     # tiles rotated as in layout 2, a grid of 2 qmax + 1 levels, Rice-coded (tahquant_rice_ref)
-LAYOUTS = (LAYOUT_PAPER, LAYOUT_ROTATED, LAYOUT_RICE)
+ALLOC_TOKEN = 0  # one bit width per token (the paper's v1 rule): the only allocation (per tile, 1, is retired)
+LAYOUT_PAPER = 1  # the paper's algorithm: entropy-guided INT3/INT4, outlier tiles rotated, min-max per tile
+LAYOUT_RICE = 3   # every tile sign-flipped and rotated, a grid of 2 qmax + 1 levels, Rice-coded (tahquant_rice_ref)
+LAYOUTS = (LAYOUT_PAPER, LAYOUT_RICE)  # layout 2 (rotated tiles at INT4) is retired: docs/wire-format.md
 
 
 @dataclass(frozen=True)
@@ -37,9 +35,8 @@ class TahQuantParams:
     tau: float = 2.0       # outlier rule: max |x| >= tau * second |x| -> pivot swap + Hadamard
     bits_high: int = 4
     bits_low: int = 3
-    alloc: int = ALLOC_TOKEN  # 0: per token, 1: per tile
-    layout: int = LAYOUT_PAPER  # 1: the paper's algorithm (this module); 2: rotated tiles (tahquant_rotated_ref);
-    #                             3: rotated tiles, Rice-coded (tahquant_rice_ref)
+    alloc: int = ALLOC_TOKEN  # travels in layout 1's params, always 0: one bit width per token
+    layout: int = LAYOUT_PAPER  # 1: the paper's algorithm (this module); 3: Rice-coded (tahquant_rice_ref)
     qmax: int = 12         # layout 3 only: codes q in [-qmax, qmax], step = the tile's absmax / qmax
 
     def validate(self) -> "TahQuantParams":
@@ -56,11 +53,10 @@ class TahQuantParams:
                 raise CodecError(f"tahquant: {name} must be an integer in [2, 8], got {b}")
         if self.bits_low > self.bits_high:
             raise CodecError("tahquant: bits_low must not exceed bits_high")
-        if self.alloc not in (ALLOC_TOKEN, ALLOC_TILE):
-            raise CodecError(f"tahquant: alloc must be 0 (token) or 1 (tile), got {self.alloc}")
+        if self.alloc != ALLOC_TOKEN:
+            raise CodecError(f"tahquant: alloc must be 0 (one bit width per token), got {self.alloc}")
         if self.layout not in LAYOUTS:
-            raise CodecError(f"tahquant: layout must be 1 (the paper's), 2 (rotated tiles) or 3 (Rice-coded), "
-                             f"got {self.layout}")
+            raise CodecError(f"tahquant: layout must be 1 (the paper's) or 3 (Rice-coded), got {self.layout}")
         if self.qmax != int(self.qmax) or not 1 <= self.qmax <= 127:
             raise CodecError(f"tahquant: qmax must be an integer in [1, 127], got {self.qmax}")
         return self
@@ -104,18 +100,14 @@ class Layout:
         return self.tiles_per_token * self.group_size
 
 
-def _entropy(mag: torch.Tensor) -> torch.Tensor:
-    """H = -sum p ln p over the last dim with p = |x| / sum |x| (float64; 0 for an all-zero row)."""
-    mag = mag.double()
+def token_entropy(x: torch.Tensor) -> torch.Tensor:
+    """Entropy of each token of x (..., C) over its channels: H = -sum p ln p with p = |x| / sum |x|
+    (float64; 0 for an all-zero token)."""
+    mag = x.abs().double()
     total = mag.sum(-1, keepdim=True)
     p = torch.where(total > 0, mag / total, torch.zeros((), dtype=torch.float64, device=mag.device))
     terms = torch.where(p > 0, p * torch.log(p), torch.zeros((), dtype=torch.float64, device=mag.device))
     return -terms.sum(-1)
-
-
-def token_entropy(x: torch.Tensor) -> torch.Tensor:
-    """Entropy of each token of x (..., C) over its channels."""
-    return _entropy(x.abs())
 
 
 def low_bit_mask(entropy: torch.Tensor, rho: float) -> torch.Tensor:
@@ -167,14 +159,8 @@ def encode(x: torch.Tensor, params: TahQuantParams = TahQuantParams()) -> torch.
     lay, x3, tiles = to_tiles(x, params)
 
     # 1-2. entropy-guided bit allocation within each sequence
-    if params.alloc == ALLOC_TOKEN:
-        low_token = low_bit_mask(token_entropy(x3), params.rho)                  # (nseq, S)
-        low_tile = low_token[..., None].expand(-1, -1, lay.tiles_per_token)
-        low_stored = low_token.reshape(-1)
-    else:
-        ent = _entropy(tiles.abs()).reshape(lay.nseq, -1)                         # (nseq, S*T)
-        low_tile = low_bit_mask(ent, params.rho).reshape(tiles.shape[:-1])
-        low_stored = low_tile.reshape(-1)
+    low_token = low_bit_mask(token_entropy(x3), params.rho)                  # (nseq, S)
+    low_tile = low_token[..., None].expand(-1, -1, lay.tiles_per_token)
 
     # 3-4. outlier tiles: pivot swap, then the normalized Hadamard transform
     flag, pivot = outlier_pivots(tiles, params.tau)
@@ -195,7 +181,7 @@ def encode(x: torch.Tensor, params: TahQuantParams = TahQuantParams()) -> torch.
     code_bytes = pack_rows(q, tile_bits(flat_low, params))
     return torch.cat(
         [
-            bitmap(low_stored),
+            bitmap(low_token.reshape(-1)),
             bitmap(flat_flag),
             as_bytes(zero.reshape(-1)),
             as_bytes(scale.reshape(-1)),
@@ -228,8 +214,7 @@ def check_min_payload(payload: torch.Tensor, shape: tuple[int, ...], params: Tah
     zero-points and scales, every tile at bits_low), before anything of its size is allocated."""
     lay = Layout.of(tuple(shape), params.group_size)
     nt = lay.tiles
-    n_alloc = lay.tokens if params.alloc == ALLOC_TOKEN else nt
-    minimum = -(-n_alloc // 8) + -(-nt // 8) + 4 * nt + nt * params.group_size * params.bits_low // 8
+    minimum = -(-lay.tokens // 8) + -(-nt // 8) + 4 * nt + nt * params.group_size * params.bits_low // 8
     if payload.numel() < minimum:
         raise CodecError(f"tahquant payload is truncated: {payload.numel()} bytes, shape "
                          f"{list(shape)} needs at least {minimum}")
@@ -242,10 +227,9 @@ def read_header(payload: torch.Tensor, shape: tuple[int, ...], params: TahQuantP
     g = params.group_size
     lay = Layout.of(shape, g)
     nt = lay.tiles
-    n_alloc = lay.tokens if params.alloc == ALLOC_TOKEN else nt
     check_min_payload(payload, shape, params)
     rd = PayloadReader(payload, "tahquant")
-    low_stored = read_bitmap(rd.take(-(-n_alloc // 8), "bit-allocation bitmap"), n_alloc, "bit-allocation")
+    low_token = read_bitmap(rd.take(-(-lay.tokens // 8), "bit-allocation bitmap"), lay.tokens, "bit-allocation")
     flag = read_bitmap(rd.take(-(-nt // 8), "Hadamard flag bitmap"), nt, "Hadamard flag")
     zero = rd.take_array(nt, torch.float16, "zero-points")
     scale = rd.take_array(nt, torch.float16, "scales")
@@ -256,10 +240,7 @@ def read_header(payload: torch.Tensor, shape: tuple[int, ...], params: TahQuantP
                          padded_count(n_flag))
     if bool(pivots[n_flag:].any()):
         raise CodecError("tahquant payload is corrupt: padding of the pivot indices is not zero")
-    if params.alloc == ALLOC_TOKEN:
-        low = low_stored.reshape(lay.tokens, 1).expand(-1, lay.tiles_per_token).reshape(-1)
-    else:
-        low = low_stored
+    low = low_token.reshape(lay.tokens, 1).expand(-1, lay.tiles_per_token).reshape(-1)
     return Header(lay, tile_bits(low, params), flag, zero, scale, pivots[:n_flag], rd)
 
 

@@ -1,5 +1,5 @@
 """TAH-Quant's entropy-coded layout (layout 3, the version-3 payload) in plain torch: every tile of G
-channels rotated as in layout 2, quantized on a uniform grid of 2 qmax + 1 levels, codes Rice-coded.
+channels sign-flipped and rotated (symtiles_ref), quantized on a grid of 2 qmax + 1 levels, Rice-coded.
 
 A tile's step is its absmax / qmax (one bf16 scale per tile, tahnode.kernels.symtiles_ref), so the
 grid is finer than INT4's at the same bits on the wire: most values are small and take short codes

@@ -2,8 +2,8 @@
 
 encode(x (..., C), params) -> uint8 payload       decode(payload, shape, params, dtype) -> (shape)
 
-Encode, per-token allocation (the default; sequences of up to SEQ_MAX tokens), is six kernels and
-one scan, with one synchronization at the end:
+Encode (sequences of up to SEQ_MAX tokens) is six kernels and one scan, with one synchronization at
+the end:
   1. stats: per token its fp32 entropy (a proven error bound, entropy_slack), per tile the outlier
      flag and pivot; torch.cumsum then numbers the flagged tiles;
   2. cut: per sequence, the two entropies around the INT3/INT4 cut (bitwise binary search); the
@@ -16,10 +16,10 @@ one scan, with one synchronization at the end:
      matrix built in registers, fp16 min/scale, round half to even, bit-plane packing straight
      into the payload; the pivots of flagged tiles go to their compacted place;
   6. assemble: the bitmaps, zero-points, scales and packed pivots in front of the codes.
-The rare cases the fast ranking cannot settle (more uncertain tokens than NSLOT), per-tile
-allocation and longer sequences rank in torch (rank_low, then the reference's exact ranking).
+The rare cases the fast ranking cannot settle (more uncertain tokens than NSLOT) and longer
+sequences rank in torch (rank_low, then the reference's exact ranking).
 
-Decode is two kernels and one scan: bitmap popcounts, their prefix sums (every entry's code offset
+Decode is two kernels and one scan: bitmap popcounts, their prefix sums (every token's code offset
 and every flagged tile's pivot index), then one fused kernel that validates and unpacks,
 dequantizes, inverts the Hadamard, swaps back and stores in the output dtype; a corrupt payload
 raises CodecError with the reference's message, in the reference's order, after that one sync.
@@ -40,14 +40,14 @@ import triton
 
 from .bitpack import packed_nbytes, plane_widths
 from .quant_ref import check_finite, fp16_min_scale
-from .tahquant_ref import ALLOC_TOKEN, Layout, TahQuantParams, check_min_payload, low_bit_mask, token_entropy
+from .tahquant_ref import Layout, TahQuantParams, check_min_payload, low_bit_mask, token_entropy
 from .tahquant_triton_alloc import _alloc_kernel, _cut_kernel, _refine_kernel, _stats_kernel
 from .tahquant_triton_payload import _assemble_kernel, _bitcount_kernel, _decode_kernel, _encode_kernel
 from .triton_util import interpreting as _interpreting
 from .triton_util import on_device
 from .wire import CodecError, PayloadReader
 
-__all__ = ["encode", "decode", "entropies", "rank_low", "entropy_slack", "SEQ_MAX", "NSLOT"]
+__all__ = ["encode", "decode", "rank_low", "entropy_slack", "SEQ_MAX", "NSLOT"]
 
 SEQ_MAX = 8192  # longest sequence the in-kernel allocation ranks (one program holds all its entropies)
 # values per program (ROWS x G) and warps per program of the encode and decode kernels on a GPU:
@@ -81,7 +81,6 @@ def _launch_config(params: TahQuantParams, lay: Layout, block: tuple[int, int]) 
         TC=tc,
         BH=params.bits_high,
         BL=params.bits_low,
-        TOKEN_ALLOC=params.alloc == ALLOC_TOKEN,
         W8=8 in widths,
         W4=4 in widths,
         W2=2 in widths,
@@ -113,46 +112,35 @@ def _rows(x: torch.Tensor, lay: Layout) -> torch.Tensor:
     return x2 if x2.stride(1) == 1 else x2.contiguous()
 
 
-def _stats_blocks(seg_len: int, g: int) -> tuple[int, int]:
-    """(entries per program, chunk width) of the stats kernel; a chunk holds whole tiles."""
-    block = max(min(triton.next_power_of_2(seg_len), 2048), g)
+def _stats_blocks(channels: int, g: int) -> tuple[int, int]:
+    """(tokens per program, chunk width) of the stats kernel; a chunk holds whole tiles."""
+    block = max(min(triton.next_power_of_2(channels), 2048), g)
     return max(1, (65536 if _interpreting() else 4096) // block), block
 
 
-def entropy_slack(seg_len: int, group_size: int = 64) -> float:
-    """An upper bound on |fp32 entropy of _stats_kernel - exact entropy| for segments of seg_len
+def entropy_slack(channels: int, group_size: int = 64) -> float:
+    """An upper bound on |fp32 entropy of _stats_kernel - exact entropy| for tokens of `channels`
     channels: a sum of depth d has relative error <= d*u, p and ln p add a few u each, and the
-    error of sum p ln p is then <= (2*gamma + 4u) * (H + 1) with H <= ln(seg_len); doubled."""
+    error of sum p ln p is then <= (2*gamma + 4u) * (H + 1) with H <= ln(channels); doubled."""
     u = 2.0**-24
-    _, block = _stats_blocks(seg_len, group_size)
-    depth = -(-seg_len // block) + 2 * math.log2(block) + 32  # lanes, then a tree (or numpy's pairwise sum)
+    _, block = _stats_blocks(channels, group_size)
+    depth = -(-channels // block) + 2 * math.log2(block) + 32  # lanes, then a tree (or numpy's pairwise sum)
     gamma = depth * u
-    return 2.0 * (2.0 * gamma + 8.0 * u) * (math.log(seg_len) + 1.0)
+    return 2.0 * (2.0 * gamma + 8.0 * u) * (math.log(channels) + 1.0)
 
 
 def _stats(x2: torch.Tensor, lay: Layout, params: TahQuantParams, status: torch.Tensor):
-    """-> (fp32 entropy per allocation entry, uint8 flag per tile, uint8 pivot per tile)."""
-    g, t = params.group_size, lay.tiles_per_token
-    seg_len, n_seg = (lay.channels, 1) if params.alloc == ALLOC_TOKEN else (g, t)
-    n = lay.tokens * n_seg
+    """-> (fp32 entropy per token, uint8 flag per tile, uint8 pivot per tile)."""
+    g, n = params.group_size, lay.tokens
     ent = torch.empty(n, dtype=torch.float32, device=x2.device)
     flag = torch.empty(lay.tiles, dtype=torch.uint8, device=x2.device)
     piv = torch.empty(lay.tiles, dtype=torch.uint8, device=x2.device)
-    rows, block = _stats_blocks(seg_len, g)
+    rows, block = _stats_blocks(lay.channels, g)
     _stats_kernel[(triton.cdiv(n, rows),)](
-        x2, x2.stride(0), ent, flag, piv, status, n, n_seg, seg_len, lay.channels, t, float(params.tau),
-        G=g, ROWS=rows, BLOCK=block, NCHUNK=triton.cdiv(seg_len, block),
+        x2, x2.stride(0), ent, flag, piv, status, n, lay.channels, lay.tiles_per_token, float(params.tau),
+        G=g, ROWS=rows, BLOCK=block, NCHUNK=triton.cdiv(lay.channels, block),
     )
     return ent, flag, piv
-
-
-def entropies(x2: torch.Tensor, seg_len: int, n_seg: int, group_size: int = 64) -> torch.Tensor:
-    """float32 entropy of every segment (the stats kernel's): x2 (tokens, C) -> (tokens * n_seg,);
-    n_seg = 1 (whole tokens, seg_len = C) or C / seg_len (tiles, seg_len = group_size)."""
-    params = TahQuantParams(group_size=group_size, alloc=0 if n_seg == 1 else 1)
-    lay = Layout(1, x2.shape[0], x2.shape[1], group_size)
-    status = torch.empty(4, dtype=torch.int32, device=x2.device)
-    return _stats(x2, lay, params, status)[0]
 
 
 def rank_low(e32: torch.Tensor, rho: float, slack: float, exact) -> tuple[torch.Tensor, torch.Tensor]:
@@ -195,51 +183,29 @@ def _padded(rows: torch.Tensor, channels: int) -> torch.Tensor:
 
 
 def _torch_allocation(x2: torch.Tensor, lay: Layout, params: TahQuantParams, e32: torch.Tensor) -> torch.Tensor:
-    """The low mask (nseq, n) by rank_low, n = S tokens or S*T tiles per sequence; the exact
-    ranking when the window does not settle it."""
-    g, t = params.group_size, lay.tiles_per_token
-    if params.alloc == ALLOC_TOKEN:
-        seq0 = torch.arange(lay.nseq, device=x2.device)[:, None] * lay.seq_len
+    """The low mask (nseq, S) by rank_low; the exact ranking when the window does not settle it."""
+    seq0 = torch.arange(lay.nseq, device=x2.device)[:, None] * lay.seq_len
 
-        def exact(win):
-            rows = x2[(seq0 + win).reshape(-1)].float()
-            return token_entropy(_padded(rows, lay.padded_channels)).reshape(win.shape)
+    def exact(win):
+        rows = x2[(seq0 + win).reshape(-1)].float()
+        return token_entropy(_padded(rows, lay.padded_channels)).reshape(win.shape)
 
-        mask, ok = rank_low(e32.reshape(lay.nseq, lay.seq_len), params.rho, entropy_slack(lay.channels, g), exact)
-    else:
-        seq0 = torch.arange(lay.nseq, device=x2.device)[:, None] * (lay.seq_len * t)
-
-        def exact(win):
-            return token_entropy(_gather_tiles(x2, (seq0 + win).reshape(-1), t, g)).reshape(win.shape)
-
-        mask, ok = rank_low(e32.reshape(lay.nseq, lay.seq_len * t), params.rho, entropy_slack(g, g), exact)
+    slack = entropy_slack(lay.channels, params.group_size)
+    mask, ok = rank_low(e32.reshape(lay.nseq, lay.seq_len), params.rho, slack, exact)
     return mask if bool(ok) else _exact_allocation(x2, lay, params)
-
-
-def _gather_tiles(x2: torch.Tensor, tiles: torch.Tensor, t: int, g: int) -> torch.Tensor:
-    """float32 tiles (len(tiles), G) of x2 (tokens, C), zero-padded past C."""
-    ch = (tiles % t)[:, None] * g + torch.arange(g, device=x2.device)
-    inside = ch < x2.shape[1]
-    vals = x2[(tiles // t)[:, None], ch.clamp(max=x2.shape[1] - 1)].float()
-    return torch.where(inside, vals, torch.zeros((), device=x2.device))
 
 
 def _exact_allocation(x2: torch.Tensor, lay: Layout, params: TahQuantParams) -> torch.Tensor:
     """The reference's ranking of everything (the rare fallback of both rankings)."""
-    xp = _padded(x2.float(), lay.padded_channels)
-    if params.alloc == ALLOC_TOKEN:
-        ent = token_entropy(xp).reshape(lay.nseq, lay.seq_len)
-    else:
-        ent = token_entropy(xp.reshape(lay.tokens, lay.tiles_per_token, params.group_size)).reshape(lay.nseq, -1)
+    ent = token_entropy(_padded(x2.float(), lay.padded_channels)).reshape(lay.nseq, lay.seq_len)
     return low_bit_mask(ent, params.rho)
 
 
-def _with_offsets(low_mask: torch.Tensor, params: TahQuantParams,
-                  per_entry_tiles: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(uint8 low per allocation entry, int64 byte offset of its codes: an exclusive prefix sum)."""
+def _with_offsets(low_mask: torch.Tensor, params: TahQuantParams, t: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(uint8 low per token, int64 byte offset of its codes: an exclusive prefix sum; T tiles a token)."""
     low = low_mask.reshape(-1)
     bits = torch.where(low, params.bits_low, params.bits_high).long()
-    sizes = bits * (params.group_size // 8 * per_entry_tiles)
+    sizes = bits * (params.group_size // 8 * t)
     return low.to(torch.uint8), torch.cumsum(sizes, 0) - sizes
 
 
@@ -273,9 +239,9 @@ def _kernel_allocation(x2, lay: Layout, params: TahQuantParams, e32: torch.Tenso
     return low, off
 
 
-def _codes_nbytes(n_low: int, n_entries: int, params: TahQuantParams, per_entry_tiles: int) -> int:
-    per = params.group_size // 8 * per_entry_tiles
-    return (n_low * params.bits_low + (n_entries - n_low) * params.bits_high) * per
+def _codes_nbytes(n_low: int, n_tokens: int, params: TahQuantParams, t: int) -> int:
+    per = params.group_size // 8 * t
+    return (n_low * params.bits_low + (n_tokens - n_low) * params.bits_high) * per
 
 
 def encode(x: torch.Tensor, params: TahQuantParams = TahQuantParams()) -> torch.Tensor:
@@ -295,25 +261,22 @@ def _encode(x: torch.Tensor, params: TahQuantParams) -> torch.Tensor:
     x2 = _rows(x.detach(), lay)
     dev = x.device
     t, nt = lay.tiles_per_token, lay.tiles
-    token_alloc = params.alloc == ALLOC_TOKEN
-    n_entries, per_entry = (lay.tokens, t) if token_alloc else (nt, 1)
-    n_per_seq = lay.seq_len if token_alloc else lay.seq_len * t
-    n_low = n_per_seq - int(round(params.rho * n_per_seq))
+    n_low = lay.seq_len - int(round(params.rho * lay.seq_len))
 
     # payload = [bitmaps, zero, scale | pivots | codes]; the front is placed right before the codes
-    bm_a, bm_f = -(-n_entries // 8), -(-nt // 8)
+    bm_a, bm_f = -(-lay.tokens // 8), -(-nt // 8)
     head = bm_a + bm_f + 4 * nt
     piv_max = packed_nbytes(nt, params.pivot_bits)
-    out = torch.empty(head + piv_max + _codes_nbytes(lay.nseq * n_low, n_entries, params, per_entry), dtype=torch.uint8,
+    out = torch.empty(head + piv_max + _codes_nbytes(lay.nseq * n_low, lay.tokens, params, t), dtype=torch.uint8,
                       device=dev)
     status = torch.empty(4, dtype=torch.int32, device=dev)  # bad input/overflow/uncertain bits, n_flag
 
     e32, flag, piv = _stats(x2, lay, params, status)
     cum = torch.cumsum(flag, 0, dtype=torch.int32)
-    if token_alloc and lay.seq_len <= SEQ_MAX:
+    if lay.seq_len <= SEQ_MAX:
         low, off = _kernel_allocation(x2, lay, params, e32, n_low, status)
     else:
-        low, off = _with_offsets(_torch_allocation(x2, lay, params, e32), params, per_entry)
+        low, off = _with_offsets(_torch_allocation(x2, lay, params, e32), params, t)
     codes = out[head + piv_max :]
     zs = torch.empty(4 * nt, dtype=torch.uint8, device=dev)
     compact = torch.empty(nt, dtype=torch.uint8, device=dev)
@@ -326,7 +289,7 @@ def _encode(x: torch.Tensor, params: TahQuantParams) -> torch.Tensor:
             zs[: 2 * nt].view(torch.float16), zs[2 * nt :].view(torch.float16), compact, status, **cx, num_warps=warps,
         )
         _assemble_kernel[(triton.cdiv(head + piv_max, blk),)](
-            out, low, flag, zs, compact, cum, status, n_entries, nt, bm_a, bm_f, head, piv_max,
+            out, low, flag, zs, compact, cum, status, lay.tokens, nt, bm_a, bm_f, head, piv_max,
             BLK=blk, **_pivot_planes(params),
         )
         return status.tolist()  # the one synchronization of the common path
@@ -336,7 +299,7 @@ def _encode(x: torch.Tensor, params: TahQuantParams) -> torch.Tensor:
         check_finite(x, "tahquant")  # raises with the reference's message
     if bad & 4:  # too many entropies too close to the cut for the cut kernel: rank exactly
         status.zero_()
-        bad = quantize(*_with_offsets(_exact_allocation(x2, lay, params), params, per_entry))[0]
+        bad = quantize(*_with_offsets(_exact_allocation(x2, lay, params), params, t))[0]
     if bad & 2:
         inf = torch.tensor([float("inf")])
         fp16_min_scale(inf, inf, 1.0, "tahquant")  # raises with the reference's message
@@ -357,20 +320,18 @@ def _decode(payload: torch.Tensor, shape: tuple[int, ...], params: TahQuantParam
     g = params.group_size
     lay = Layout.of(tuple(shape), g)
     nt, t = lay.tiles, lay.tiles_per_token
-    token_alloc = params.alloc == ALLOC_TOKEN
-    n_alloc, per_entry = (lay.tokens, t) if token_alloc else (nt, 1)
     check_min_payload(payload, shape, params)
     if payload.dtype != torch.uint8 or payload.dim() != 1:
         raise CodecError(f"tahquant payload must be a 1-D uint8 tensor, got {payload.dtype} of shape "
                          f"{list(payload.shape)}")
     dev = payload.device
-    bm_a, bm_f = -(-n_alloc // 8), -(-nt // 8)
+    bm_a, bm_f = -(-lay.tokens // 8), -(-nt // 8)
     head = bm_a + bm_f + 4 * nt  # within the minimum: the front sections are all there
 
     pc = torch.empty(bm_a + bm_f, dtype=torch.int32, device=dev)
     status = torch.empty(8, dtype=torch.int32, device=dev)
     blk = _byte_block()
-    _bitcount_kernel[(triton.cdiv(bm_a + bm_f, blk),)](payload, pc, status, bm_a + bm_f, bm_a, n_alloc, nt, BLK=blk)
+    _bitcount_kernel[(triton.cdiv(bm_a + bm_f, blk),)](payload, pc, status, bm_a + bm_f, bm_a, lay.tokens, nt, BLK=blk)
     cum = torch.cumsum(pc, 0, dtype=torch.int32)
     out = torch.empty(lay.tokens, lay.channels, dtype=dtype, device=dev)
     cx, grid, warps = _launch_config(params, lay, GPU_DECODE_BLOCK)
@@ -392,6 +353,6 @@ def _decode(payload: torch.Tensor, shape: tuple[int, ...], params: TahQuantParam
     rd.take(packed_nbytes(n_flag, params.pivot_bits), "pivot indices")
     if piv_pad:
         raise CodecError("tahquant payload is corrupt: padding of the pivot indices is not zero")
-    rd.take(_codes_nbytes(n_low, n_alloc, params, per_entry), "tile codes")
+    rd.take(_codes_nbytes(n_low, lay.tokens, params, t), "tile codes")
     rd.finish()
     return out.reshape(shape)

@@ -11,37 +11,32 @@ import triton.language as tl
 @triton.jit
 def _stats_kernel(
     x_ptr, stride_x, ent_ptr, flag_ptr, piv_ptr, status_ptr,
-    n_entries, n_seg, seg_len, n_chan, n_tpt, tau,
+    n_tokens, n_chan, n_tpt, tau,
     G: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr, NCHUNK: tl.constexpr,
 ):
-    """Per allocation entry e (a token: n_seg = 1, seg_len = C; a tile: n_seg = T, seg_len = G) of
-    token e // n_seg: H = -sum p ln p, p = |x| / sum |x|, in float32. Per tile of G channels: the
-    outlier flag (largest |x| > 0 and >= tau x the largest of the others) and the pivot (first
-    index of the largest |x|), with non-finite inputs counted as 0 (encode refuses them later).
-    NCHUNK = cdiv(seg_len, BLOCK) is a constexpr (a loop bound that is a kernel argument breaks
-    triton 3.6's interpreter under numpy 2). Program 0 clears the status words."""
+    """Per token: H = -sum p ln p over its C channels, p = |x| / sum |x|, in float32. Per tile of G
+    channels: the outlier flag (largest |x| > 0 and >= tau x the largest of the others) and the pivot
+    (first index of the largest |x|), with non-finite inputs counted as 0 (encode refuses them later).
+    NCHUNK = cdiv(C, BLOCK) is a constexpr (a loop bound that is a kernel argument breaks triton 3.6's
+    interpreter under numpy 2). Program 0 clears the status words."""
     pid = tl.program_id(0)
     if pid == 0:
         tl.store(status_ptr + tl.arange(0, 4), tl.zeros([4], dtype=tl.int32))
     TPB: tl.constexpr = BLOCK // G
     e = pid * ROWS + tl.arange(0, ROWS)
-    ev = e < n_entries
-    tok = (e // n_seg).to(tl.int64)
-    c0 = (e % n_seg) * seg_len
-    cend = tl.minimum(c0 + seg_len, n_chan)
+    ev = e < n_tokens
+    tok = e.to(tl.int64)
     rowp = x_ptr + tok * stride_x
     k = tl.arange(0, BLOCK)
     j = tl.arange(0, G)
-    # the tiles of a chunk, row-major: (entry, tile of the chunk)
+    # the tiles of a chunk, row-major: (token, tile of the chunk)
     r = tl.arange(0, ROWS * TPB)
     t_tok = tl.reshape(tl.broadcast_to(tok[:, None], (ROWS, TPB)), (ROWS * TPB,))
-    t_c0 = tl.reshape(tl.broadcast_to(c0[:, None], (ROWS, TPB)), (ROWS * TPB,))
-    t_end = tl.reshape(tl.broadcast_to(cend[:, None], (ROWS, TPB)), (ROWS * TPB,))
     t_ev = tl.reshape(tl.broadcast_to(ev[:, None], (ROWS, TPB)), (ROWS * TPB,))
     acc = tl.zeros([ROWS, BLOCK], dtype=tl.float32)
     for s in range(NCHUNK):
-        ch = c0[:, None] + s * BLOCK + k[None, :]
-        m = ev[:, None] & (ch < cend[:, None])
+        ch = s * BLOCK + k[None, :]
+        m = ev[:, None] & (ch < n_chan)
         v = tl.load(rowp[:, None] + ch, mask=m, other=0.0).to(tl.float32)
         a = tl.abs(v)
         acc += a
@@ -50,17 +45,17 @@ def _stats_kernel(
         pivot = tl.min(tl.where(mag == peak[:, None], j[None, :], G), axis=1)
         second = tl.max(tl.where(j[None, :] == pivot[:, None], -1.0, mag), axis=1)
         flag = (peak > 0) & (peak >= tau * second)
-        ch0 = t_c0 + s * BLOCK + (r % TPB) * G
+        ch0 = s * BLOCK + (r % TPB) * G
         tile = t_tok * n_tpt + ch0 // G
-        tv = t_ev & (ch0 < t_end)
+        tv = t_ev & (ch0 < n_chan)
         tl.store(flag_ptr + tile, flag.to(tl.uint8), mask=tv)
         tl.store(piv_ptr + tile, pivot.to(tl.uint8), mask=tv)
     total = tl.sum(acc, axis=1)
     tsafe = tl.where(total > 0, total, 1.0)
     acc2 = tl.zeros([ROWS, BLOCK], dtype=tl.float32)
     for s in range(NCHUNK):
-        ch = c0[:, None] + s * BLOCK + k[None, :]
-        m = ev[:, None] & (ch < cend[:, None])
+        ch = s * BLOCK + k[None, :]
+        m = ev[:, None] & (ch < n_chan)
         a = tl.abs(tl.load(rowp[:, None] + ch, mask=m, other=0.0).to(tl.float32))
         p = tl.math.div_rn(a, tsafe[:, None])
         acc2 += tl.where(p > 0, p * tl.log(tl.where(p > 0, p, 1.0)), 0.0)

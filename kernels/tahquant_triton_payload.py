@@ -16,14 +16,13 @@ from .triton_util import round_half_even, to_bf16_rne
 def _encode_kernel(
     x_ptr, stride_x, n_tokens, n_chan, n_tpt,  # input (tokens, C) with unit channel stride; T tiles per token
     flag_ptr, piv_ptr, cum_ptr,  # per tile: outlier flag, pivot (stats pass); inclusive count of flagged tiles
-    low_ptr,  # uint8 per allocation entry (token, or tile when ALLOC_TILE): 1 -> bits_low
-    off_ptr,  # int64 per allocation entry: byte offset of its first code block in codes_ptr
+    low_ptr,  # uint8 per token: 1 -> bits_low
+    off_ptr,  # int64 per token: byte offset of its first code block in codes_ptr
     codes_ptr, n_codes,  # uint8: the payload's tile-code section (no store reaches past it)
     zero_ptr, scale_ptr,  # float16 per tile
     compact_ptr,  # uint8: the pivots of the flagged tiles, in tile order
     status_ptr,  # int32: bit0 non-finite input, bit1 fp16 overflow (or-ed in)
     G: tl.constexpr, ROWS: tl.constexpr, TC: tl.constexpr, BH: tl.constexpr, BL: tl.constexpr,
-    TOKEN_ALLOC: tl.constexpr,
     W8: tl.constexpr, W4: tl.constexpr, W2: tl.constexpr, W1: tl.constexpr,
     HK: tl.constexpr, RSQRT: tl.constexpr, POW4: tl.constexpr,
 ):
@@ -48,11 +47,7 @@ def _encode_kernel(
         y = tl.where(flag[:, None], _hadamard(y, BR, G, HK, RSQRT, POW4), y)
 
     # fp16 zero = min, fp16 scale = (max - min) / qmax, rounded before quantizing
-    if TOKEN_ALLOC:
-        entry = rows64
-    else:
-        entry = tile
-    low = tl.load(low_ptr + entry, mask=rvalid, other=0)
+    low = tl.load(low_ptr + rows64, mask=rvalid, other=0)
     bits = tl.where(low != 0, BL, BH)
     qmax = ((1 << bits) - 1).to(tl.float32)
     lo = tl.min(y, axis=1)
@@ -71,9 +66,7 @@ def _encode_kernel(
     u = tl.minimum(tl.maximum(u, 0.0), qmax[:, None])
     q = round_half_even(u)
 
-    tile_off = tl.load(off_ptr + entry, mask=rvalid, other=0)
-    if TOKEN_ALLOC:
-        tile_off += t * (bits * (G // 8))
+    tile_off = tl.load(off_ptr + rows64, mask=rvalid, other=0) + t * (bits * (G // 8))
     if W8:
         _store_plane(codes_ptr, n_codes, tile_off, q, bits, rvalid, BR, G, 8)
     if W4:
@@ -156,7 +149,6 @@ def _decode_kernel(
     pay_ptr, n_pay, cum_ptr, status_ptr,  # the payload (n_pay bytes); inclusive prefix sums of pc
     out_ptr, stride_out, n_tokens, n_chan, n_tpt, nt, bm_a, bm_f, head,
     G: tl.constexpr, ROWS: tl.constexpr, TC: tl.constexpr, BH: tl.constexpr, BL: tl.constexpr,
-    TOKEN_ALLOC: tl.constexpr,
     W8: tl.constexpr, W4: tl.constexpr, W2: tl.constexpr, W1: tl.constexpr,
     HK: tl.constexpr, RSQRT: tl.constexpr, POW4: tl.constexpr, OUT_BF16: tl.constexpr,
     PBITS: tl.constexpr, P8: tl.constexpr, P4: tl.constexpr, P2: tl.constexpr, P1: tl.constexpr,
@@ -165,33 +157,26 @@ def _decode_kernel(
     counts (cum), never trusted: every payload read is masked to the n_pay bytes, so a payload whose
     lengths do not add up decodes to garbage that the host then refuses. Status (or-ed/stored):
     word 1 = a non-finite zero-point or a negative/non-finite scale; program 0 stores word 2 =
-    non-zero padding among the pivots, words 3, 4 = INT3 entries, flagged tiles."""
+    non-zero padding among the pivots, words 3, 4 = INT3 tokens, flagged tiles."""
     BR: tl.constexpr = ROWS * TC
     rows, t, rvalid = _block_rows(n_tokens, n_tpt, ROWS, TC, False)
     j = tl.arange(0, G)
     rows64 = rows.to(tl.int64)
     tile = rows64 * n_tpt + t
-    if TOKEN_ALLOC:
-        entry = rows64
-        per = n_tpt * (G // 8)  # code bytes of an entry per code bit
-    else:
-        entry = tile
-        per = G // 8
+    per = n_tpt * (G // 8)  # code bytes of a token per code bit
     n_low = tl.load(cum_ptr + bm_a - 1)
     n_flag = tl.load(cum_ptr + bm_a + bm_f - 1) - n_low
     n_pad = (n_flag + 7) // 8 * 8
     codes0 = head + n_pad * PBITS // 8
 
-    # the entry's bit width and its code offset: entries before it at BH bits, less the INT3 ones
-    ab = entry // 8
+    # the token's bit width and its code offset: tokens before it at BH bits, less the INT3 ones
+    ab = rows64 // 8
     abyte = tl.load(pay_ptr + ab, mask=rvalid, other=0).to(tl.int32)
-    ebit = (entry % 8).to(tl.int32)
+    ebit = (rows64 % 8).to(tl.int32)
     low = (abyte >> ebit) & 1
     prior = tl.load(cum_ptr + ab - 1, mask=rvalid & (ab > 0), other=0) + _popcount8(abyte & ((1 << ebit) - 1))
     bits = tl.where(low != 0, BL, BH)
-    tile_off = codes0 + entry * (BH * per) - prior.to(tl.int64) * ((BH - BL) * per)
-    if TOKEN_ALLOC:
-        tile_off += t * (bits * (G // 8))
+    tile_off = codes0 + rows64 * (BH * per) - prior.to(tl.int64) * ((BH - BL) * per) + t * (bits * (G // 8))
 
     # the tile's flag and, if flagged, its pivot: the k-th of the packed pivots
     fb = tile // 8

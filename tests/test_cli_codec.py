@@ -42,7 +42,7 @@ def test_json_report(act, codec):
 
 
 def test_text_report_and_params(act):
-    r = run(str(act), "--codec", "tahquant", "--param", "rho=0.5", "--param", "alloc=1")
+    r = run(str(act), "--codec", "tahquant", "--param", "rho=0.5", "--param", "tau=1.5")
     assert r.returncode == 0, r.stderr
     assert "bits/element" in r.stdout and "SQNR" in r.stdout and "dB" in r.stdout
 

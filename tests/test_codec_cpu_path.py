@@ -1,6 +1,6 @@
 """The fast CPU path of TAH-Quant (kernels/tahquant_cpu.py) against its specification
 (kernels/tahquant_ref.py): the same payload bytes, the same decoded values bit for bit, the same
-errors on corrupt payloads, for every dtype, awkward shapes, both allocations and other bit widths;
+errors on corrupt payloads, for every dtype, awkward shapes, ranking shares and other bit widths;
 and the codec registry serves CPU tensors with it unless TAHNODE_REFERENCE=1."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from tahnode.kernels.wire import CodecError
 from helpers import activations, same_bits
 
 SHAPES = [(1, 1, 64), (2, 5, 100), (3, 128, 64), (1, 1024, 1600), (4, 64, 256), (7, 3), (1, 1, 8)]
-PARAMS = [P(), P(alloc=1, rho=0.5), P(group_size=32, bits_high=5, bits_low=2, tau=1.5), P(rho=1.0),
+PARAMS = [P(), P(rho=0.5), P(group_size=32, bits_high=5, bits_low=2, tau=1.5), P(rho=1.0),
           P(rho=0.0, bits_low=4), P(group_size=8, bits_high=8, bits_low=7)]
 
 

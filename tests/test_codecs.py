@@ -93,11 +93,11 @@ def test_group_within_half_a_step_per_tile(bits, g):
 def parse_tahquant(msg, tokens, t, g):
     """Independent reading of the version-1 sections: (low, flags, zero, scale, offset of pivots)."""
     p = msg.payload
-    n_alloc = tokens if msg.params["alloc"] == 0 else tokens * t
+    assert msg.params["alloc"] == 0  # one bit width per token
     nt = tokens * t
     off = 0
-    low = bits_lsb_first(p[off : off + math.ceil(n_alloc / 8)], n_alloc)
-    off += math.ceil(n_alloc / 8)
+    low = bits_lsb_first(p[off : off + math.ceil(tokens / 8)], tokens)
+    off += math.ceil(tokens / 8)
     flags = bits_lsb_first(p[off : off + math.ceil(nt / 8)], nt)
     off += math.ceil(nt / 8)
     zero = f16(p[off : off + 2 * nt])
@@ -115,15 +115,14 @@ def tau_rule(tiles: np.ndarray, tau: float) -> tuple[np.ndarray, np.ndarray]:
     return flag, pivot
 
 
-@pytest.mark.parametrize("alloc", [0, 1])
 @pytest.mark.parametrize("channels", [256, 200])
-def test_tahquant_within_bound_per_tile(alloc, channels):
+def test_tahquant_within_bound_per_tile(channels):
     x = outlier_activations((2, 24, channels), frac=0.03, scale=30.0, seed=2)
-    y, msg = roundtrip("tahquant", x, alloc=alloc)
+    y, msg = roundtrip("tahquant", x)
     g, t = 64, math.ceil(channels / 64)
     tokens = 48
     low, flags, zero, scale, _ = parse_tahquant(msg, tokens, t, g)
-    low_tiles = np.repeat(low, t) if alloc == 0 else low
+    low_tiles = np.repeat(low, t)
     qmax = np.where(low_tiles, 7, 15)
     pad = t * g - channels
     xt = np.pad(x.reshape(tokens, channels).double().numpy(), ((0, 0), (0, pad))).reshape(-1, g)

@@ -50,13 +50,13 @@ def _cases():
     from tahnode.kernels.tahquant_ref import Layout, TahQuantParams
 
     out = []
-    for dt, seg, g in (("bf16", 4096, 64), ("fp32", 64, 64), ("fp16", 1600, 128), ("bf16", 40, 64), ("fp32", 8, 8)):
-        rows, block = tq._stats_blocks(seg, g)
+    for dt, c, g in (("bf16", 4096, 64), ("fp32", 64, 64), ("fp16", 1600, 128), ("bf16", 40, 64), ("fp32", 8, 8)):
+        rows, block = tq._stats_blocks(c, g)
         sig = dict(x_ptr=PTR[dt], stride_x="i32", ent_ptr="*fp32", flag_ptr="*u8", piv_ptr="*u8", status_ptr="*i32",
-                   n_entries="i32", n_seg="i32", seg_len="i32", n_chan="i32", n_tpt="i32", tau="fp32",
+                   n_tokens="i32", n_chan="i32", n_tpt="i32", tau="fp32",
                    G="constexpr", ROWS="constexpr", BLOCK="constexpr", NCHUNK="constexpr")
-        const = dict(G=g, ROWS=rows, BLOCK=block, NCHUNK=triton.cdiv(seg, block))
-        out.append((f"stats {dt} seg={seg} G={g}", tq._stats_kernel, sig, const))
+        const = dict(G=g, ROWS=rows, BLOCK=block, NCHUNK=triton.cdiv(c, block))
+        out.append((f"stats {dt} C={c} G={g}", tq._stats_kernel, sig, const))
 
     for sb in (64, 2048, 8192):
         sig = dict(ent_ptr="*fp32", seq_len="i32", n_low="i32", slack2="fp64", n_slots="i32", thr_ptr="*fp64",
@@ -73,10 +73,10 @@ def _cases():
 
     configs = [
         ("bf16", TahQuantParams()),
-        ("fp16", TahQuantParams(alloc=1)),
+        ("fp16", TahQuantParams(bits_high=5, bits_low=4)),  # planes 4+1 and 4
         ("fp32", TahQuantParams(group_size=8, bits_high=8, bits_low=5)),
         ("bf16", TahQuantParams(group_size=16, bits_high=2, bits_low=2)),
-        ("bf16", TahQuantParams(group_size=32, alloc=1)),
+        ("bf16", TahQuantParams(group_size=32)),
         ("bf16", TahQuantParams(group_size=128)),
         ("fp32", TahQuantParams(group_size=256, bits_high=7, bits_low=6)),
     ]

@@ -13,7 +13,7 @@ import torch
 from tahnode import codecs
 from tahnode.codecs import CodecContext
 from tahnode.kernels import naive_ref, naive_triton, pertoken_ref, pertoken_triton, tahquant_ref, tahquant_triton
-from tahnode.kernels import tahquant_rice_ref, tahquant_rice_triton, tahquant_rotated_ref, tahquant_rotated_triton
+from tahnode.kernels import tahquant_rice_ref, tahquant_rice_triton
 from tahnode.kernels.tahquant_ref import TahQuantParams as P
 from helpers import activations, same_bits
 from test_kernels_interpret import check_decode, check_payload
@@ -41,7 +41,6 @@ def test_kernels_match_the_references_at_stage_sizes(shape, dtype):
     assert ek == er and torch.equal(nk.cpu(), nr)
     assert same_bits(naive_triton.decode(nr.cuda(), shape, nv, er, dtype), naive_ref.decode(nr, shape, nv, er, dtype))
     for kernel, ref, params in ((pertoken_triton, pertoken_ref, pertoken_ref.PerTokenParams()),
-                                (tahquant_rotated_triton, tahquant_rotated_ref, P(layout=2)),
                                 (tahquant_rice_triton, tahquant_rice_ref, P(layout=3, group_size=128))):
         pr = ref.encode(x, params)
         assert torch.equal(kernel.encode(xg, params).cpu(), pr), kernel.__name__

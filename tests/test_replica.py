@@ -16,7 +16,7 @@ PAIRS = [
     ("none", {}, "none", {}),
     ("tahquant", {}, "naive", {"bits": 6}),
     ("tahquant", {}, "tahquant", {}),
-    ("tahquant", {"layout": 2}, "pertoken", {}),
+    ("tahquant", {"layout": 3, "group_size": 128, "qmax": 12}, "pertoken", {}),
     ("aqsgd", {}, "pertoken", {}),
     ("amaq", {}, "naive", {"bits": 6}),
 ]
@@ -71,10 +71,10 @@ def test_crossing_errors_are_measured(dataset):
 
 def test_a_precision_schedule_sends_the_first_and_last_steps_at_its_bits(dataset):
     """codec.forward_high_*: the first and last shares of the run's steps carry activations with
-    other parameters (here 8 bits instead of 4); the pipeline and the replica agree on which."""
+    other parameters (here every token at 4 bits more); the pipeline and the replica agree on which."""
     steps = 4
-    schedule = {"codec.forward": "tahquant", "codec.forward_params": {"layout": 2},
-                "codec.forward_high_params": {"bits_high": 8},
+    schedule = {"codec.forward": "tahquant", "codec.forward_params": {},
+                "codec.forward_high_params": {"bits_high": 8, "bits_low": 7},
                 "codec.forward_high_start": 0.25, "codec.forward_high_end": 0.25, "codec.backward": "pertoken",
                 "codec.backward_params": {}, "train.pipeline_micro_batches": 2}
     run = build_run(steps, **schedule)

@@ -1,5 +1,5 @@
-"""The per-tile symmetric quantizer (kernels/symtiles_ref) and its two codecs: `pertoken`, the gradient
-codec, and TAH-Quant's rotated layout. Error bounds (one token 1000x the others), the rotation's
+"""The per-tile symmetric quantizer (kernels/symtiles_ref) and its codecs: `pertoken`, the gradient codec,
+and TAH-Quant's layout 3 (its rotated tiles). Error bounds (one token 1000x the others), the rotation's
 algebra, the kernels' bytes against the references under Triton's interpreter, corrupt payloads."""
 
 from __future__ import annotations
@@ -9,13 +9,11 @@ import torch
 
 from tahnode import codecs
 from tahnode.codecs import CodecError
-from tahnode.kernels import (dispatch, pertoken_cpu, pertoken_ref, pertoken_triton, symtiles_ref, tahquant_rotated_ref,
-                             tahquant_rotated_triton)
+from tahnode.kernels import dispatch, pertoken_cpu, pertoken_ref, pertoken_triton, symtiles_ref
 from tahnode.kernels.tahquant_ref import TahQuantParams
 from helpers import assert_kernel_gives_the_reference, kernel_test_input
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-ROTATED = TahQuantParams(layout=2)
 
 
 def gradient_with_one_large_token(shape=(4, 256, 768), factor=1000.0, seed=0) -> torch.Tensor:
@@ -73,45 +71,30 @@ def test_fwht_is_sylvester_hadamard_and_rotation_inverts():
     assert signs.tolist() == symtiles_ref.rotation_signs(16).tolist()  # fixed, not random per call
 
 
-def test_rotated_layout_spreads_an_outlier():
-    """One outlier channel: the paper's layout rotates its tiles; the rotated layout rotates every
-    tile, and its error per element stays small across the whole token."""
-    gen = torch.Generator().manual_seed(3)
-    x = torch.randn(2, 64, 512, generator=gen)
-    x[..., 5] *= 50
-    y = codecs.decode(codecs.get_codec("tahquant", layout=2).encode(x))
-    sqnr = 10 * torch.log10(x.pow(2).sum() / (y - x).pow(2).sum())
-    assert float(sqnr) > 19.0, float(sqnr)
-    msg = codecs.get_codec("tahquant", layout=2).encode(x)
-    assert msg.version == 2 and "layout" not in msg.params
-    assert 4.25 < codecs.bits_per_element(msg) < 4.27
-
-
 def test_rotated_layout_refuses_values_it_cannot_rotate(kernels):
-    """A finite value too large to rotate, and a non-finite one, are told apart by the rotated
-    layouts' kernels as by the codec on the CPU (the kernel flags both with one check)."""
+    """A finite value too large to rotate, and a non-finite one, are told apart by layout 3's
+    kernels as by the codec on the CPU (the kernel flags both with one check)."""
     from tahnode.kernels import tahquant_rice_triton
 
     x = torch.zeros(1, 2, 64)
     x[0, 0, 0] = 3e37
-    with pytest.raises(CodecError, match="too large to rotate"):
-        codecs.get_codec("tahquant", layout=2).encode(x)
     layout3 = TahQuantParams(group_size=64, layout=3, qmax=12)
-    for kernel, params in ((tahquant_rotated_triton, ROTATED), (tahquant_rice_triton, layout3)):
-        with pytest.raises(CodecError, match="too large to rotate"):
-            kernel.encode(x.to(DEVICE), params)
-        for bad in (float("nan"), float("inf"), -float("inf")):
-            y = torch.randn(1, 2, 64)  # nothing too large besides
-            y[0, 1, 7] = bad
-            with pytest.raises(CodecError, match="NaN/Inf"):
-                kernel.encode(y.to(DEVICE), params)
+    with pytest.raises(CodecError, match="too large to rotate"):
+        codecs.get_codec("tahquant", layout=3, group_size=64).encode(x)
+    with pytest.raises(CodecError, match="too large to rotate"):
+        tahquant_rice_triton.encode(x.to(DEVICE), layout3)
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        y = torch.randn(1, 2, 64)  # nothing too large besides
+        y[0, 1, 7] = bad
+        with pytest.raises(CodecError, match="NaN/Inf"):
+            tahquant_rice_triton.encode(y.to(DEVICE), layout3)
 
 
 def test_layout_travels_as_the_version():
-    msg = codecs.get_codec("tahquant", layout=2).encode(torch.randn(2, 3, 64))
+    msg = codecs.get_codec("tahquant", layout=3).encode(torch.randn(2, 3, 64))
     forged = type(msg)()
     forged.CopyFrom(msg)
-    forged.params["layout"] = 2.0
+    forged.params["layout"] = 3.0
     forged.crc32 = codecs.checksum(forged)
     with pytest.raises(CodecError, match="unknown parameters: layout"):
         codecs.decode(forged)
@@ -131,9 +114,6 @@ CASES = [((3, 20), torch.bfloat16, 8, 6), ((2, 5, 40), torch.float32, 32, 6), ((
 def test_kernels_give_the_references_bytes_and_values(kernels, shape, dtype, g, bits):
     x = kernel_test_input(shape, dtype)
     assert_kernel_gives_the_reference(pertoken_triton, pertoken_ref, x, pertoken_ref.PerTokenParams(bits, g), DEVICE)
-    if g <= 256:
-        rotated = TahQuantParams(group_size=g, bits_high=bits, bits_low=2, layout=2)
-        assert_kernel_gives_the_reference(tahquant_rotated_triton, tahquant_rotated_ref, x, rotated, DEVICE)
 
 
 @pytest.mark.parametrize("bits", [6, 8])
@@ -183,10 +163,12 @@ def test_kernels_round_halfway_quotients_at_any_scale_as_the_reference(kernels, 
 
 @pytest.mark.parametrize("bits", [2, 6, 8])
 def test_rotated_kernels_round_halfway_quotients_at_any_scale_as_the_reference(kernels, bits):
-    """The rotated layout's kernel divides by triton_util.quotient too: inputs that rotate to
+    """Layout 3's kernels (rotated tiles) divide by triton_util.quotient too: inputs that rotate to
     quotients halfway between two codes (most of them exactly: the rotation of these sums is exact)
     in tiles whose scales are bf16 values of every size, and tiles of quotients a float32 step
-    above halfway and of tiny ones, give the reference's codes."""
+    above halfway and of tiny ones, give the reference's codes, on the grid of `bits`-bit codes."""
+    from tahnode.kernels import tahquant_rice_ref, tahquant_rice_triton
+
     qmax = 2 ** (bits - 1) - 1
     gen = torch.Generator().manual_seed(bits)
     scale = scales_of_every_size(127 - qmax.bit_length() - 8, gen)[:, None]  # the rotation's sums stay finite
@@ -197,8 +179,8 @@ def test_rotated_kernels_round_halfway_quotients_at_any_scale_as_the_reference(k
     x = symtiles_ref.unrotate(rotated, 128, 128)
     exact = symtiles_ref.rotate(x, 128)[: scale.numel()] == rotated[: scale.numel()]
     assert exact.float().mean() > 0.9, exact.float().mean()
-    params = TahQuantParams(group_size=128, bits_high=bits, bits_low=2, layout=2)
-    assert_kernel_gives_the_reference(tahquant_rotated_triton, tahquant_rotated_ref, x, params, DEVICE)
+    params = TahQuantParams(group_size=128, layout=3, qmax=qmax)
+    assert_kernel_gives_the_reference(tahquant_rice_triton, tahquant_rice_ref, x, params, DEVICE)
 
 
 def corruptions(payload: torch.Tensor, n_scales: int, bits: int) -> list[tuple[str, torch.Tensor]]:
@@ -215,27 +197,19 @@ def corruptions(payload: torch.Tensor, n_scales: int, bits: int) -> list[tuple[s
     return out
 
 
-@pytest.mark.parametrize("rotated", [False, True], ids=["pertoken", "rotated"])
-def test_corrupt_payloads_are_refused_alike(kernels, rotated):
-    shape = (2, 5, 40)
-    x = torch.randn(shape)
-    if rotated:
-        p, ref, tri = TahQuantParams(group_size=32, layout=2), tahquant_rotated_ref, tahquant_rotated_triton
-        n_scales, bits = 2 * 5 * 2, 4
-    else:
-        p, ref, tri = pertoken_ref.PerTokenParams(6, 32), pertoken_ref, pertoken_triton
-        n_scales, bits = 2 * 5 * 2, 6
-    payload = ref.encode(x, p)
-    for what, bad in corruptions(payload, n_scales, bits):
+def test_corrupt_payloads_are_refused_alike(kernels):
+    shape, p = (2, 5, 40), pertoken_ref.PerTokenParams(6, 32)
+    payload = pertoken_ref.encode(torch.randn(shape), p)
+    for what, bad in corruptions(payload, 2 * 5 * 2, 6):
         with pytest.raises(CodecError, match=what) as want:
-            ref.decode(bad, shape, p, torch.float32)
+            pertoken_ref.decode(bad, shape, p, torch.float32)
         with pytest.raises(CodecError) as got:
-            tri.decode(bad.to(DEVICE), shape, p, torch.float32)
+            pertoken_triton.decode(bad.to(DEVICE), shape, p, torch.float32)
         assert str(got.value) == str(want.value)
     for n in (payload.numel() - 1, payload.numel() + 1):
         bad = torch.zeros(n, dtype=torch.uint8)
         with pytest.raises(CodecError, match="bytes"):
-            ref.decode(bad, shape, p, torch.float32)
+            pertoken_ref.decode(bad, shape, p, torch.float32)
 
 
 def test_non_zero_padding_is_refused(kernels):
@@ -254,9 +228,6 @@ def test_non_finite_input_is_refused_alike(kernels):
     for encode in (pertoken_ref.encode, lambda t, p: pertoken_triton.encode(t.to(DEVICE), p)):
         with pytest.raises(CodecError, match="NaN/Inf"):
             encode(x, pertoken_ref.PerTokenParams())
-    for encode in (tahquant_rotated_ref.encode, lambda t, p: tahquant_rotated_triton.encode(t.to(DEVICE), p)):
-        with pytest.raises(CodecError, match="NaN/Inf"):
-            encode(x, ROTATED)
 
 
 @pytest.mark.parametrize("shape,dtype,g,bits", CASES, ids=[f"{c[0]}-{c[1]}-G{c[2]}-b{c[3]}" for c in CASES])

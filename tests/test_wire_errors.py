@@ -12,8 +12,7 @@ from hypothesis import given, strategies as st
 from tahnode import codecs
 from tahnode.codecs import CodecContext, CodecError
 
-STATELESS = ["none", "naive", "pertoken", "group", "tahquant:layout=1", "tahquant:layout=2", "tahquant:layout=3",
-             "amaq"]
+STATELESS = ["none", "naive", "pertoken", "group", "tahquant:layout=1", "tahquant:layout=3", "amaq"]
 ALL = STATELESS + ["aqsgd"]
 
 
@@ -180,6 +179,54 @@ def test_unknown_codec_version_dtype_and_params():
         codecs.get_codec("tahquant", rho=1.5)
 
 
+# the golden vectors of tahquant's layout 2 and of per-tile allocation (alloc = 1), as a build before their
+# retirement sent them (tests/golden/vectors.json then)
+LAYOUT_2_MESSAGE = bytes.fromhex(
+    "0a087461687175616e7410021a0301040c20022a100a05616c6c6f631100000000000000002a140a09626974735f68696768110000000000"
+    "0010402a130a08626974735f6c6f771100000000000008402a150a0a67726f75705f73697a651100000000000020402a0e0a0372686f119a"
+    "9999999999e93f2a0e0a037461751100000000000000403230bd3f903e1b3f533e903ef63e41400b3fc3e2d0a73e9c3e9c05bbd4aa232023"
+    "20bb215e65033a033ac3e4b3c4958e958e3d5b10f8204001")
+ALLOC_1_MESSAGE = bytes.fromhex(
+    "0a087461687175616e7410011a0301040c20032a100a05616c6c6f6311000000000000f03f2a140a09626974735f68696768110000000000"
+    "0010402a130a08626974735f6c6f771100000000000008402a150a0a67726f75705f73697a651100000000000020402a0e0a0372686f119a"
+    "9999999999e93f2a0e0a037461751100000000000000403243222d633468bdf42755b410c0ef31d0c040bf4935f7336431182309346a2e40"
+    "36bc2f910002845f04388755f3844f6080f101f101b608aef9f8f8aafb098628d01bffff3d517792ca4001")
+
+
+def test_retired_layout_2_is_refused_as_an_unknown_layout_is():
+    """Layout 2 (rotated tiles at INT4) is retired: an older build's message of it, and a codec or a
+    run that asks for it, get the CodecError an unknown layout gets, from the same check."""
+    from tahnode.config import RunConfig
+
+    old = codecs.parse_message(LAYOUT_2_MESSAGE)
+    assert old.codec == "tahquant" and old.version == 2 and codecs.checksum(old) == old.crc32
+    unknown = type(old)()
+    unknown.CopyFrom(old)
+    unknown.version = 7
+    unknown.crc32 = codecs.checksum(unknown)
+    for msg in (old, unknown):
+        with pytest.raises(CodecError, match=f"codec tahquant version {msg.version} is not supported "
+                                             f"\\(this build reads version 1, 3\\)"):
+            codecs.decode(msg, ctx())
+        with pytest.raises(CodecError, match=f"layout must be 1 \\(the paper's\\) or 3 \\(Rice-coded\\), "
+                                             f"got {msg.version}"):
+            codecs.get_codec("tahquant", layout=msg.version)
+        with pytest.raises(CodecError, match=f"got {msg.version}"):
+            RunConfig.build("llama-tiny", None, **{"codec.forward_params": {"layout": msg.version}})
+
+
+def test_retired_per_tile_allocation_is_refused():
+    """alloc = 1 (the paper's per-tile variant) is retired: layout 1's messages carry alloc = 0, as
+    before; an older build's message with alloc = 1 is refused, and so is a codec asked for it."""
+    old = codecs.parse_message(ALLOC_1_MESSAGE)
+    assert old.version == 1 and old.params["alloc"] == 1.0 and codecs.checksum(old) == old.crc32
+    with pytest.raises(CodecError, match="alloc must be 0"):
+        codecs.decode(old, ctx())
+    with pytest.raises(CodecError, match="alloc must be 0"):
+        codecs.get_codec("tahquant", alloc=1)
+    assert codecs.get_codec("tahquant").encode(sample("tahquant")).params["alloc"] == 0.0
+
+
 def test_garbage_bytes_are_not_a_message():
     with pytest.raises(CodecError, match="malformed"):
         codecs.parse_message(b"\xff\xff\xff\xff\x0f")
@@ -189,7 +236,7 @@ def test_values_beyond_fp16_range_are_refused_with_a_reason():
     x = torch.ones(2, 64) * 1e6
     with pytest.raises(CodecError, match="fp16 range"):
         codecs.get_codec("tahquant", layout=1).encode(x)
-    rotated = codecs.decode(codecs.get_codec("tahquant", layout=2).encode(x))  # its bf16 scales cope
+    rotated = codecs.decode(codecs.get_codec("tahquant", layout=3).encode(x))  # its bf16 scales cope
     assert float((rotated - x).norm() / x.norm()) < 0.15
     y = codecs.decode(codecs.get_codec("naive", bits=8).encode(x))  # naive's scales cope
     assert torch.allclose(y, x, rtol=1 / 254)

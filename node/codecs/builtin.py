@@ -101,18 +101,18 @@ class TahQuantCodec(Codec):
     Params = tahquant_ref.TahQuantParams
     needs_prescale = True
     version_param, versions = "layout", tahquant_ref.LAYOUTS
-    _PAPER_PARAMS = ("group_size", "rho", "tau", "bits_high", "bits_low", "alloc")  # as before qmax existed
-    version_params = {tahquant_ref.LAYOUT_PAPER: _PAPER_PARAMS, tahquant_ref.LAYOUT_ROTATED: _PAPER_PARAMS,
+    # layout 1's params as before qmax existed (alloc always 0); layout 2, rotated tiles at INT4, is retired:
+    # its messages are refused by version as an unknown layout's (docs/wire-format.md)
+    version_params = {tahquant_ref.LAYOUT_PAPER: ("group_size", "rho", "tau", "bits_high", "bits_low", "alloc"),
                       tahquant_ref.LAYOUT_RICE: ("group_size", "qmax")}
     high_params = {"bits_high": 6, "bits_low": 6}  # every token at 6 bits (docs/codecs.md, the schedule)
     # a run's default: layout 3, the least loss measured within the bit budget (docs/codecs.md)
     run_params = {"layout": tahquant_ref.LAYOUT_RICE, "group_size": 128, "qmax": 12}
-    PATHS = {tahquant_ref.LAYOUT_PAPER: dispatch.TAHQUANT, tahquant_ref.LAYOUT_ROTATED: dispatch.TAHQUANT_ROTATED,
-             tahquant_ref.LAYOUT_RICE: dispatch.TAHQUANT_RICE}
+    PATHS = {tahquant_ref.LAYOUT_PAPER: dispatch.TAHQUANT, tahquant_ref.LAYOUT_RICE: dispatch.TAHQUANT_RICE}
 
     @classmethod
     def schedule_params(cls, params: dict[str, float]) -> dict[str, float]:
-        """Layout 3's schedule: a grid as fine as 6 bits' (qmax 31); the others' every token at 6 bits."""
+        """Layout 3's schedule: a grid as fine as 6 bits' (qmax 31); layout 1's every token at 6 bits."""
         if params.get("layout", tahquant_ref.LAYOUT_PAPER) == tahquant_ref.LAYOUT_RICE:
             return {"qmax": 31}
         return dict(cls.high_params)

@@ -197,17 +197,14 @@ def codec_rows(x: torch.Tensor, iters: int) -> list[dict]:
 
 def symtiles_rows(x: torch.Tensor, iters: int, ref_iters: int) -> list[dict]:
     """Encode and decode rows of the per-tile symmetric codecs: pertoken (the default gradient codec)
-    and tahquant's rotated layouts (layout 3 as a run sends it); their kernels must give the
-    references' bytes exactly."""
-    from tahnode.kernels import (pertoken_ref, pertoken_triton, tahquant_ref, tahquant_rice_ref, tahquant_rice_triton,
-                                 tahquant_rotated_ref, tahquant_rotated_triton)
+    and tahquant's rotated layout 3 (as a run sends it); their kernels must give the references'
+    bytes exactly."""
+    from tahnode.kernels import pertoken_ref, pertoken_triton, tahquant_ref, tahquant_rice_ref, tahquant_rice_triton
 
     shape, dtype, rows = tuple(x.shape), x.dtype, []
     layout3 = tahquant_ref.TahQuantParams(**CODECS["tahquant"].run_params)
     for op, kernel, ref, params in (
             ("pertoken encode", pertoken_triton, pertoken_ref, pertoken_ref.PerTokenParams()),
-            ("tahquant rotated encode", tahquant_rotated_triton, tahquant_rotated_ref,
-             tahquant_ref.TahQuantParams(layout=2)),
             ("tahquant rice encode", tahquant_rice_triton, tahquant_rice_ref, layout3)):
         pay_k, pay_r = kernel.encode(x, params), ref.encode(x, params)
         diff = (str(int((pay_k != pay_r).sum())) if pay_k.numel() == pay_r.numel()
