@@ -13,6 +13,7 @@ from .config.flags import add_run_flags, run_config_from
 from .config.node import COORDINATOR_P2P_LISTEN, NODE_P2P_LISTEN
 from .net.errors import P2PError
 from .net.loop import use_fast_event_loop
+from .tools import data_prepare
 from .tools.certs_cli import add_certs_command, run_certs
 
 BENCHES = {  # `tahnode bench NAME`: tahnode.tools.bench_NAME.main
@@ -210,13 +211,11 @@ def _add_swarm_commands(sub) -> None:
 
     da = sub.add_parser("data", help="prepare training data")
     dsub = da.add_subparsers(dest="data_cmd", required=True)
-    pr = dsub.add_parser("prepare", help="tokenize text files into a token file for training",
+    pr = dsub.add_parser("prepare", help="tokenize text files or a built-in corpus into a token file for training",
                          description="Tokenize text (byte-level by default, or with a tokenizer.json) into a flat "
-                         "uint16/uint32 token file plus a JSON index. Without --input: Python's stdlib sources.")
-    pr.add_argument("--input", nargs="*", default=None, help="files or directories (default: the stdlib sources)")
-    pr.add_argument("--out", required=True, help="output token file, e.g. data.bin")
-    pr.add_argument("--tokenizer", help="a Hugging Face tokenizer.json (default: bytes)")
-    pr.add_argument("--limit-mb", type=float, help="stop after this many MB of text")
+                         "uint16/uint32 token file plus a JSON index. Without --input: Python's stdlib sources, "
+                         "or the corpus --corpus names.")
+    data_prepare.add_flags(pr)
 
     be = sub.add_parser("bench", help="benchmarks (results appended to docs/benchmarks-log.md)")
     bsub = be.add_subparsers(dest="bench_cmd", required=True)
@@ -265,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:
             from .tools import demo
             return demo.main(args, run_config_from(args))
         if args.command == "data":
-            return _data_prepare(args)
+            return data_prepare.main(args)
         if args.command == "export":
             return _export(args)
         if args.command == "certs":
@@ -367,19 +366,6 @@ def _join(args) -> int:
     except (CoordinatorError, DeviceUnavailable, P2PError) as exc:
         print(f"tahnode join: {exc}", file=sys.stderr)
         return 1
-
-
-def _data_prepare(args) -> int:
-    from pathlib import Path
-
-    from .train.corpus import default_corpus, prepare
-
-    limit = int(args.limit_mb * 2**20) if args.limit_mb else None
-    inputs = [Path(p) for p in args.input] if args.input else default_corpus(limit_bytes=limit)
-    info = prepare(inputs, Path(args.out), tokenizer=Path(args.tokenizer) if args.tokenizer else None, progress=True)
-    print(f"wrote {info.n_tokens} tokens ({info.dtype}, vocab {info.vocab_size}) from "
-          f"{info.sources} files to {args.out}")
-    return 0
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
 """The corpus: text files tokenized once into a flat file of token ids with a JSON index
-(`prepare`); the built-in corpus is Python's own standard-library sources.
+(`prepare`); the built-in corpus is Python's own standard-library sources (others: `corpora`).
 
 Byte-level tokens by default: token = byte value 0..255, and EOD_TOKEN = 256 ends every document,
 so the vocabulary has BYTE_VOCAB_SIZE = 257 ids (llama-tiny's 260 covers it). A Hugging Face
@@ -14,7 +14,7 @@ import os
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Iterable, Sequence
 
 import numpy as np
 
@@ -26,6 +26,9 @@ __all__ = [
     "DatasetInfo",
     "index_path",
     "prepare",
+    "prepare_documents",
+    "EmptyCorpus",
+    "progress_bar",
     "default_corpus",
     "find_text_files",
     "file_sha256",
@@ -204,7 +207,7 @@ class _HFTokenizer:
         return np.asarray(ids, dtype=np.int64)
 
 
-def _progress_bar(enabled: bool):
+def progress_bar(enabled: bool):
     """A rich progress bar over bytes (to stderr), or a stand-in that does nothing."""
     if not enabled:
         return None
@@ -234,11 +237,29 @@ def prepare(inputs: list[Path], out: Path, tokenizer: Path | None = None, progre
     special tokens its tokenizer adds and followed by the end-of-document token; binary and
     non-UTF-8 files are skipped; an output that is one of the inputs is refused. Deterministic: the same
     files give the same bytes on every machine. Returns the index."""
-    out = Path(out)
-    if out.suffix == ".json":
-        raise ValueError(f"token file {out} must not end in .json (its index takes that name)")
+    out = _token_file(out)
     files = find_text_files(inputs, suffixes)
     _refuse_overwrite(out, files + ([Path(tokenizer)] if tokenizer is not None else []))
+    docs = ((str(path), _read_text(path), path.stat().st_size) for path in files)
+    try:
+        return prepare_documents(docs, out, tokenizer, progress, label=f"tokenizing {len(files)} files",
+                                 total_bytes=sum(p.stat().st_size for p in files))
+    except EmptyCorpus:
+        raise EmptyCorpus(f"no text files found in {[str(p) for p in inputs]} "
+                          f"(looked for {', '.join(suffixes)})") from None
+
+
+class EmptyCorpus(ValueError):
+    """Not one document was tokenized."""
+
+
+def prepare_documents(documents: Iterable[tuple[str, str | None, int]], out: Path,
+                      tokenizer: Path | None = None, progress: bool = True, total_bytes: int | None = None,
+                      label: str = "tokenizing") -> DatasetInfo:
+    """Tokenizes `documents`, (name, text, size) in the order given (text None: skipped; size: how far
+    the progress bar moves, of `total_bytes`), into the token file `out` and its index, as `prepare`
+    does for files. Deterministic: the same documents in the same order give the same bytes."""
+    out = _token_file(out)
     tok = _HFTokenizer(tokenizer) if tokenizer is not None else _ByteTokenizer()
     dtype = np.uint16 if tok.vocab_size <= 1 << 16 else np.uint32
     eod = np.asarray([tok.eod], dtype=dtype)
@@ -246,27 +267,25 @@ def prepare(inputs: list[Path], out: Path, tokenizer: Path | None = None, progre
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = _tmp(out)
     digest, n_tokens, sources = hashlib.sha256(), 0, 0
-    bar = _progress_bar(progress)
-    total = sum(p.stat().st_size for p in files)
+    bar = progress_bar(progress)
     try:
         with open(tmp, "wb") as f:
             if bar is not None:
                 bar.start()
-                task = bar.add_task(f"tokenizing {len(files)} files", total=total)
-            for path in files:
-                text = _read_text(path)
+                task = bar.add_task(label, total=total_bytes)
+            for name, text, size in documents:
                 if text is not None:
                     ids = tok.encode(text)
                     if ids.size and int(ids.max()) >= tok.vocab_size:  # guards the uint16 cast
                         raise ValueError(f"tokenizer produced id {int(ids.max())} >= vocab size "
-                                         f"{tok.vocab_size} on {path}")
+                                         f"{tok.vocab_size} on {name}")
                     chunk = np.concatenate([ids.astype(dtype), eod]).tobytes()
                     f.write(chunk)
                     digest.update(chunk)
                     n_tokens += ids.size + 1
                     sources += 1
                 if bar is not None:
-                    bar.advance(task, path.stat().st_size)
+                    bar.advance(task, size)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
@@ -275,14 +294,21 @@ def prepare(inputs: list[Path], out: Path, tokenizer: Path | None = None, progre
             bar.stop()
     if sources == 0:
         tmp.unlink(missing_ok=True)
-        raise ValueError(f"no text files found in {[str(p) for p in inputs]} "
-                         f"(looked for {', '.join(suffixes)})")
+        raise EmptyCorpus(f"no documents to write to {out}")
     info = DatasetInfo(dtype=np.dtype(dtype).name, n_tokens=n_tokens, vocab_size=tok.vocab_size,
                        tokenizer=tok.name, eod_token=tok.eod, sources=sources,
                        sha256=digest.hexdigest(), tokenizer_sha256=tok.sha256)
     info.write(index_path(out))  # the index first: whoever sees the token file finds its index
     os.replace(tmp, out)
     return info
+
+
+def _token_file(out: Path) -> Path:
+    """`out` as a Path; refused if it ends in .json, the name of its index."""
+    out = Path(out)
+    if out.suffix == ".json":
+        raise ValueError(f"token file {out} must not end in .json (its index takes that name)")
+    return out
 
 
 def _tmp(out: Path) -> Path:
