@@ -113,10 +113,10 @@ def test_finite_but_huge_activations_are_refused(dataset, value):
     assert swarm.losses() == pytest.approx(train_local(run, dataset), abs=1e-5)
 
 
-def test_a_stage_whose_own_output_overflows_replays_instead_of_exiting(dataset):
-    """A diverged model (its own output not finite) is a diverged step: replayed with a log line,
-    no peer blamed, the daemon alive. Here stage 1's output is inf once."""
-    run = build_run(4, **NONE)
+def _train_with_overflows(run, dataset, attempts: int) -> tuple["Swarm", list[int]]:
+    """Train `run` in process with stage 1's output inf on the first `attempts` attempts of step 1
+    (every micro-batch of the first ones, the first of the last): the swarm, and the attempts that
+    overflowed."""
     swarm = Swarm(run, dataset)
 
     async def scenario():
@@ -124,21 +124,30 @@ def test_a_stage_whose_own_output_overflows_replays_instead_of_exiting(dataset):
         stage1, hits = swarm.workers[1], []
         forward = stage1.model.forward
 
-        def overflow_once(x):
+        def overflow(x):
             out = forward(x)
-            if stage1.state.step == 1 and not hits:
-                hits.append(1)
+            if stage1.state.step == 1 and len(hits) < attempts:  # the last attempt's first micro-batch only
+                if stage1.state.attempt not in hits:
+                    hits.append(stage1.state.attempt)
                 return out * math.inf
             return out
 
-        stage1.model.forward = overflow_once
+        stage1.model.forward = overflow
         try:
-            await asyncio.wait_for(asyncio.gather(*(w.run(4) for w in swarm.workers)), 120)
+            await asyncio.wait_for(asyncio.gather(*(w.run(run.train.steps) for w in swarm.workers)), 120)
         finally:
             await swarm.close()
         return hits
 
-    assert asyncio.run(scenario()) == [1]
+    return swarm, asyncio.run(scenario())
+
+
+def test_a_stage_whose_own_output_overflows_replays_instead_of_exiting(dataset):
+    """A diverged model (its own output not finite) is a diverged step: replayed with a log line,
+    no peer blamed, the daemon alive. Here stage 1's output is inf on step 1's first attempt."""
+    run = build_run(4, **NONE)
+    swarm, hits = _train_with_overflows(run, dataset, attempts=1)
+    assert len(hits) == 1
     assert swarm.workers[0].stats.replays == 1 and not any(w.stats.offences for w in swarm.workers)
     assert swarm.losses() == pytest.approx(train_local(run, dataset), abs=1e-5)
 
@@ -152,30 +161,9 @@ def test_a_step_that_diverges_again_and_again_is_retried_ever_more_slowly(datase
 
     monkeypatch.setattr(driver, "DIVERGED_WAIT_MAX_S", 0.01)
     run = build_run(3, **NONE)
-    swarm = Swarm(run, dataset)
-
-    async def scenario():
-        await swarm.start()
-        stage1, hits = swarm.workers[1], []
-        forward = stage1.model.forward
-
-        def overflow(x):
-            out = forward(x)
-            if stage1.state.step == 1 and len(hits) < 5:
-                if stage1.state.attempt not in hits:
-                    hits.append(stage1.state.attempt)
-                return out * math.inf
-            return out
-
-        stage1.model.forward = overflow
-        try:
-            await asyncio.wait_for(asyncio.gather(*(w.run(3) for w in swarm.workers)), 120)
-        finally:
-            await swarm.close()
-        return hits
-
     with caplog.at_level("ERROR", logger="tahnode.pipeline"):
-        assert len(asyncio.run(scenario())) == 5
+        swarm, hits = _train_with_overflows(run, dataset, attempts=5)
+    assert len(hits) == 5
     waits = [r.getMessage() for r in caplog.records if "the next attempt in" in r.getMessage()]
     assert len(waits) == 5 - driver.DIVERGED_TRIES + 1 and "step 1 diverged 3 times in a row" in waits[0]
     assert swarm.workers[0].stats.replays == 5 and not any(w.stats.offences for w in swarm.workers)

@@ -137,12 +137,14 @@ class StepDriver:
         rollback = False
         wait = 1.0  # the first Sync may reach a stage before it listens: ask again soon, then less often
         while True:
-            self.abort.clear()
             if regroup:
                 await self.outer.regroup()
                 # every stage may wait that long for a replica's state
                 wait = max(wait, self.outer.swarm.outer_timeout_s)
             await core.compute(core.restart_step, st.committed, attempt)
+            # cleared once the attempt is this one: an abort of the one before that came in between (each
+            # micro-batch of a diverged attempt sends one) would have ended this attempt before it began
+            self.abort.clear()
             self.window = Window(self.window.size, self.window.limit)  # none in flight; what it learned stays
             if core.num_stages == 1:
                 return
