@@ -38,10 +38,11 @@ class AfterDivergence:
 
 @dataclass
 class Divergence:
-    """The attempts of one step that diverged one after another (stage 0's count): the first `tries`
-    are replayed at once, then the pipeline regroups (once, where other pipelines train), then each
-    attempt waits twice as long as the one before, up to `wait_max_s`. A step after it that commits
-    starts the count again; the steps retrained after a regroup do not."""
+    """The attempts of one step that diverged one after another (stage 0's count): after each of the
+    first `tries` - 1 the step is replayed at once; after the `tries`-th the pipeline regroups (once,
+    where other pipelines train); after each later one the next attempt waits twice as long as the
+    one before (1 s first), up to `wait_max_s`. Once that step commits the count starts again; the
+    steps retrained after a regroup do not reset it."""
 
     tries: int
     wait_max_s: float
