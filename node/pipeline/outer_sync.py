@@ -298,8 +298,8 @@ class OuterSync:
                 p.copy_(a)
 
     def _own_finite(self) -> bool:
-        """(holding the lock) Every value of its outer weights and momentum finite."""
-        return all(bool(torch.isfinite(t).all()) for t in self.outer.tensors().values())
+        """(holding the lock) Every value of its outer weights and momentum finite (as a peer's must be)."""
+        return self._fits(list(self.outer.tensors().values()))
 
     def _fits(self, tensors: list[torch.Tensor]) -> bool:
         """A replica's state of this stage's shapes, every value finite."""

@@ -33,7 +33,7 @@ def cache_dir(flag: str) -> Path:
 
 
 def main(args) -> int:
-    from ..train.corpus import default_corpus, file_sha256, prepare
+    from ..train.corpus import default_corpus, prepare
 
     corpus = args.corpus or "stdlib"
     if args.input and args.corpus:
@@ -57,7 +57,7 @@ def main(args) -> int:
     from ..train.corpora import CORPORA, make
 
     info = make(corpus, out, cache_dir(args.cache_dir), Path(args.archive) if args.archive else None, tokenizer)
-    sha = file_sha256(out)
+    sha = info.sha256  # of the token file's bytes, as it was written
     print(f"wrote {info.n_tokens} tokens ({info.dtype}, vocab {info.vocab_size}) from {info.sources} pages "
           f"of {CORPORA[corpus].title} to {args.out}\nsha256 {sha}")
     pinned = CORPORA[corpus].tokens_sha256
