@@ -1,6 +1,6 @@
 """tahnode.kernels.bitpack in numpy, byte for byte: bit planes of whole sections of codes, and rows
-at per-row widths, packed and unpacked without a per-row scatter (the CPU paths of tahquant's
-layout 1, pertoken and the Rice coder's low bits use them)."""
+at per-row widths, packed and unpacked without a per-row scatter (the CPU paths of tahquant-paper,
+pertoken and the Rice coder's low bits use them)."""
 
 from __future__ import annotations
 

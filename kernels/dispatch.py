@@ -16,7 +16,7 @@ import torch
 
 from . import naive_ref, pertoken_cpu, pertoken_ref, tahquant_cpu, tahquant_ref, tahquant_rice_cpu, tahquant_rice_ref
 
-__all__ = ["use_triton", "triton_available", "Paths", "NAIVE", "PERTOKEN", "TAHQUANT", "TAHQUANT_RICE"]
+__all__ = ["use_triton", "triton_available", "Paths", "NAIVE", "PERTOKEN", "TAHQUANT", "TAHQUANT_PAPER"]
 
 
 @functools.lru_cache(maxsize=None)
@@ -41,7 +41,7 @@ def use_triton(t: torch.Tensor) -> bool:
 
 @dataclass(frozen=True)
 class Paths:
-    """One codec's (or layout's) implementations: `ref`, the pure-torch reference (its
+    """One codec's implementations: `ref`, the pure-torch reference (its
     specification); `cpu`, a fast CPU path that gives the reference's bytes (None: the reference
     serves CPU tensors); `triton`, a function that imports its Triton module (called only where the
     kernels serve a tensor: importing it needs triton)."""
@@ -82,5 +82,5 @@ def _tahquant_rice_triton() -> ModuleType:
 
 NAIVE = Paths(naive_ref, None, _naive_triton)
 PERTOKEN = Paths(pertoken_ref, pertoken_cpu, _pertoken_triton)
-TAHQUANT = Paths(tahquant_ref, tahquant_cpu, _tahquant_triton)                  # layout 1, the paper's
-TAHQUANT_RICE = Paths(tahquant_rice_ref, tahquant_rice_cpu, _tahquant_rice_triton)  # layout 3
+TAHQUANT_PAPER = Paths(tahquant_ref, tahquant_cpu, _tahquant_triton)                # codec tahquant-paper
+TAHQUANT = Paths(tahquant_rice_ref, tahquant_rice_cpu, _tahquant_rice_triton)       # codec tahquant

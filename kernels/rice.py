@@ -1,4 +1,4 @@
-"""Rice coding of small unsigned integers (specification): TAH-Quant's entropy-coded layout (layout 3)
+"""Rice coding of small unsigned integers (specification): codec tahquant (TAH-Quant Rice-coded)
 sends its codes this way, in vectorized torch on whatever device they are on.
 
 A value z is split at bit k: its low k bits go, fixed width, into one packed section (tahnode.kernels.
@@ -82,7 +82,7 @@ def out_of_range(codec: str) -> CodecError:
 
 def check_whole_bytes(count: int, coder: str) -> None:
     """The fast coders (rice_triton, rice_cpu) take a multiple of 8 values: whole bytes in every
-    plane of the low bits, no padding to write or check (layout 3's N*T*G always is)."""
+    plane of the low bits, no padding to write or check (tahquant's N*T*G always is)."""
     if count % 8:
         raise ValueError(f"{coder} codes whole bytes of every plane: {count} values is not a multiple of 8")
 

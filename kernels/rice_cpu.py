@@ -1,4 +1,4 @@
-"""tahnode.kernels.rice in numpy, for layout 3's zigzagged codes on the CPU: the reference's bytes and
+"""tahnode.kernels.rice in numpy, for tahquant's zigzagged codes on the CPU: the reference's bytes and
 its refusals, with whole-array operations (a histogram for k, packbits and unpackbits for the unary
 stream) instead of torch's per-bit tensors.
 

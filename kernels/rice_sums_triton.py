@@ -1,7 +1,7 @@
 """The Rice coder's block sums on the GPU: sums[b, k], the sum of z >> k over block b's zigzagged
 codes, from which the one-program kernel picks k (rice.best_k) and the write kernel finds each block's
 first bit. Added by whichever kernel holds the codes: rice_triton's sums kernel, which loads them, or
-the kernel that makes them (symtiles_triton's encode for layout 3), so that no pass reads them again."""
+the kernel that makes them (symtiles_triton's encode for tahquant), so that no pass reads them again."""
 
 from __future__ import annotations
 

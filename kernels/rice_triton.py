@@ -1,7 +1,7 @@
-"""tahnode.kernels.rice in Triton, for layout 3's zigzagged codes on the GPU: the reference's bytes,
+"""tahnode.kernels.rice in Triton, for tahquant's zigzagged codes on the GPU: the reference's bytes,
 and its refusals, with one synchronization each way.
 
-encode: a kernel sums each block's high parts at every k (rice_sums_triton: layout 3's quantizing
+encode: a kernel sums each block's high parts at every k (rice_sums_triton: tahquant's quantizing
 kernel adds them instead, as it makes the codes) and a cumsum runs them over the blocks; a
 one-program kernel picks k (rice.best_k's) and the payload's size from the totals; a third packs the
 low bits into their planes and writes the unary stream, each byte once, by the last value whose

@@ -1,6 +1,6 @@
 """Symmetric absmax quantization per tile of G channels within a token, one bf16 scale per tile, and
 the random-sign Hadamard rotation of whole tiles: the shared specification of `pertoken` and of
-TAH-Quant's Rice-coded layout (layout 3). All arithmetic is IEEE float32 in the order written here.
+codec tahquant (TAH-Quant Rice-coded). All arithmetic is IEEE float32 in the order written here.
 
 A scale never spans tokens; bf16 has float32's exponent range, so no shared exponent is needed."""
 

@@ -1,16 +1,18 @@
 """symtiles_ref in Triton: symmetric absmax per tile of G channels of a token with a bf16 scale, after
 the random-sign Hadamard rotation where asked; the kernels of `pertoken` (encode, decode) and of
-TAH-Quant's layout 3 (launch_*, rotated), giving the references' bytes and values exactly.
+codec tahquant (launch_*, rotated), giving the references' bytes and values exactly.
 
 encode: one kernel over blocks of (BR tokens x one tile): load, [signs, fwht butterflies in fp32],
 absmax, scale, quantize, and the codes straight into their bit planes when every tile starts on a
 whole byte (row width a multiple of 8; else into a code buffer that one flat kernel packs); for
-layout 3 also the Rice coder's block sums of those codes (rice_sums_triton).
+tahquant also the Rice coder's block sums of those codes (rice_sums_triton).
 decode: one kernel over the same blocks: unpack, check, dequantize, [fwht, 1/G, signs], store.
 The one synchronization of each reads its error flags, to raise the references' errors (launch_*:
 the kernels alone, for a caller that reads the flags in a synchronization of its own)."""
 
 from __future__ import annotations
+
+import struct
 
 import torch
 import triton
@@ -27,6 +29,7 @@ __all__ = ["encode", "decode", "launch_encode", "raise_for_encode", "launch_deco
            "plane_shifts"]
 
 MIN_SCALE_C = tl.constexpr(MIN_SCALE)  # the reference's smallest tile scale sent, as the kernels read it
+MIN_SCALE_BITS = tl.constexpr(struct.unpack("<i", struct.pack("<f", MIN_SCALE))[0])  # its float32 bits (0x00800000)
 # (values, warps) per program of the encode and decode kernels on a GPU: a block is values // G
 # tokens of one tile. The interpreter's blocks are larger (its cost is per program). `tahnode bench
 # kernels --sweep` times others (the references' bytes at each: tests/test_bench.py)
@@ -195,7 +198,7 @@ def _decode_kernel(codes_ptr, n_pad, scale_ptr, signs_ptr, out_ptr, bad_ptr, n_r
     s = tl.load(scale_ptr + rows.to(tl.int64) * n_tpt + t, mask=rows_ok, other=0.0).to(tl.float32)
     sbits = s.to(tl.int32, bitcast=True)
     # sign set, subnormal, inf or nan
-    bad_scale = rows_ok & (sbits != 0) & ((sbits < 0x00800000) | (sbits >= 0x7F800000))
+    bad_scale = rows_ok & (sbits != 0) & ((sbits < MIN_SCALE_BITS) | (sbits >= 0x7F800000))
     bad_code = rows_ok[:, None] & in_row & (q > 2 * QMAX)
     bad = tl.where(tl.max(bad_scale.to(tl.int32), axis=0) > 0, 2, tl.max(tl.max(bad_code.to(tl.int32), axis=1), axis=0))
     tl.store(bad_ptr + tl.program_id(0) * tl.num_programs(1) + t, bad.to(tl.uint8))

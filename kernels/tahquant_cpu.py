@@ -19,7 +19,7 @@ import torch
 from .bitpack import padded_count
 from .bitpack_cpu import pack_planes_np, pack_rows_np, unpack_rows_np
 from .quant_ref import dequantize_asym, fp16_min_scale, hadamard
-from .tahquant_ref import TahQuantParams, low_bit_mask, read_header, tile_bits, to_tiles
+from .tahquant_ref import PaperParams, low_bit_mask, read_header, tile_bits, to_tiles
 
 __all__ = ["encode", "decode"]
 
@@ -62,7 +62,7 @@ def _quantize(y: torch.Tensor, zero: torch.Tensor, scale: torch.Tensor, qmax: to
     return torch.round(torch.minimum(torch.clamp(u, min=0.0), qmax[..., None])).to(torch.uint8)
 
 
-def encode(x: torch.Tensor, params: TahQuantParams = TahQuantParams()) -> torch.Tensor:
+def encode(x: torch.Tensor, params: PaperParams = PaperParams()) -> torch.Tensor:
     """tahquant_ref.encode, faster on the CPU (the same bytes)."""
     g = params.group_size
     lay, _, tiles = to_tiles(x, params)
@@ -93,7 +93,7 @@ def encode(x: torch.Tensor, params: TahQuantParams = TahQuantParams()) -> torch.
     ]))
 
 
-def decode(payload: torch.Tensor, shape: tuple[int, ...], params: TahQuantParams, dtype: torch.dtype) -> torch.Tensor:
+def decode(payload: torch.Tensor, shape: tuple[int, ...], params: PaperParams, dtype: torch.dtype) -> torch.Tensor:
     """tahquant_ref.decode, faster on the CPU (the same values, and the same errors in the same order)."""
     h = read_header(payload, shape, params)
     g, lay, bits, flag, zero, scale, rd = params.group_size, h.lay, h.bits, h.flag, h.zero, h.scale, h.reader

@@ -1,5 +1,5 @@
-"""TAH-Quant specification (arXiv 2506.01352) in plain torch: tile-wise adaptive Hadamard
-quantization of activations (..., S, C) into the payload layout of docs/wire-format.md (version 1).
+"""TAH-Quant as the paper gives it (arXiv 2506.01352; codec tahquant-paper) in plain torch: tile-wise adaptive
+Hadamard quantization of activations (..., S, C) into the payload of docs/wire-format.md (tahquant version 1).
 
 Steps (defaults in brackets): per-token entropy ranks tokens in each sequence, the lowest-entropy
 (1 - rho) share gets INT3, the rest INT4 [rho = 0.8]; channels form tiles of G [64], zero-padded
@@ -18,47 +18,44 @@ from .bitpack import pack_bits, pack_rows, packed_nbytes, padded_count, row_nbyt
 from .quant_ref import check_finite, dequantize_asym, fp16_min_scale, hadamard, quantize_asym
 from .wire import CodecError, PayloadReader, as_bytes, bitmap, read_bitmap
 
-__all__ = ["TahQuantParams", "Layout", "encode", "decode", "token_entropy", "low_bit_mask", "outlier_pivots"]
+__all__ = ["PaperParams", "Layout", "encode", "decode", "token_entropy", "low_bit_mask", "outlier_pivots",
+           "check_group_size"]
 
 ALLOC_TOKEN = 0  # one bit width per token (the paper's v1 rule): the only allocation (per tile, 1, is retired)
-LAYOUT_PAPER = 1  # the paper's algorithm: entropy-guided INT3/INT4, outlier tiles rotated, min-max per tile
-LAYOUT_RICE = 3   # every tile sign-flipped and rotated, a grid of 2 qmax + 1 levels, Rice-coded (tahquant_rice_ref)
-LAYOUTS = (LAYOUT_PAPER, LAYOUT_RICE)  # layout 2 (rotated tiles at INT4) is retired: docs/wire-format.md
+
+
+def check_group_size(g, codec: str) -> None:
+    """G, the channels of a tile: a power of two in [8, 256] (both TAH-Quant codecs')."""
+    if g != int(g) or not 8 <= g <= 256 or g & (g - 1):
+        raise CodecError(f"{codec}: group_size must be a power of two in [8, 256], got {g}")
 
 
 @dataclass(frozen=True)
-class TahQuantParams:
-    """TAH-Quant knobs; each also travels in the message header (`params`)."""
+class PaperParams:
+    """The knobs of TAH-Quant as the paper gives it (codec tahquant-paper); each travels in the
+    message header (`params`) of version 1."""
 
     group_size: int = 64   # G: channels per tile, a power of two in [8, 256]
-    rho: float = 0.8       # share of tokens (or tiles) kept at bits_high
+    rho: float = 0.8       # share of tokens kept at bits_high
     tau: float = 2.0       # outlier rule: max |x| >= tau * second |x| -> pivot swap + Hadamard
     bits_high: int = 4
     bits_low: int = 3
-    alloc: int = ALLOC_TOKEN  # travels in layout 1's params, always 0: one bit width per token
-    layout: int = LAYOUT_PAPER  # 1: the paper's algorithm (this module); 3: Rice-coded (tahquant_rice_ref)
-    qmax: int = 12         # layout 3 only: codes q in [-qmax, qmax], step = the tile's absmax / qmax
+    alloc: int = ALLOC_TOKEN  # travels in version 1's params, always 0: one bit width per token
 
-    def validate(self) -> "TahQuantParams":
-        g = self.group_size
-        if g != int(g) or not 8 <= g <= 256 or g & (g - 1):
-            raise CodecError(f"tahquant: group_size must be a power of two in [8, 256], got {g}")
+    def validate(self) -> "PaperParams":
+        check_group_size(self.group_size, "tahquant-paper")
         if not 0.0 <= self.rho <= 1.0:
-            raise CodecError(f"tahquant: rho must be in [0, 1], got {self.rho}")
+            raise CodecError(f"tahquant-paper: rho must be in [0, 1], got {self.rho}")
         if not (self.tau >= 1.0 and math.isfinite(self.tau)):
-            raise CodecError(f"tahquant: tau must be a finite number >= 1, got {self.tau}")
+            raise CodecError(f"tahquant-paper: tau must be a finite number >= 1, got {self.tau}")
         for name in ("bits_high", "bits_low"):
             b = getattr(self, name)
             if b != int(b) or not 2 <= b <= 8:
-                raise CodecError(f"tahquant: {name} must be an integer in [2, 8], got {b}")
+                raise CodecError(f"tahquant-paper: {name} must be an integer in [2, 8], got {b}")
         if self.bits_low > self.bits_high:
-            raise CodecError("tahquant: bits_low must not exceed bits_high")
+            raise CodecError("tahquant-paper: bits_low must not exceed bits_high")
         if self.alloc != ALLOC_TOKEN:
-            raise CodecError(f"tahquant: alloc must be 0 (one bit width per token), got {self.alloc}")
-        if self.layout not in LAYOUTS:
-            raise CodecError(f"tahquant: layout must be 1 (the paper's) or 3 (Rice-coded), got {self.layout}")
-        if self.qmax != int(self.qmax) or not 1 <= self.qmax <= 127:
-            raise CodecError(f"tahquant: qmax must be an integer in [1, 127], got {self.qmax}")
+            raise CodecError(f"tahquant-paper: alloc must be 0 (one bit width per token), got {self.alloc}")
         return self
 
     @property
@@ -141,7 +138,7 @@ def _swap_first(tiles: torch.Tensor, pivot: torch.Tensor, flag: torch.Tensor) ->
     return torch.gather(tiles, -1, src)
 
 
-def to_tiles(x: torch.Tensor, params: TahQuantParams) -> tuple[Layout, torch.Tensor, torch.Tensor]:
+def to_tiles(x: torch.Tensor, params: PaperParams) -> tuple[Layout, torch.Tensor, torch.Tensor]:
     """Check x, then its layout, x as (nseq, seq_len, padded channels) float32 with the channels
     zero-padded to a multiple of G, and the same values as (nseq, seq_len, tiles per token, G)."""
     params.validate()
@@ -153,7 +150,7 @@ def to_tiles(x: torch.Tensor, params: TahQuantParams) -> tuple[Layout, torch.Ten
     return lay, x3, x3.reshape(lay.nseq, lay.seq_len, lay.tiles_per_token, params.group_size)
 
 
-def encode(x: torch.Tensor, params: TahQuantParams = TahQuantParams()) -> torch.Tensor:
+def encode(x: torch.Tensor, params: PaperParams = PaperParams()) -> torch.Tensor:
     """Encode x (..., C) of float32/float16/bfloat16 into the version-1 payload (uint8, 1-D)."""
     g = params.group_size
     lay, x3, tiles = to_tiles(x, params)
@@ -191,7 +188,7 @@ def encode(x: torch.Tensor, params: TahQuantParams = TahQuantParams()) -> torch.
     )
 
 
-def tile_bits(low: torch.Tensor, params: TahQuantParams) -> torch.Tensor:
+def tile_bits(low: torch.Tensor, params: PaperParams) -> torch.Tensor:
     return torch.where(low, params.bits_low, params.bits_high)
 
 
@@ -209,7 +206,7 @@ class Header:
     reader: PayloadReader
 
 
-def check_min_payload(payload: torch.Tensor, shape: tuple[int, ...], params: TahQuantParams) -> None:
+def check_min_payload(payload: torch.Tensor, shape: tuple[int, ...], params: PaperParams) -> None:
     """Refuse a payload shorter than the smallest one a tensor of `shape` allows (both bitmaps, the
     zero-points and scales, every tile at bits_low), before anything of its size is allocated."""
     lay = Layout.of(tuple(shape), params.group_size)
@@ -220,7 +217,7 @@ def check_min_payload(payload: torch.Tensor, shape: tuple[int, ...], params: Tah
                          f"{list(shape)} needs at least {minimum}")
 
 
-def read_header(payload: torch.Tensor, shape: tuple[int, ...], params: TahQuantParams) -> Header:
+def read_header(payload: torch.Tensor, shape: tuple[int, ...], params: PaperParams) -> Header:
     """The sections before the tile codes, with the checks (and errors, in their order) that
     decode makes of them."""
     params.validate()
@@ -244,7 +241,7 @@ def read_header(payload: torch.Tensor, shape: tuple[int, ...], params: TahQuantP
     return Header(lay, tile_bits(low, params), flag, zero, scale, pivots[:n_flag], rd)
 
 
-def decode(payload: torch.Tensor, shape: tuple[int, ...], params: TahQuantParams, dtype: torch.dtype) -> torch.Tensor:
+def decode(payload: torch.Tensor, shape: tuple[int, ...], params: PaperParams, dtype: torch.dtype) -> torch.Tensor:
     """Decode a version-1 payload (uint8, 1-D) into a tensor of `shape` and `dtype`."""
     h = read_header(payload, shape, params)
     g, lay, nt, bits, flag, zero, scale, rd = (params.group_size, h.lay, h.lay.tiles, h.bits, h.flag, h.zero, h.scale,

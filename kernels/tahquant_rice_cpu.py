@@ -1,4 +1,4 @@
-"""TAH-Quant's entropy-coded layout (layout 3) on the CPU, fast: symtiles_cpu's rotation and
+"""TAH-Quant's Rice-coded algorithm (codec tahquant) on the CPU, fast: symtiles_cpu's rotation and
 quantization (symtiles_ref's arithmetic, bit for bit), the reference's scales, rice_cpu's numpy Rice
 coding; the same payload as tahquant_rice_ref byte for byte, its decodes bit for bit, its errors.
 
@@ -12,14 +12,13 @@ from . import rice_cpu
 from .quant_ref import check_finite
 from .symtiles_cpu import dequantize, quantize, rotate, unrotate
 from .symtiles_ref import check_scales
-from .tahquant_ref import TahQuantParams
-from .tahquant_rice_ref import assemble, shape_of, slice_codes, slices, split
+from .tahquant_rice_ref import RiceParams, assemble, shape_of, slice_codes, slices, split
 from .wire import as_bytes
 
 __all__ = ["encode", "decode"]
 
 
-def encode(x: torch.Tensor, params: TahQuantParams) -> torch.Tensor:
+def encode(x: torch.Tensor, params: RiceParams) -> torch.Tensor:
     params.validate()
     check_finite(x, "tahquant")
     n, c, _, _ = shape_of(tuple(x.shape), params)
@@ -28,7 +27,7 @@ def encode(x: torch.Tensor, params: TahQuantParams) -> torch.Tensor:
     return rice_cpu.encode(codes, qmax, as_bytes(scales))
 
 
-def decode(payload: torch.Tensor, shape, params: TahQuantParams, dtype: torch.dtype) -> torch.Tensor:
+def decode(payload: torch.Tensor, shape, params: RiceParams, dtype: torch.dtype) -> torch.Tensor:
     k, scale, low, unary = split(payload, shape, params)
     n, c, _, codes_n = shape_of(shape, params)
     qmax, g = int(params.qmax), int(params.group_size)

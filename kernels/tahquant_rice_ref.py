@@ -1,4 +1,4 @@
-"""TAH-Quant's entropy-coded layout (layout 3, the version-3 payload) in plain torch: every tile of G
+"""TAH-Quant as a run sends it (codec tahquant, the version-3 payload) in plain torch: every tile of G
 channels sign-flipped and rotated (symtiles_ref), quantized on a grid of 2 qmax + 1 levels, Rice-coded.
 
 A tile's step is its absmax / qmax (one bf16 scale per tile, tahnode.kernels.symtiles_ref), so the
@@ -23,13 +23,27 @@ from . import rice
 from .bitpack import packed_nbytes
 from .quant_ref import check_finite
 from .symtiles_ref import check_scales, dequantize, quantize, rotate, tile_scales, unrotate
-from .tahquant_ref import TahQuantParams
+from .tahquant_ref import check_group_size
 from .wire import CodecError, PayloadReader, as_bytes
 
-__all__ = ["encode", "decode", "split", "sections", "Block", "blocks", "gather", "assemble", "slices", "slice_codes",
-           "shape_of", "tiling", "zigzag", "unzigzag", "pack", "min_payload_nbytes", "MIN_TILE"]
+__all__ = ["RiceParams", "encode", "decode", "split", "sections", "Block", "blocks", "gather", "assemble", "slices",
+           "slice_codes", "shape_of", "tiling", "zigzag", "unzigzag", "pack", "min_payload_nbytes", "MIN_TILE"]
 
 MIN_TILE = 8  # the smallest tile of the left-over stream's last values (fewer than this are padded to it)
+
+
+@dataclass(frozen=True)
+class RiceParams:
+    """The knobs of codec tahquant, a run's defaults; both travel in the message header (`params`)."""
+
+    group_size: int = 128  # G: channels per tile, a power of two in [8, 256]
+    qmax: int = 12         # codes q in [-qmax, qmax], step = the tile's absmax / qmax
+
+    def validate(self) -> "RiceParams":
+        check_group_size(self.group_size, "tahquant")
+        if self.qmax != int(self.qmax) or not 1 <= self.qmax <= 127:
+            raise CodecError(f"tahquant: qmax must be an integer in [1, 127], got {self.qmax}")
+        return self
 
 
 def tiling(c: int, g: int) -> list[tuple[int, int, int]]:
@@ -105,7 +119,7 @@ def assemble(parts: list[torch.Tensor], n: int, c: int, g: int) -> torch.Tensor:
     return torch.cat(columns + rest, dim=1) if len(columns + rest) > 1 else (columns + rest)[0]
 
 
-def shape_of(shape, params: TahQuantParams) -> tuple[int, int, int, int]:
+def shape_of(shape, params: RiceParams) -> tuple[int, int, int, int]:
     """(tokens N, channels C, tiles and codes) of a tensor of `shape` (..., C): every block's tiles,
     and its codes (its values padded to whole tiles)."""
     c, g = shape[-1], int(params.group_size)
@@ -127,7 +141,7 @@ def unzigzag(z: torch.Tensor, qmax: int) -> torch.Tensor:
     return (q + qmax).to(torch.uint8)
 
 
-def min_payload_nbytes(shape, params: TahQuantParams) -> int:
+def min_payload_nbytes(shape, params: RiceParams) -> int:
     """The bytes every payload of `shape` has at least: k, the scales, one unary bit per value."""
     _, _, tiles, codes = shape_of(shape, params)
     return 1 + 2 * tiles + -(-codes // 8)
@@ -159,7 +173,7 @@ def slice_codes(x2: torch.Tensor, g: int, qmax: int, rotate=rotate,
     return torch.cat(scales), torch.cat(codes)
 
 
-def encode(x: torch.Tensor, params: TahQuantParams) -> torch.Tensor:
+def encode(x: torch.Tensor, params: RiceParams) -> torch.Tensor:
     """x (..., C) -> payload (pack): slice_codes with symtiles_ref."""
     params.validate()
     check_finite(x, "tahquant")
@@ -168,12 +182,12 @@ def encode(x: torch.Tensor, params: TahQuantParams) -> torch.Tensor:
     return pack(*slice_codes(x.reshape(n, c).float(), int(params.group_size), qmax), qmax)
 
 
-def split(payload: torch.Tensor, shape, params: TahQuantParams) -> tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]:
+def split(payload: torch.Tensor, shape, params: RiceParams) -> tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Check the payload's size and k -> (k, scales bf16, low bits, unary stream). Shared with the kernels."""
     params.validate()
     _, _, tiles, codes = shape_of(shape, params)
     if payload.numel() < min_payload_nbytes(shape, params):
-        raise CodecError(f"tahquant layout-3 payload has {payload.numel()} bytes, shape {list(shape)} needs at least "
+        raise CodecError(f"tahquant payload has {payload.numel()} bytes, shape {list(shape)} needs at least "
                          f"{min_payload_nbytes(shape, params)}")
     rd = PayloadReader(payload, "tahquant")
     k = int(rd.take(1, "Rice parameter")[0])
@@ -183,7 +197,7 @@ def split(payload: torch.Tensor, shape, params: TahQuantParams) -> tuple[int, to
     return k, scale, low, rd.take(rd.remaining, "unary stream")
 
 
-def sections(payload: torch.Tensor, shape, params: TahQuantParams) -> tuple[torch.Tensor, torch.Tensor]:
+def sections(payload: torch.Tensor, shape, params: RiceParams) -> tuple[torch.Tensor, torch.Tensor]:
     """Check the payload -> (scales bf16, codes q + qmax uint8), in pack's order."""
     k, scale, low, unary = split(payload, shape, params)
     _, _, _, codes = shape_of(shape, params)
@@ -202,7 +216,7 @@ def slices(scale: torch.Tensor, codes: torch.Tensor, n: int, c: int, g: int):
         at_scale, at_code = at_scale + block.tiles, at_code + block.codes
 
 
-def decode(payload: torch.Tensor, shape, params: TahQuantParams, dtype: torch.dtype) -> torch.Tensor:
+def decode(payload: torch.Tensor, shape, params: RiceParams, dtype: torch.dtype) -> torch.Tensor:
     """Dequantize (exact), rotate back (fwht, 1/tile, signs) block by block, drop the padded values,
     put the blocks back in their channels (`assemble`), cast to `dtype`."""
     scale, codes = sections(payload, shape, params)

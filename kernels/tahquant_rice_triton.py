@@ -1,4 +1,4 @@
-"""TAH-Quant's entropy-coded layout (layout 3) on the GPU: symtiles_triton rotates, scales and quantizes
+"""TAH-Quant's Rice-coded algorithm (codec tahquant) on the GPU: symtiles_triton rotates, scales and quantizes
 (8-bit codes on the layout's grid) and adds up the Rice coder's block sums of them as it goes,
 rice_triton Rice-codes them into the payload; the same payload as the reference byte for byte. One
 synchronization each way, after every kernel: it reads their flags (and the encode's payload size,
@@ -13,15 +13,14 @@ from __future__ import annotations
 import torch
 
 from . import rice_triton, symtiles_triton
-from .tahquant_ref import TahQuantParams
-from .tahquant_rice_ref import assemble, gather, shape_of, slices, split
+from .tahquant_rice_ref import RiceParams, assemble, gather, shape_of, slices, split
 
 __all__ = ["encode", "decode"]
 
 CODE_BITS = 8  # the kernels' codes before Rice coding: one byte each (qmax <= 127)
 
 
-def encode(x: torch.Tensor, params: TahQuantParams) -> torch.Tensor:
+def encode(x: torch.Tensor, params: RiceParams) -> torch.Tensor:
     params.validate()
     n, c, tiles, codes_n = shape_of(tuple(x.shape), params)
     x2, qmax, g = x.detach().reshape(n, c), int(params.qmax), int(params.group_size)
@@ -45,7 +44,7 @@ def encode(x: torch.Tensor, params: TahQuantParams) -> torch.Tensor:
     return write.finish(size, k)
 
 
-def decode(payload: torch.Tensor, shape, params: TahQuantParams, dtype: torch.dtype) -> torch.Tensor:
+def decode(payload: torch.Tensor, shape, params: RiceParams, dtype: torch.dtype) -> torch.Tensor:
     k, scale, low, unary = split(payload, shape, params)
     n, c, _, codes_n = shape_of(shape, params)
     qmax, g = int(params.qmax), int(params.group_size)

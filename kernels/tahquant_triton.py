@@ -40,7 +40,7 @@ import triton
 
 from .bitpack import packed_nbytes, plane_widths
 from .quant_ref import check_finite, fp16_min_scale
-from .tahquant_ref import Layout, TahQuantParams, check_min_payload, low_bit_mask, token_entropy
+from .tahquant_ref import Layout, PaperParams, check_min_payload, low_bit_mask, token_entropy
 from .tahquant_triton_alloc import _alloc_kernel, _cut_kernel, _refine_kernel, _stats_kernel
 from .tahquant_triton_payload import _assemble_kernel, _bitcount_kernel, _decode_kernel, _encode_kernel
 from .triton_util import interpreting as _interpreting
@@ -61,7 +61,7 @@ NSLOT = 64      # uncertain tokens per sequence the refine kernel recomputes in 
 # Python side: block sizes, the allocation, and the launches
 
 
-def _launch_config(params: TahQuantParams, lay: Layout, block: tuple[int, int]) -> tuple[dict, tuple[int], int]:
+def _launch_config(params: PaperParams, lay: Layout, block: tuple[int, int]) -> tuple[dict, tuple[int], int]:
     """Constexprs, grid and warps per program of the encode/decode kernels. On a GPU a block is ROWS
     tokens x one tile column, `block` = (values, warps) (1024 values: tl.dot gets M = 16 rows): the
     tiles of an outlier channel are flagged down a whole column, so the other blocks mostly skip the
@@ -92,7 +92,7 @@ def _launch_config(params: TahQuantParams, lay: Layout, block: tuple[int, int]) 
     return cx, (triton.cdiv(lay.tokens, rows) * triton.cdiv(t, tc),), 1 if _interpreting() else block[1]
 
 
-def _pivot_planes(params: TahQuantParams) -> dict:
+def _pivot_planes(params: PaperParams) -> dict:
     """PBITS and the bit offset P<w> of each plane of width w of the packed pivots (-1 if absent)."""
     shifts, shift = {}, 0
     for w in plane_widths(params.pivot_bits):
@@ -129,7 +129,7 @@ def entropy_slack(channels: int, group_size: int = 64) -> float:
     return 2.0 * (2.0 * gamma + 8.0 * u) * (math.log(channels) + 1.0)
 
 
-def _stats(x2: torch.Tensor, lay: Layout, params: TahQuantParams, status: torch.Tensor):
+def _stats(x2: torch.Tensor, lay: Layout, params: PaperParams, status: torch.Tensor):
     """-> (fp32 entropy per token, uint8 flag per tile, uint8 pivot per tile)."""
     g, n = params.group_size, lay.tokens
     ent = torch.empty(n, dtype=torch.float32, device=x2.device)
@@ -182,7 +182,7 @@ def _padded(rows: torch.Tensor, channels: int) -> torch.Tensor:
     return torch.nn.functional.pad(rows, (0, channels - rows.shape[-1])) if rows.shape[-1] != channels else rows
 
 
-def _torch_allocation(x2: torch.Tensor, lay: Layout, params: TahQuantParams, e32: torch.Tensor) -> torch.Tensor:
+def _torch_allocation(x2: torch.Tensor, lay: Layout, params: PaperParams, e32: torch.Tensor) -> torch.Tensor:
     """The low mask (nseq, S) by rank_low; the exact ranking when the window does not settle it."""
     seq0 = torch.arange(lay.nseq, device=x2.device)[:, None] * lay.seq_len
 
@@ -195,13 +195,13 @@ def _torch_allocation(x2: torch.Tensor, lay: Layout, params: TahQuantParams, e32
     return mask if bool(ok) else _exact_allocation(x2, lay, params)
 
 
-def _exact_allocation(x2: torch.Tensor, lay: Layout, params: TahQuantParams) -> torch.Tensor:
+def _exact_allocation(x2: torch.Tensor, lay: Layout, params: PaperParams) -> torch.Tensor:
     """The reference's ranking of everything (the rare fallback of both rankings)."""
     ent = token_entropy(_padded(x2.float(), lay.padded_channels)).reshape(lay.nseq, lay.seq_len)
     return low_bit_mask(ent, params.rho)
 
 
-def _with_offsets(low_mask: torch.Tensor, params: TahQuantParams, t: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _with_offsets(low_mask: torch.Tensor, params: PaperParams, t: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(uint8 low per token, int64 byte offset of its codes: an exclusive prefix sum; T tiles a token)."""
     low = low_mask.reshape(-1)
     bits = torch.where(low, params.bits_low, params.bits_high).long()
@@ -209,7 +209,7 @@ def _with_offsets(low_mask: torch.Tensor, params: TahQuantParams, t: int) -> tup
     return low.to(torch.uint8), torch.cumsum(sizes, 0) - sizes
 
 
-def _kernel_allocation(x2, lay: Layout, params: TahQuantParams, e32: torch.Tensor, n_low: int, status: torch.Tensor):
+def _kernel_allocation(x2, lay: Layout, params: PaperParams, e32: torch.Tensor, n_low: int, status: torch.Tensor):
     """(low, offsets) per token from the cut, refine and alloc kernels; status bit 4 when a
     sequence had more uncertain tokens than slots (then the result is not to be used)."""
     nseq, s, dev = lay.nseq, lay.seq_len, x2.device
@@ -239,12 +239,12 @@ def _kernel_allocation(x2, lay: Layout, params: TahQuantParams, e32: torch.Tenso
     return low, off
 
 
-def _codes_nbytes(n_low: int, n_tokens: int, params: TahQuantParams, t: int) -> int:
+def _codes_nbytes(n_low: int, n_tokens: int, params: PaperParams, t: int) -> int:
     per = params.group_size // 8 * t
     return (n_low * params.bits_low + (n_tokens - n_low) * params.bits_high) * per
 
 
-def encode(x: torch.Tensor, params: TahQuantParams = TahQuantParams()) -> torch.Tensor:
+def encode(x: torch.Tensor, params: PaperParams = PaperParams()) -> torch.Tensor:
     """Encode x (..., C) float32/float16/bfloat16 on a CUDA device (or under TRITON_INTERPRET=1)
     into the version-1 payload (uint8, 1-D): equal to tahquant_ref.encode(x, params) up to the
     Hadamard rounding of flagged tiles (docs/wire-format.md)."""
@@ -252,7 +252,7 @@ def encode(x: torch.Tensor, params: TahQuantParams = TahQuantParams()) -> torch.
         return _encode(x, params)
 
 
-def _encode(x: torch.Tensor, params: TahQuantParams) -> torch.Tensor:
+def _encode(x: torch.Tensor, params: PaperParams) -> torch.Tensor:
     params.validate()
     g = params.group_size
     lay = Layout.of(tuple(x.shape), g)
@@ -306,7 +306,7 @@ def _encode(x: torch.Tensor, params: TahQuantParams) -> torch.Tensor:
     return out[piv_max - packed_nbytes(n_flag, params.pivot_bits) :]
 
 
-def decode(payload: torch.Tensor, shape: tuple[int, ...], params: TahQuantParams, dtype: torch.dtype) -> torch.Tensor:
+def decode(payload: torch.Tensor, shape: tuple[int, ...], params: PaperParams, dtype: torch.dtype) -> torch.Tensor:
     """Decode a version-1 payload (uint8, 1-D, on a CUDA device or under TRITON_INTERPRET=1) into
     a tensor of `shape` and `dtype` on the payload's device: equal to tahquant_ref.decode up to the
     Hadamard rounding of flagged tiles; a corrupt payload raises CodecError (the reference's checks
@@ -315,7 +315,7 @@ def decode(payload: torch.Tensor, shape: tuple[int, ...], params: TahQuantParams
         return _decode(payload, shape, params, dtype)
 
 
-def _decode(payload: torch.Tensor, shape: tuple[int, ...], params: TahQuantParams, dtype: torch.dtype) -> torch.Tensor:
+def _decode(payload: torch.Tensor, shape: tuple[int, ...], params: PaperParams, dtype: torch.dtype) -> torch.Tensor:
     params.validate()
     g = params.group_size
     lay = Layout.of(tuple(shape), g)

@@ -65,10 +65,10 @@ def test_a_whole_messages_host_path_gives_the_decoded_tensor():
     """The host-path rows (issue 27) run on any device: every codec's frames come back as what its
     decode gives, and a frame list is received once (the bench makes one per timed run)."""
     x = bench_kernels.activations((2, 64, 256), torch.bfloat16, device="cpu")
-    rows = bench_kernels.host_path_rows(x, 2, codecs=("none", "tahquant"))
+    rows = bench_kernels.host_path_rows(x, 2, codecs=("none", "tahquant-paper", "tahquant"))
     assert [r["op"] for r in rows] == ["x.cpu()", "none: tensor -> frames", "none: frames -> tensor",
-                                       "tahquant: tensor -> frames", "tahquant: frames -> tensor",
-                                       "tahquant layout 3: tensor -> frames", "tahquant layout 3: frames -> tensor"]
+                                       "tahquant-paper: tensor -> frames", "tahquant-paper: frames -> tensor",
+                                       "tahquant: tensor -> frames", "tahquant: frames -> tensor"]
     assert all(r["diff"] == "" and r["t"] > 0 for r in rows)
     path = HostPath("pertoken")
     frames = path.send(x)
@@ -147,7 +147,7 @@ def test_every_launch_setting_the_sweep_times_gives_the_references_bytes(kernels
     assert rows[-1]["op"] == "tahquant rice decode [rice {}/{}]".format(*bench_sweep.RICE_BLOCKS[-1][1])
     lines = bench_sweep.fastest_settings([dict(r, t=1e-3 if "default" in r["op"] else 2e-3) for r in rows])
     assert lines[0] == "pertoken encode, symtiles: the defaults are fastest (1000.0 us)"
-    assert len(lines) == 6  # pertoken encode, decode; layout 3 encode, decode by symtiles and by rice
+    assert len(lines) == 6  # pertoken encode, decode; tahquant encode, decode by symtiles and by rice
     rows[-1].update(t=1e-4)
     rows[-2].update(t=1e-4, diff="3")  # a faster setting that gives other bytes is not chosen
     lines = bench_sweep.fastest_settings([dict(r, t=r["t"] if r["t"] < 1e-3 else 1e-3) for r in rows])

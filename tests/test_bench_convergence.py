@@ -22,19 +22,20 @@ ARGS = ["--steps", "3", "--seeds", "2", "--seq-len", "32", "--tokens-per-message
 def test_the_bench_trains_reports_and_resumes(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("TAHNODE_CACHE", str(tmp_path / "cache"))
     doc, plots, work = tmp_path / "bench.md", tmp_path / "plots", tmp_path / "work"
-    argv = [*ARGS, "--pairs", "none/none,tahquant/pertoken", "--workdir", str(work), "--doc", str(doc), "--plots",
+    argv = [*ARGS, "--pairs", "none/none,tahquant-paper/pertoken", "--workdir", str(work), "--doc", str(doc), "--plots",
             str(plots), "--json"]
     assert bench_convergence.main(argv) == 0
     runs = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert sorted((r["pair"], r["seed"]) for r in runs) == [("none/none", 0), ("none/none", 1),
-                                                            ("tahquant/pertoken", 0), ("tahquant/pertoken", 1)]
+                                                            ("tahquant-paper/pertoken", 0),
+                                                            ("tahquant-paper/pertoken", 1)]
     for r in runs:
         assert len(r["losses"]) == 3 and [e[0] for e in r["evals"]] == [0, 2, 3] and not r["diverged"]
         assert all(math.isfinite(x) for x in r["losses"])
-    quant = next(r for r in runs if r["pair"] == "tahquant/pertoken")
+    quant = next(r for r in runs if r["pair"] == "tahquant-paper/pertoken")
     assert 4.2 < quant["bits_fwd"] < 4.5 and 6.1 < quant["bits_bwd"] < 6.2 and 0.03 < quant["error_fwd"] < 0.3
     text = doc.read_text()
-    assert "| tahquant/pertoken |" in text and "Command: `tahnode bench convergence" in text
+    assert "| tahquant-paper/pertoken |" in text and "Command: `tahnode bench convergence" in text
     assert (plots / "convergence.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert len(list(work.glob("*.json"))) == 4
     before = {p.name: p.stat().st_mtime_ns for p in work.glob("*.json")}
@@ -97,10 +98,16 @@ def test_a_run_stops_when_its_bench_has_gone(tmp_path, monkeypatch):
 
 def test_pairs_split_on_semicolons_else_commas_and_one_pair_keeps_its_commas():
     parse = bench_convergence.parse_pairs
-    assert [p.label for p in parse("none/none,tahquant/naive")] == ["none/none", "tahquant/naive"]
-    one = parse("tahquant:layout=3,qmax=11/pertoken")
-    assert len(one) == 1 and one[0].forward_params == {"layout": 3, "qmax": 11}
-    assert len(parse("tahquant:layout=3,qmax=11/pertoken;none/none")) == 2
+    assert [p.label for p in parse("none/none,tahquant-paper/naive")] == ["none/none", "tahquant-paper/naive"]
+    one = parse("tahquant:group_size=64,qmax=11/pertoken")
+    assert len(one) == 1 and (one[0].forward, one[0].forward_params) == ("tahquant", {"group_size": 64, "qmax": 11})
+    assert len(parse("tahquant:group_size=64,qmax=11/pertoken;none/none")) == 2
+    with pytest.raises(ValueError, match="tahquant-paper"):  # a CodecError: tahquant's layouts are codecs now
+        parse("tahquant:layout=1/pertoken")
+    paper = parse("tahquant-paper:rho=0.5@start=0.1,bits_high=6/tahquant-paper")[0]
+    assert (paper.forward, paper.forward_params, paper.backward) == ("tahquant-paper", {"rho": 0.5}, "tahquant-paper")
+    assert paper.schedule == {"forward_high_params": {"bits_high": 6}, "forward_high_start": 0.1,
+                              "forward_high_end": 0.0}
 
 
 def test_a_swarm_with_a_shorter_schedule_is_compared_with_its_reference_and_timed_against_one_pipeline():

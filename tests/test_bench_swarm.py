@@ -25,7 +25,7 @@ def test_codec_pairs_parse_with_parameters_and_refuse_unknown_ones():
     assert ((pair.forward, pair.forward_params, pair.backward, pair.backward_params)
             == ("aqsgd", {"bits": 4}, "naive", {"bits": 8}))
     assert CodecPair.parse("tahquant/naive").backward_params == {"bits": 6}  # the paper's gradient codec
-    # issue 43: `default` sends what a run sends by default (bare tahquant is the paper's layout 1)
+    # issue 43: `default` sends what a run sends by default (bare tahquant: the same codec, no schedule)
     from tahnode.config.run import CodecConfig
     assert CodecConfig(**CodecPair.parse("default").codec_table()).label == CodecConfig().label
     assert CodecConfig(**CodecPair.parse("tahquant/naive").codec_table()).forward_codec_params == {}

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from tahnode import codecs
 from tahnode.kernels import bitpack, bitpack_cpu, dispatch, tahquant_cpu, tahquant_ref
-from tahnode.kernels.tahquant_ref import TahQuantParams as P
+from tahnode.kernels.tahquant_ref import PaperParams as P
 from tahnode.kernels.wire import CodecError
 from helpers import activations, same_bits
 
@@ -88,13 +88,13 @@ def test_numpy_row_packing_is_bitpacks():
 
 def test_the_registry_serves_cpu_tensors_with_the_fast_path(monkeypatch):
     x = torch.randn(2, 8, 64)
-    assert dispatch.TAHQUANT.serving(x) is tahquant_cpu
+    assert dispatch.TAHQUANT_PAPER.serving(x) is tahquant_cpu
     assert dispatch.NAIVE.serving(x).__name__.endswith("naive_ref")
     monkeypatch.setenv("TAHNODE_REFERENCE", "1")
-    assert dispatch.TAHQUANT.serving(x) is tahquant_ref
-    msg = codecs.get_codec("tahquant").encode(x)
+    assert dispatch.TAHQUANT_PAPER.serving(x) is tahquant_ref
+    msg = codecs.get_codec("tahquant-paper").encode(x)
     monkeypatch.delenv("TAHNODE_REFERENCE")
-    assert codecs.serialize(codecs.get_codec("tahquant").encode(x)) == codecs.serialize(msg)
+    assert codecs.serialize(codecs.get_codec("tahquant-paper").encode(x)) == codecs.serialize(msg)
 
 
 def test_tied_maxima_pivot_on_the_first_like_the_reference():

@@ -116,9 +116,9 @@ def tau_rule(tiles: np.ndarray, tau: float) -> tuple[np.ndarray, np.ndarray]:
 
 
 @pytest.mark.parametrize("channels", [256, 200])
-def test_tahquant_within_bound_per_tile(channels):
+def test_tahquant_paper_within_bound_per_tile(channels):
     x = outlier_activations((2, 24, channels), frac=0.03, scale=30.0, seed=2)
-    y, msg = roundtrip("tahquant", x)
+    y, msg = roundtrip("tahquant-paper", x)
     g, t = 64, math.ceil(channels / 64)
     tokens = 48
     low, flags, zero, scale, _ = parse_tahquant(msg, tokens, t, g)
@@ -152,11 +152,11 @@ def test_tahquant_within_bound_per_tile(channels):
     assert flags.sum() > 0 and (~flags).sum() > 0
 
 
-def test_tahquant_headline_figures():
+def test_tahquant_paper_headline_figures():
     """Defaults on (4, 512, 4096) Gaussian with 1% outlier channels: <= 4.40 bits/element with every
     header byte, SQNR within 0.5 dB of group-4bit or better while smaller."""
     x = outlier_activations((4, 512, 4096), frac=0.01, scale=20.0, seed=3)
-    y, msg = roundtrip("tahquant", x)
+    y, msg = roundtrip("tahquant-paper", x)
     g4, gmsg = roundtrip("group", x, bits=4)
     bpe, bpe_group = codecs.bits_per_element(msg), codecs.bits_per_element(gmsg)
     assert bpe <= 4.40
@@ -169,11 +169,11 @@ def test_tahquant_headline_figures():
     assert np.array_equal(flags, flag_ref)
 
 
-def test_tahquant_low_bits_go_to_lowest_entropy_tokens():
+def test_tahquant_paper_low_bits_go_to_lowest_entropy_tokens():
     gen = torch.Generator().manual_seed(4)
     x = torch.randn(3, 40, 128, generator=gen)
     x[:, ::3, 5] *= 50  # peaky tokens: low entropy
-    y, msg = roundtrip("tahquant", x, rho=0.75)
+    y, msg = roundtrip("tahquant-paper", x, rho=0.75)
     low, *_ = parse_tahquant(msg, 120, 2, 64)
     a = np.abs(x.double().numpy())
     p = a / a.sum(-1, keepdims=True)
@@ -185,7 +185,7 @@ def test_tahquant_low_bits_go_to_lowest_entropy_tokens():
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_tahquant_restores_pivots_and_token_order_exactly(dtype):
+def test_tahquant_paper_restores_pivots_and_token_order_exactly(dtype):
     """One spike per tile at a random position: every tile is flagged, the rotated tile is constant
     (scale 0, zero exact in fp16), so decode must put every spike back in its token and position."""
     gen = torch.Generator().manual_seed(5)
@@ -197,13 +197,13 @@ def test_tahquant_restores_pivots_and_token_order_exactly(dtype):
     for k in range(4):
         x[torch.arange(tokens), 64 * k + pos[:, k]] = vals[:, k]
     x = x.to(dtype)
-    y, msg = roundtrip("tahquant", x)
+    y, msg = roundtrip("tahquant-paper", x)
     _, flags, *_ = parse_tahquant(msg, tokens, 4, 64)
     assert flags.all()
     assert torch.equal(y, x)
 
 
-@pytest.mark.parametrize("name", ["none", "naive", "group", "tahquant", "amaq"])
+@pytest.mark.parametrize("name", ["none", "naive", "group", "tahquant", "tahquant-paper", "amaq"])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_every_codec_keeps_shape_and_dtype(name, dtype):
     x = outlier_activations((2, 9, 96), seed=6).to(dtype)
@@ -289,19 +289,19 @@ def test_same_input_same_bytes_across_runs():
         "import hashlib, torch; from tahnode import codecs;"
         "g = torch.Generator().manual_seed(11); x = torch.randn(2, 33, 300, generator=g); x[..., 7] *= 40;"
         "print(hashlib.sha256(b''.join(codecs.serialize(codecs.get_codec(n).encode(x)) for n in "
-        "['none','naive','group','tahquant','amaq'])).hexdigest())"
+        "['none','naive','group','tahquant','tahquant-paper','amaq'])).hexdigest())"
     )
     here = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout.strip()
     again = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout.strip()
     g = torch.Generator().manual_seed(11)
     x = torch.randn(2, 33, 300, generator=g)
     x[..., 7] *= 40
-    local = hashlib.sha256(b"".join(codecs.serialize(codecs.get_codec(n).encode(x))
-                                    for n in ["none", "naive", "group", "tahquant", "amaq"])).hexdigest()
+    names = ["none", "naive", "group", "tahquant", "tahquant-paper", "amaq"]
+    local = hashlib.sha256(b"".join(codecs.serialize(codecs.get_codec(n).encode(x)) for n in names)).hexdigest()
     assert here == again == local
 
 
-@pytest.mark.parametrize("name", ["none", "naive", "group", "tahquant", "amaq", "pertoken"])
+@pytest.mark.parametrize("name", ["none", "naive", "group", "tahquant", "tahquant-paper", "amaq", "pertoken"])
 def test_an_overlapped_encode_finishes_as_the_message_an_inline_one_writes(name):
     """train.host_copy "overlap" (issue 27): encode_apart(overlap=True) leaves the payload's copy and
     its checksum to finish(), on another thread as a link does; the message and the payload's bytes

@@ -26,18 +26,18 @@ def micro_batch(msg: pb.EncodedTensor) -> pb.MicroBatch:
 
 
 def test_a_receiver_decodes_its_runs_codec_and_parameters_only():
-    run = build_run(4)  # the default pair: TAH-Quant layout 3 forward (and its schedule's finer grid), pertoken back
+    run = build_run(4)  # the default pair: tahquant forward (and its schedule's finer grid), pertoken back
     receiver, forward = codec_streams(run, 1), run.codec.forward_codec_params
-    assert forward.get("layout") == 3 and run.codec.scheduled
+    assert run.codec.forward == "tahquant" and run.codec.scheduled
     own = get_codec(run.codec.forward, **forward)
     fine = get_codec(run.codec.forward, **{**forward, **run.codec.high_params})
     for codec in (own, fine):  # both grids the run sends decode
         back = receiver.decode(FORWARD, 1, micro_batch(codec.encode(X)), torch.float32)
         assert float((back - X).norm() / X.norm()) < 0.1
-    for params in ({"qmax": 127}, {"group_size": 64}, {"layout": 1}):  # a grid the peer chose: refused, not decoded
+    peers = [get_codec(run.codec.forward, **{**forward, **params}) for params in ({"qmax": 127}, {"group_size": 64})]
+    for codec in peers + [get_codec("tahquant-paper")]:  # a grid or a codec the peer chose: refused, not decoded
         with pytest.raises(CodecError, match="this run sends 'tahquant' version 3"):
-            receiver.decode(FORWARD, 1, micro_batch(get_codec(run.codec.forward, **{**forward, **params}).encode(X)),
-                            torch.float32)
+            receiver.decode(FORWARD, 1, micro_batch(codec.encode(X)), torch.float32)
     back_codec = get_codec(run.codec.backward, **run.codec.backward_params)
     other_bits = {**run.codec.backward_params, "bits": 8}
     sender = codec_streams(run, 1)

@@ -32,7 +32,7 @@ def test_encode_gives_the_recorded_bytes(vec):
 
 
 def test_the_vectors_carry_crc32c_and_the_older_ones_crc32_of_the_same_payloads():
-    newer = {v["name"]: v for v in VECTORS}  # and vectors of what came after CRC-32C (tahquant's layout 3)
+    newer = {v["name"]: v for v in VECTORS}  # and vectors of what came after CRC-32C (tahquant's version 3)
     for old in CRC32_VECTORS:
         new = newer[old["name"]]
         assert new["decoded_hex"] == old["decoded_hex"]

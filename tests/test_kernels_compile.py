@@ -47,7 +47,7 @@ def _cases():
     from tahnode.kernels import naive_triton as nt
     from tahnode.kernels import tahquant_triton as tq
     from tahnode.kernels.naive_ref import NaiveParams
-    from tahnode.kernels.tahquant_ref import Layout, TahQuantParams
+    from tahnode.kernels.tahquant_ref import Layout, PaperParams
 
     out = []
     for dt, c, g in (("bf16", 4096, 64), ("fp32", 64, 64), ("fp16", 1600, 128), ("bf16", 40, 64), ("fp32", 8, 8)):
@@ -72,13 +72,13 @@ def _cases():
         out.append((f"refine {dt}", tq._refine_kernel, sig, dict(NSLOT=tq.NSLOT, CB=1024, NCB=4)))
 
     configs = [
-        ("bf16", TahQuantParams()),
-        ("fp16", TahQuantParams(bits_high=5, bits_low=4)),  # planes 4+1 and 4
-        ("fp32", TahQuantParams(group_size=8, bits_high=8, bits_low=5)),
-        ("bf16", TahQuantParams(group_size=16, bits_high=2, bits_low=2)),
-        ("bf16", TahQuantParams(group_size=32)),
-        ("bf16", TahQuantParams(group_size=128)),
-        ("fp32", TahQuantParams(group_size=256, bits_high=7, bits_low=6)),
+        ("bf16", PaperParams()),
+        ("fp16", PaperParams(bits_high=5, bits_low=4)),  # planes 4+1 and 4
+        ("fp32", PaperParams(group_size=8, bits_high=8, bits_low=5)),
+        ("bf16", PaperParams(group_size=16, bits_high=2, bits_low=2)),
+        ("bf16", PaperParams(group_size=32)),
+        ("bf16", PaperParams(group_size=128)),
+        ("fp32", PaperParams(group_size=256, bits_high=7, bits_low=6)),
     ]
     for dt, p in configs:
         cx, _, _ = tq._launch_config(p, Layout.of((2, 64, 4096), p.group_size), tq.GPU_ENCODE_BLOCK)
@@ -132,7 +132,7 @@ def _cases():
                                         ("fp32", 256, 8, True, True), ("bf16", 8, 3, False, True)):
         const = dict(G=g, QMAX=2 ** (bits - 1) - 1, ROTATE=rotate, BR=4096 // g, **st.plane_shifts(bits))
         esig, dsig = _symtiles_signatures(dt)
-        sums = dict(SUMS_BLOCK=1024 if rotate else 0, KMAX=(2 * const["QMAX"]).bit_length())  # layout 3 sums for Rice
+        sums = dict(SUMS_BLOCK=1024 if rotate else 0, KMAX=(2 * const["QMAX"]).bit_length())  # tahquant sums for Rice
         out.append(_case(f"symtiles encode {dt} G={g} bits={bits} rotate={rotate} packed={packed}", st._encode_kernel,
                          esig, dict(const, PACKED=packed, **sums)))
         out.append(_case(f"symtiles decode {dt} G={g} bits={bits} rotate={rotate}", st._decode_kernel, dsig,
@@ -165,7 +165,7 @@ def _cases():
 
 
 def _setting_cases():
-    """The default pair's kernels (pertoken's and layout 3's: bf16, G = 128, qmax 31 and 12, Rice at
+    """The default pair's kernels (pertoken's and tahquant's: bf16, G = 128, qmax 31 and 12, Rice at
     k = 2) at each launch setting `tahnode bench kernels --sweep` times (node/tools/bench_sweep.py),
     the modules' defaults first: (name, kernel, signature, constexprs) as _cases."""
     from tahnode.kernels import rice_triton as rt
@@ -175,7 +175,7 @@ def _setting_cases():
     out = []
     esig, dsig = _symtiles_signatures("bf16")
     for values, warps in [st.GPU_ENCODE_BLOCK] + SYMTILES_BLOCKS:
-        for what, bits, qmax, rotate in (("pertoken", 6, 31, False), ("layout 3", 8, 12, True)):
+        for what, bits, qmax, rotate in (("pertoken", 6, 31, False), ("tahquant", 8, 12, True)):
             const = dict(G=128, QMAX=qmax, ROTATE=rotate, BR=values // 128, num_warps=warps, **st.plane_shifts(bits))
             sums = dict(SUMS_BLOCK=rt.GPU_ENCODE_BLOCK[0] if rotate else 0, KMAX=(2 * qmax).bit_length())
             out.append(_case(f"{what} encode [{values}/{warps}]", st._encode_kernel, esig,

@@ -14,7 +14,7 @@ from tahnode import codecs
 from tahnode.codecs import CodecContext
 from tahnode.kernels import naive_ref, naive_triton, pertoken_ref, pertoken_triton, tahquant_ref, tahquant_triton
 from tahnode.kernels import tahquant_rice_ref, tahquant_rice_triton
-from tahnode.kernels.tahquant_ref import TahQuantParams as P
+from tahnode.kernels.tahquant_ref import PaperParams as P
 from helpers import activations, same_bits
 from test_kernels_interpret import check_decode, check_payload
 
@@ -41,7 +41,7 @@ def test_kernels_match_the_references_at_stage_sizes(shape, dtype):
     assert ek == er and torch.equal(nk.cpu(), nr)
     assert same_bits(naive_triton.decode(nr.cuda(), shape, nv, er, dtype), naive_ref.decode(nr, shape, nv, er, dtype))
     for kernel, ref, params in ((pertoken_triton, pertoken_ref, pertoken_ref.PerTokenParams()),
-                                (tahquant_rice_triton, tahquant_rice_ref, P(layout=3, group_size=128))):
+                                (tahquant_rice_triton, tahquant_rice_ref, tahquant_rice_ref.RiceParams())):
         pr = ref.encode(x, params)
         assert torch.equal(kernel.encode(xg, params).cpu(), pr), kernel.__name__
         assert same_bits(kernel.decode(pr.cuda(), shape, params, dtype).cpu(),
@@ -70,21 +70,20 @@ def test_every_codec_sends_the_same_bytes_from_the_gpu(name, dtype):
         x = activations(shape, dtype, seed=k + 7)
         msgs = {dev: codec.encode(x.to(dev), on[dev][0]) for dev in ("cpu", "cuda")}
         pg, pc = (torch.frombuffer(bytearray(msgs[d].payload), dtype=torch.uint8) for d in ("cuda", "cpu"))
-        if name == "tahquant":
+        if name == "tahquant-paper":
             check_payload(pg, pc, shape, codec.params)
         else:
             assert torch.equal(pg, pc), (name, k)
         got = {dev: codecs.decode(msgs["cpu"], on[dev][1], dev) for dev in ("cpu", "cuda")}
         assert got["cuda"].is_cuda and got["cuda"].dtype == dtype
-        if name == "tahquant":
+        if name == "tahquant-paper":
             check_decode(got["cuda"], got["cpu"], pc, shape, codec.params)
         else:
             assert same_bits(got["cuda"], got["cpu"]), (name, k)
 
 
 @pytest.mark.parametrize("name,params",
-                         [("none", {}), ("pertoken", {}), ("tahquant", codecs.CODECS["tahquant"].run_params)],
-                         ids=["none", "pertoken", "tahquant-layout3"])
+                         [("none", {}), ("pertoken", {}), ("tahquant", {})], ids=["none", "pertoken", "tahquant"])
 def test_an_overlapped_encode_copies_on_the_side_stream_and_finishes_as_encode_apart(name, params):
     """train.host_copy "overlap" on a GPU: the payload's copy to pinned memory runs on a side stream
     (an event marks it done) and, finished on another thread, gives encode_apart's message and bytes,

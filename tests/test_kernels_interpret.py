@@ -28,7 +28,7 @@ pytest.importorskip("triton")
 from tahnode import codecs  # noqa: E402
 from tahnode.kernels import dispatch, naive_ref, naive_triton, tahquant_ref, tahquant_triton  # noqa: E402
 from tahnode.kernels.bitpack import packed_nbytes, padded_count, unpack_bits, unpack_rows  # noqa: E402
-from tahnode.kernels.tahquant_ref import Layout, TahQuantParams as P  # noqa: E402
+from tahnode.kernels.tahquant_ref import Layout, PaperParams as P  # noqa: E402
 from tahnode.kernels.wire import CodecError  # noqa: E402
 from helpers import activations  # noqa: E402
 
@@ -490,7 +490,7 @@ def test_dispatch(monkeypatch):
             real = getattr(mod, fn)
             monkeypatch.setattr(mod, fn, lambda *a, _r=real, _n=f"{mod.__name__}.{fn}": used.append(_n) or _r(*a))
     x = activations((2, 9, 80), BF16, seed=12)
-    for name in ("tahquant", "naive"):
+    for name in ("tahquant-paper", "naive"):
         codec = codecs.get_codec(name)
         msg = codec.encode(x.to(DEVICE))
         y = codecs.decode(codecs.parse_message(codecs.serialize(msg)), device=DEVICE)

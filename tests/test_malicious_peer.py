@@ -186,12 +186,12 @@ def test_the_count_of_a_diverged_step_and_what_follows_it():
 
 @pytest.mark.parametrize("forward",
                          [{"codec.forward": "group"},
-                          {"codec.forward": "tahquant", "codec.forward_params": {"layout": 1}}],
-                         ids=["group", "tahquant layout 1"])
+                          {"codec.forward": "tahquant-paper"}],
+                         ids=["group", "tahquant-paper"])
 def test_an_output_past_fp16_but_within_the_admitted_range_is_sent_not_replayed_for_ever(dataset, forward):
     """Issue 39, low: inputs a neighbour may send (within train.max_abs_value) can make a stage's own
-    output exceed fp16, where a codec's fp16 zero-points and scales overflow (group's, AMAQ's, the
-    paper's TAH-Quant layout; the default layout 3 keeps its scales under 65504 * qmax): the stage
+    output exceed fp16, where a codec's fp16 zero-points and scales overflow (group's, AMAQ's,
+    tahquant-paper's; the default tahquant keeps its scales under 65504 * qmax): the stage
     could not encode it, replayed the step, and the next attempt did the same, for ever, nobody
     blamed. Such an output is now moved down by a power of two before it is encoded (`scale_log2`,
     as gradients), and the next stage gets it back at its size. Here stage 1's output is 9e5 at its

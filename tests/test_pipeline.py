@@ -66,7 +66,7 @@ def test_pipeline_equals_single_process(swarm, cache, host_copy):
 
 
 def test_tahquant_converges_like_none(swarm, tmp_path, cache):
-    """The default pair (TAH-Quant's layout 3 forward, pertoken 6-bit backward): the loss falls clearly
+    """The default pair (tahquant forward, pertoken 6-bit backward): the loss falls clearly
     over 100 steps and ends no more than 2% above the uncompressed run with the same seed."""
     state = run_swarm(swarm, 100, *SMALL)
     quant = swarm.losses(state)
@@ -217,7 +217,7 @@ def test_demo_runs_the_whole_swarm_and_prints_a_json_summary(tmp_path, cache):
             and summary["losses"][-1] == summary["loss_last"])
     assert 0.0 < summary["codec_share"] < 1.0  # tahquant encode/decode on the CPU: a real share of each step
     assert "of a stage's step in encode + decode" in " ".join(r.stderr.split())  # the summary line (rich wraps it)
-    # the default forward codec, tahquant's layout 3 (Rice-coded, qmax 12): its size follows the activations
+    # the default forward codec, tahquant (Rice-coded, qmax 12): its size follows the activations
     assert 4.2 < summary["forward_bits_per_element"] < 4.7 and summary["wire_bytes"] * 4 < summary["uncompressed_bytes"]
     assert "status page: http://127.0.0.1:" in r.stderr
     assert sorted(p.name for p in (tmp_path / "demo" / "checkpoints").glob("*/*.safetensors")) == [

@@ -393,12 +393,12 @@ def codec_streams(run: RunConfig, stage: int):
 
 @pytest.mark.parametrize("std", [1e-2, 1e-5, 1e-8, 1e-11])
 def test_gradients_are_prescaled_for_tahquant_and_come_back_at_their_size(std):
-    """TAH-Quant's fp16 zero-points and scales underflow for gradients around 1e-7 and below; the
+    """TAH-Quant's (the paper's) fp16 zero-points and scales underflow for gradients around 1e-7 and below; the
     stage multiplies them by a power of two before encoding (MicroBatch.scale_log2) and the
     receiver divides it out, so the error stays the codec's usual one at every magnitude."""
     from tahnode.pipeline.streams import prescale_exponent
 
-    run = build_run(1, **{"codec.backward": "tahquant", "codec.backward_params": {}})
+    run = build_run(1, **{"codec.backward": "tahquant-paper", "codec.backward_params": {}})
     sender, receiver = codec_streams(run, 1), codec_streams(run, 0)
     grad = torch.randn(4, 32, 64, generator=torch.Generator().manual_seed(1)) * std
     k = prescale_exponent(grad)

@@ -14,9 +14,9 @@ from test_pipeline_inproc import Swarm, build_run, dataset, train  # noqa: F401 
 
 PAIRS = [
     ("none", {}, "none", {}),
-    ("tahquant", {}, "naive", {"bits": 6}),
-    ("tahquant", {}, "tahquant", {}),
-    ("tahquant", {"layout": 3, "group_size": 128, "qmax": 12}, "pertoken", {}),
+    ("tahquant-paper", {}, "naive", {"bits": 6}),
+    ("tahquant-paper", {}, "tahquant-paper", {}),
+    ("tahquant", {"group_size": 128, "qmax": 12}, "pertoken", {}),
     ("aqsgd", {}, "pertoken", {}),
     ("amaq", {}, "naive", {"bits": 6}),
 ]
@@ -73,7 +73,7 @@ def test_a_precision_schedule_sends_the_first_and_last_steps_at_its_bits(dataset
     """codec.forward_high_*: the first and last shares of the run's steps carry activations with
     other parameters (here every token at 4 bits more); the pipeline and the replica agree on which."""
     steps = 4
-    schedule = {"codec.forward": "tahquant", "codec.forward_params": {},
+    schedule = {"codec.forward": "tahquant-paper", "codec.forward_params": {},
                 "codec.forward_high_params": {"bits_high": 8, "bits_low": 7},
                 "codec.forward_high_start": 0.25, "codec.forward_high_end": 0.25, "codec.backward": "pertoken",
                 "codec.backward_params": {}, "train.pipeline_micro_batches": 2}
@@ -90,20 +90,21 @@ def test_a_precision_schedule_sends_the_first_and_last_steps_at_its_bits(dataset
 
 
 def test_tahquant_runs_with_its_precision_schedule_unless_told_otherwise():
-    """The default [codec]: tahquant's layout 3 (Codec.run_params) with its own high-precision grid
-    (qmax 31) for the first 12% of the steps; the paper's layout (forward_params = {}) with 6 bits;
-    {} turns it off; another forward codec has neither; a TOML or JSON round trip keeps the choice."""
+    """The default [codec]: tahquant at its defaults (G = 128, qmax 12) with its own high-precision
+    grid (qmax 31) for the first 12% of the steps; tahquant-paper with 6 bits; {} turns it off;
+    another forward codec has neither; a TOML or JSON round trip keeps the choice."""
+    from tahnode.codecs import get_codec
     from tahnode.config import RunConfig
 
     run = RunConfig.build("llama-tiny", None, **{"train.steps": 100})
-    assert (run.codec.forward_params is None
-            and run.codec.forward_codec_params == {"layout": 3, "group_size": 128, "qmax": 12})
+    assert run.codec.forward_params is None and run.codec.forward_codec_params == {}
+    assert get_codec(run.codec.forward).header_params() == {"group_size": 128, "qmax": 12}
     assert run.codec.scheduled and run.codec.high_params == {"qmax": 31}
     assert [k for k in range(100) if run.codec.high_phase(k, 100)] == list(range(12))
-    assert run.codec.label == "tahquant:group_size=128,layout=3,qmax=12@start=0.12,end=0,qmax=31/pertoken"
-    paper = RunConfig.build("llama-tiny", None, **{"codec.forward_params": {}})
+    assert run.codec.label == "tahquant@start=0.12,end=0,qmax=31/pertoken"
+    paper = RunConfig.build("llama-tiny", None, **{"codec.forward": "tahquant-paper", "codec.forward_params": {}})
     assert paper.codec.high_params == {"bits_high": 6, "bits_low": 6}
-    assert paper.codec.label == "tahquant@start=0.12,end=0,bits_high=6,bits_low=6/pertoken"
+    assert paper.codec.label == "tahquant-paper@start=0.12,end=0,bits_high=6,bits_low=6/pertoken"
     assert "forward_params = {}" in paper.to_toml() and RunConfig.from_json(paper.to_json()).codec == paper.codec
     assert not RunConfig.build("llama-tiny", None, **{"codec.forward_high_params": {}}).codec.scheduled
     assert not any(run.codec.high_phase(k, 8) for k in range(8))  # 12% of 8 steps: no whole step

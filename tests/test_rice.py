@@ -1,6 +1,6 @@
-"""TAH-Quant's entropy-coded layout (layout 3): the Rice coder on a worked example and its refusals, the
-layout's error against the paper's layout 1, its header, and the GPU path's bytes against the reference
-under Triton's interpreter."""
+"""Codec tahquant, TAH-Quant Rice-coded: the Rice coder on a worked example and its refusals, the
+codec's error against the paper's algorithm (tahquant-paper), its header, and the GPU path's bytes
+against the reference under Triton's interpreter."""
 
 from __future__ import annotations
 
@@ -11,11 +11,11 @@ from tahnode import codecs
 from tahnode.codecs import CodecError
 from tahnode.kernels import (dispatch, rice, rice_cpu, rice_triton, symtiles_ref, symtiles_triton, tahquant_rice_cpu,
                              tahquant_rice_ref, tahquant_rice_triton)
-from tahnode.kernels.tahquant_ref import TahQuantParams
+from tahnode.kernels.tahquant_rice_ref import RiceParams
 from helpers import assert_kernel_gives_the_reference, kernel_test_input
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-RICE = TahQuantParams(layout=3, group_size=128)
+RICE = RiceParams(group_size=128)
 
 
 def test_rice_worked_example():
@@ -59,32 +59,35 @@ def test_rice_refuses_a_stream_longer_than_its_values_can_take_before_unpacking_
     assert rice.decode(low, torch.tensor([0b10101100], dtype=torch.uint8), 4, 1, 5, "t").tolist() == [0, 1, 5, 2]
 
 
-def test_layout_3_has_less_error_than_layout_1_at_its_bits():
+def test_tahquant_has_less_error_than_the_papers_at_its_bits():
     """Gaussian activations with an outlier channel, and heavy-tailed ones (Student t, 4 degrees):
     the Rice-coded grid at qmax 11 sends at most 4.6 bits per element and its error is at least a
-    fifth lower than the paper's layout 1's."""
+    fifth lower than the paper's algorithm's (tahquant-paper)."""
     gen = torch.Generator().manual_seed(0)
     gauss = torch.randn(4, 64, 256, generator=gen)
     gauss[..., 7] *= 20
     heavy = torch.distributions.StudentT(4.0).sample((4, 64, 256))
     for x in (gauss, heavy):
         measured = {}
-        for spec in ({}, {"layout": 3, "group_size": 128, "qmax": 11}):
-            msg = codecs.get_codec("tahquant", **spec).encode(x)
+        for name, params in (("tahquant-paper", {}), ("tahquant", {"group_size": 128, "qmax": 11})):
+            msg = codecs.get_codec(name, **params).encode(x)
             err = float((codecs.decode(msg) - x).norm() / x.norm())
-            measured[tuple(spec.items())] = (codecs.bits_per_element(msg), err)
-        bits3, err3 = measured[(("layout", 3), ("group_size", 128), ("qmax", 11))]
+            measured[name] = (codecs.bits_per_element(msg), err)
+        bits3, err3 = measured["tahquant"]
         assert bits3 <= 4.6
         assert all(err3 < 0.8 * err for (bits, err) in measured.values() if bits != bits3), measured
 
 
-def test_layout_3_header_carries_its_own_parameters_only():
-    msg = codecs.get_codec("tahquant", layout=3, group_size=128, qmax=11).encode(torch.randn(2, 3, 128))
-    assert msg.version == 3 and dict(msg.params) == {"group_size": 128.0, "qmax": 11.0}
-    back = codecs.get_codec("tahquant").from_header({**msg.params, "layout": 3.0})
-    assert back.params == TahQuantParams(layout=3, group_size=128, qmax=11)
-    old = codecs.get_codec("tahquant", layout=1).encode(torch.randn(2, 3, 64))
-    assert "qmax" not in old.params  # layout 1 travels as before: older builds still read it
+def test_the_two_tahquant_codecs_carry_their_own_parameters_only():
+    """tahquant's messages are version 3 with group_size and qmax; tahquant-paper's are tahquant
+    version 1 with the paper's parameters, as before the two had names (older builds still read them)."""
+    msg = codecs.get_codec("tahquant", group_size=128, qmax=11).encode(torch.randn(2, 3, 128))
+    assert (msg.codec, msg.version) == ("tahquant", 3) and dict(msg.params) == {"group_size": 128.0, "qmax": 11.0}
+    back = codecs.get_codec("tahquant").from_header(dict(msg.params))
+    assert back.params == RiceParams(group_size=128, qmax=11)
+    old = codecs.get_codec("tahquant-paper").encode(torch.randn(2, 3, 64))
+    assert (old.codec, old.version) == ("tahquant", 1)
+    assert set(old.params) == {"group_size", "rho", "tau", "bits_high", "bits_low", "alloc"}
     for forge in ({"rho": 0.8}, {"qmax": None}):
         forged = type(msg)()
         forged.CopyFrom(msg)
@@ -98,20 +101,20 @@ def test_layout_3_header_carries_its_own_parameters_only():
             codecs.decode(forged)
 
 
-def test_layout_3_schedule_runs_on_a_finer_grid():
-    """The precision schedule's high phase (Codec.schedule_params) of layout 3 is qmax 31, as fine as 6 bits."""
-    tahquant = codecs.CODECS["tahquant"]
-    high = tahquant.schedule_params({"layout": 3, "group_size": 128})
-    codec = codecs.get_codec("tahquant", layout=3, group_size=128, **high)
+def test_tahquant_schedule_runs_on_a_finer_grid():
+    """The precision schedule's high phase (Codec.schedule_params) of tahquant is qmax 31, as fine as
+    6 bits; tahquant-paper's is every token at 6 bits."""
+    high = codecs.CODECS["tahquant"].schedule_params
+    codec = codecs.get_codec("tahquant", group_size=128, **high)
     assert codec.params.qmax == 31 and codec.header_params() == {"group_size": 128.0, "qmax": 31.0}
-    assert tahquant.schedule_params({}) == {"bits_high": 6, "bits_low": 6}
+    assert codecs.CODECS["tahquant-paper"].schedule_params == {"bits_high": 6, "bits_low": 6}
 
 
-def test_layout_3_zero_tokens_and_tiny_values():
+def test_tahquant_zero_tokens_and_tiny_values():
     x = torch.randn(3, 8, 200)
     x[1] = 0
     x[2] *= 1e-30
-    y = codecs.decode(codecs.get_codec("tahquant", layout=3).encode(x))
+    y = codecs.decode(codecs.get_codec("tahquant").encode(x))
     assert torch.equal(y[1], torch.zeros(8, 200))
     assert float((y[2].double() - x[2].double()).norm() / x[2].double().norm()) < 0.08
 
@@ -126,7 +129,7 @@ CASES = [((3, 20), torch.bfloat16, 8, 12), ((2, 5, 40), torch.float32, 32, 7), (
 @pytest.mark.parametrize("shape,dtype,g,qmax", CASES, ids=[f"{c[0]}-{c[1]}-G{c[2]}-q{c[3]}" for c in CASES])
 def test_kernels_give_the_references_bytes_and_values(kernels, shape, dtype, g, qmax):
     x = kernel_test_input(shape, dtype)
-    p = TahQuantParams(layout=3, group_size=g, qmax=qmax)
+    p = RiceParams(group_size=g, qmax=qmax)
     assert_kernel_gives_the_reference(tahquant_rice_triton, tahquant_rice_ref, x, p, DEVICE)
 
 
@@ -157,7 +160,7 @@ def test_the_quantizing_kernel_sums_the_codes_as_the_rice_coder_needs(kernels, m
 
 
 def test_corrupt_payloads_are_refused_alike(kernels):
-    shape, p = (2, 5, 40), TahQuantParams(layout=3, group_size=32)
+    shape, p = (2, 5, 40), RiceParams(group_size=32)
     payload = tahquant_rice_ref.encode(torch.randn(shape), p)
     bad_scale = payload.clone()
     bad_scale[3:5] = torch.tensor([0xC0, 0x7F], dtype=torch.uint8)  # scale 1: a bf16 NaN
@@ -312,28 +315,28 @@ def test_the_cpu_path_gives_the_references_bytes(kind, n, qmax):
 def test_the_cpu_path_gives_the_references_bytes_and_values(shape, dtype, g, qmax):
     x = kernel_test_input(shape, dtype)
     assert_kernel_gives_the_reference(tahquant_rice_cpu, tahquant_rice_ref, x,
-                                      TahQuantParams(layout=3, group_size=g, qmax=qmax), "cpu")
+                                      RiceParams(group_size=g, qmax=qmax), "cpu")
 
 
 def test_the_registry_serves_cpu_tensors_with_the_cpu_path(monkeypatch):
     monkeypatch.delenv("TAHNODE_FORCE_TRITON", raising=False)
     monkeypatch.delenv("TAHNODE_REFERENCE", raising=False)
-    assert dispatch.TAHQUANT_RICE.serving(torch.zeros(1)) is tahquant_rice_cpu
+    assert dispatch.TAHQUANT.serving(torch.zeros(1)) is tahquant_rice_cpu
     monkeypatch.setenv("TAHNODE_REFERENCE", "1")
-    assert dispatch.TAHQUANT_RICE.serving(torch.zeros(1)) is tahquant_rice_ref
+    assert dispatch.TAHQUANT.serving(torch.zeros(1)) is tahquant_rice_ref
 
 
 WIDTHS = (64, 96, 192, 576, 768, 1600, 2048, 4096)
 
 
-def test_layout_3_sends_no_padded_tiles_at_any_width():
+def test_tahquant_sends_no_padded_tiles_at_any_width():
     """Issue 43: a width that is not a multiple of the tile was padded to whole tiles of 128 and the
     padding sent (64 channels: 9.1 bits per element); then cut into smaller tiles of each token
     (4.7 at 64, 4.8 at 96: a bf16 scale per 64 or 32 values). Now the channels past a token's whole
     tiles are one stream over the tokens, in tiles of 128 (tahquant_rice_ref.blocks): fewer than
     MIN_TILE padded values in the whole tensor, the error per element no worse than at 768, and at
     most 4.6 bits per element (the whole message) at every width."""
-    codec = codecs.get_codec("tahquant", layout=3, group_size=128, qmax=12)
+    codec = codecs.get_codec("tahquant", group_size=128, qmax=12)
     bits, errors = {}, {}
     for c in WIDTHS:
         # as many tiles at every width
@@ -349,19 +352,19 @@ def test_layout_3_sends_no_padded_tiles_at_any_width():
 
 def test_blocks_put_every_channel_back_and_an_unmarked_message_of_such_a_width_is_refused():
     """The blocks of odd widths and token counts (a stream whose tail is cut in smaller tiles) give
-    every value back in its place; a layout-3 message of a width that is not a multiple of G says
+    every value back in its place; a tahquant message of a width that is not a multiple of G says
     `blocks` = 1 (one of whole tiles says nothing, as before), and one without it, as an older build
     sent, is refused instead of misread."""
     from tahnode.proto import tahnode_pb2 as pb
 
-    params = TahQuantParams(layout=3, group_size=128, qmax=127)
+    params = RiceParams(group_size=128, qmax=127)
     for n, c in ((1, 64), (3, 96), (5, 100), (7, 200), (2, 7), (4, 256)):
         x = torch.randn(n, c, generator=torch.Generator().manual_seed(c))
         parts = [values for _, values in tahquant_rice_ref.gather(x, 128)]
         assert torch.equal(tahquant_rice_ref.assemble(parts, n, c, 128), x)  # every value once, in its place
         y = tahquant_rice_ref.decode(tahquant_rice_ref.encode(x, params), x.shape, params, torch.float32)
         assert float((y - x).abs().max()) < 0.03 * float(x.abs().max()), (n, c)
-    codec = codecs.get_codec("tahquant", layout=3, group_size=128, qmax=12)
+    codec = codecs.get_codec("tahquant", group_size=128, qmax=12)
     assert "blocks" not in codec.encode(torch.randn(2, 256)).params
     msg = codec.encode(torch.randn(2, 96))
     assert msg.params["blocks"] == 1.0

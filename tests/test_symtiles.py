@@ -1,5 +1,5 @@
 """The per-tile symmetric quantizer (kernels/symtiles_ref) and its codecs: `pertoken`, the gradient codec,
-and TAH-Quant's layout 3 (its rotated tiles). Error bounds (one token 1000x the others), the rotation's
+and tahquant, TAH-Quant Rice-coded (its rotated tiles). Error bounds (one token 1000x the others), the rotation's
 algebra, the kernels' bytes against the references under Triton's interpreter, corrupt payloads."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import torch
 from tahnode import codecs
 from tahnode.codecs import CodecError
 from tahnode.kernels import dispatch, pertoken_cpu, pertoken_ref, pertoken_triton, symtiles_ref
-from tahnode.kernels.tahquant_ref import TahQuantParams
+from tahnode.kernels.tahquant_rice_ref import RiceParams
 from helpers import assert_kernel_gives_the_reference, kernel_test_input
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -71,27 +71,27 @@ def test_fwht_is_sylvester_hadamard_and_rotation_inverts():
     assert signs.tolist() == symtiles_ref.rotation_signs(16).tolist()  # fixed, not random per call
 
 
-def test_rotated_layout_refuses_values_it_cannot_rotate(kernels):
-    """A finite value too large to rotate, and a non-finite one, are told apart by layout 3's
+def test_tahquant_refuses_values_it_cannot_rotate(kernels):
+    """A finite value too large to rotate, and a non-finite one, are told apart by tahquant's
     kernels as by the codec on the CPU (the kernel flags both with one check)."""
     from tahnode.kernels import tahquant_rice_triton
 
     x = torch.zeros(1, 2, 64)
     x[0, 0, 0] = 3e37
-    layout3 = TahQuantParams(group_size=64, layout=3, qmax=12)
+    rice = RiceParams(group_size=64, qmax=12)
     with pytest.raises(CodecError, match="too large to rotate"):
-        codecs.get_codec("tahquant", layout=3, group_size=64).encode(x)
+        codecs.get_codec("tahquant", group_size=64).encode(x)
     with pytest.raises(CodecError, match="too large to rotate"):
-        tahquant_rice_triton.encode(x.to(DEVICE), layout3)
+        tahquant_rice_triton.encode(x.to(DEVICE), rice)
     for bad in (float("nan"), float("inf"), -float("inf")):
         y = torch.randn(1, 2, 64)  # nothing too large besides
         y[0, 1, 7] = bad
         with pytest.raises(CodecError, match="NaN/Inf"):
-            tahquant_rice_triton.encode(y.to(DEVICE), layout3)
+            tahquant_rice_triton.encode(y.to(DEVICE), rice)
 
 
-def test_layout_travels_as_the_version():
-    msg = codecs.get_codec("tahquant", layout=3).encode(torch.randn(2, 3, 64))
+def test_a_layout_in_a_message_is_an_unknown_parameter_and_a_version_is_the_codecs():
+    msg = codecs.get_codec("tahquant").encode(torch.randn(2, 3, 64))
     forged = type(msg)()
     forged.CopyFrom(msg)
     forged.params["layout"] = 3.0
@@ -179,7 +179,7 @@ def test_rotated_kernels_round_halfway_quotients_at_any_scale_as_the_reference(k
     x = symtiles_ref.unrotate(rotated, 128, 128)
     exact = symtiles_ref.rotate(x, 128)[: scale.numel()] == rotated[: scale.numel()]
     assert exact.float().mean() > 0.9, exact.float().mean()
-    params = TahQuantParams(group_size=128, layout=3, qmax=qmax)
+    params = RiceParams(group_size=128, qmax=qmax)
     assert_kernel_gives_the_reference(tahquant_rice_triton, tahquant_rice_ref, x, params, DEVICE)
 
 

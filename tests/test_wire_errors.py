@@ -12,12 +12,12 @@ from hypothesis import given, strategies as st
 from tahnode import codecs
 from tahnode.codecs import CodecContext, CodecError
 
-STATELESS = ["none", "naive", "pertoken", "group", "tahquant:layout=1", "tahquant:layout=3", "amaq"]
+STATELESS = ["none", "naive", "pertoken", "group", "tahquant-paper", "tahquant", "amaq"]
 ALL = STATELESS + ["aqsgd"]
 
 
 def codec_of(spec: str) -> codecs.Codec:
-    """A codec from NAME[:k=v,...] (each of tahquant's layouts is fuzzed)."""
+    """A codec from NAME[:k=v,...]."""
     name, _, params = spec.partition(":")
     return codecs.get_codec(name, **codecs.parse_param_args(name, [p for p in params.split(",") if p]))
 
@@ -129,7 +129,7 @@ def test_forged_huge_shape_fails_fast_without_allocating(name):
     msg.shape.extend([2, 1 << 20, 1 << 9])  # 2**30 elements described by a tiny payload
     msg = with_payload(msg, msg.payload)
     start = time.perf_counter()
-    # (layout 3's message of 80 channels says `blocks`, which a width of 512 at G = 64 does not have)
+    # (tahquant's message of 80 channels says `blocks`, which a width of 512 at G = 64 does not have)
     with pytest.raises(CodecError, match="truncated|needs|bytes|blocks"):
         codecs.decode(msg, ctx())
     assert time.perf_counter() - start < 2.0
@@ -139,7 +139,7 @@ def test_forged_huge_shape_fails_fast_without_allocating(name):
 
 
 def test_unknown_codec_version_dtype_and_params():
-    msg = encoded("tahquant:layout=1")
+    msg = encoded("tahquant-paper")
     bad = type(msg)()
     bad.CopyFrom(msg)
     bad.codec = "zstd"
@@ -175,12 +175,14 @@ def test_unknown_codec_version_dtype_and_params():
         codecs.get_codec("zstd")
     with pytest.raises(CodecError, match="unknown parameter"):
         codecs.get_codec("tahquant", colour=1)
+    with pytest.raises(CodecError, match="unknown parameter"):
+        codecs.get_codec("tahquant", rho=0.8)  # the paper's parameter: tahquant-paper's
     with pytest.raises(CodecError, match="rho"):
-        codecs.get_codec("tahquant", rho=1.5)
+        codecs.get_codec("tahquant-paper", rho=1.5)
 
 
-# the golden vectors of tahquant's layout 2 and of per-tile allocation (alloc = 1), as a build before their
-# retirement sent them (tests/golden/vectors.json then)
+# the golden vectors of tahquant version 2 (rotated tiles at INT4) and of per-tile allocation (alloc = 1), as a
+# build before their retirement sent them (tests/golden/vectors.json then)
 LAYOUT_2_MESSAGE = bytes.fromhex(
     "0a087461687175616e7410021a0301040c20022a100a05616c6c6f631100000000000000002a140a09626974735f68696768110000000000"
     "0010402a130a08626974735f6c6f771100000000000008402a150a0a67726f75705f73697a651100000000000020402a0e0a0372686f119a"
@@ -193,9 +195,10 @@ ALLOC_1_MESSAGE = bytes.fromhex(
     "36bc2f910002845f04388755f3844f6080f101f101b608aef9f8f8aafb098628d01bffff3d517792ca4001")
 
 
-def test_retired_layout_2_is_refused_as_an_unknown_layout_is():
-    """Layout 2 (rotated tiles at INT4) is retired: an older build's message of it, and a codec or a
-    run that asks for it, get the CodecError an unknown layout gets, from the same check."""
+def test_retired_version_2_is_refused_as_an_unknown_version_is():
+    """tahquant version 2 (rotated tiles at INT4) is retired: an older build's message of it gets the
+    CodecError an unknown version gets, from the same check; a codec or a run that asks for a layout,
+    any layout, is told that tahquant's layouts are codecs of their own now."""
     from tahnode.config import RunConfig
 
     old = codecs.parse_message(LAYOUT_2_MESSAGE)
@@ -208,23 +211,25 @@ def test_retired_layout_2_is_refused_as_an_unknown_layout_is():
         with pytest.raises(CodecError, match=f"codec tahquant version {msg.version} is not supported "
                                              f"\\(this build reads version 1, 3\\)"):
             codecs.decode(msg, ctx())
-        with pytest.raises(CodecError, match=f"layout must be 1 \\(the paper's\\) or 3 \\(Rice-coded\\), "
-                                             f"got {msg.version}"):
-            codecs.get_codec("tahquant", layout=msg.version)
-        with pytest.raises(CodecError, match=f"got {msg.version}"):
-            RunConfig.build("llama-tiny", None, **{"codec.forward_params": {"layout": msg.version}})
+    for layout in (1, 2, 3):
+        with pytest.raises(CodecError, match="layout 1 \\(the paper's\\) codec tahquant-paper"):
+            codecs.get_codec("tahquant", layout=layout)
+        with pytest.raises(CodecError, match="layouts are codecs of their own"):
+            RunConfig.build("llama-tiny", None, **{"codec.forward_params": {"layout": layout, "qmax": 12}})
+        with pytest.raises(CodecError, match="layout 3 \\(a run's\\) is codec tahquant "):
+            codecs.parse_param_args("tahquant-paper", [f"layout={layout}"])
 
 
 def test_retired_per_tile_allocation_is_refused():
-    """alloc = 1 (the paper's per-tile variant) is retired: layout 1's messages carry alloc = 0, as
+    """alloc = 1 (the paper's per-tile variant) is retired: tahquant-paper's messages carry alloc = 0, as
     before; an older build's message with alloc = 1 is refused, and so is a codec asked for it."""
     old = codecs.parse_message(ALLOC_1_MESSAGE)
     assert old.version == 1 and old.params["alloc"] == 1.0 and codecs.checksum(old) == old.crc32
     with pytest.raises(CodecError, match="alloc must be 0"):
         codecs.decode(old, ctx())
     with pytest.raises(CodecError, match="alloc must be 0"):
-        codecs.get_codec("tahquant", alloc=1)
-    assert codecs.get_codec("tahquant").encode(sample("tahquant")).params["alloc"] == 0.0
+        codecs.get_codec("tahquant-paper", alloc=1)
+    assert codecs.get_codec("tahquant-paper").encode(sample("tahquant")).params["alloc"] == 0.0
 
 
 def test_garbage_bytes_are_not_a_message():
@@ -235,8 +240,8 @@ def test_garbage_bytes_are_not_a_message():
 def test_values_beyond_fp16_range_are_refused_with_a_reason():
     x = torch.ones(2, 64) * 1e6
     with pytest.raises(CodecError, match="fp16 range"):
-        codecs.get_codec("tahquant", layout=1).encode(x)
-    rotated = codecs.decode(codecs.get_codec("tahquant", layout=3).encode(x))  # its bf16 scales cope
+        codecs.get_codec("tahquant-paper").encode(x)
+    rotated = codecs.decode(codecs.get_codec("tahquant").encode(x))  # its bf16 scales cope
     assert float((rotated - x).norm() / x.norm()) < 0.15
     y = codecs.decode(codecs.get_codec("naive", bits=8).encode(x))  # naive's scales cope
     assert torch.allclose(y, x, rtol=1 / 254)

@@ -2,7 +2,8 @@
 decode(EncodedTensor, ctx) -> tensor for every codec; the wire header is validated here.
 
 The byte layouts and the arithmetic are specified in tahnode.kernels.<codec>_ref (pure torch);
-tahnode.codecs.builtin registers the six codecs, which dispatch CUDA tensors to Triton kernels."""
+tahnode.codecs.builtin registers the eight codecs, which dispatch CUDA tensors to Triton kernels. A codec
+has a user's name (`name`: configs, flags) and a wire identity (`wire_name`, `version`: what its messages say)."""
 
 from __future__ import annotations
 
@@ -25,6 +26,8 @@ __all__ = [
     "Codec",
     "register",
     "CODECS",
+    "WIRE",
+    "wire_class",
     "get_codec",
     "parse_param_args",
     "decode",
@@ -43,24 +46,18 @@ TORCH_DTYPES = {v: k for k, v in DTYPES.items()}
 
 
 class Codec:
-    """Base class: subclasses set name, version, Params and implement the payload functions."""
+    """Base class: subclasses set name, Params (whose defaults are a run's), version (and wire_name
+    where it is not name) and implement the payload functions. Every parameter travels in a message."""
 
-    name: ClassVar[str]
-    version: ClassVar[int] = 1
-    # a parameter that picks the payload's version: it travels as the message's `version`, not in
-    # its params, so that a build that lacks that version refuses it by version (docs/wire-format.md)
-    version_param: ClassVar[str] = ""
-    versions: ClassVar[tuple[int, ...]] = (1,)  # the versions this build decodes
-    # the parameters that travel with a version where not all of them do (version -> names): the
-    # others keep their defaults on receipt, and a header that carries one is refused
-    version_params: ClassVar[dict[int, tuple[str, ...]]] = {}
+    name: ClassVar[str]       # the user's name: the registry's, configs', flags'
+    wire_name: ClassVar[str]  # the name its messages carry: name unless the class sets it (register)
+    version: ClassVar[int] = 1  # its messages' version: (wire_name, version) picks the decoder
     Params: ClassVar[type]
     # the parameters a run's precision schedule sends with by default (codec.forward_high_params
-    # unset): its first and last steps at these, e.g. 8 bits; {} for none (see schedule_params)
-    high_params: ClassVar[dict[str, float]] = {}
-    # the parameters a run's forward codec sends with when `[codec] forward_params` is unset: the
-    # product's choice, where it differs from the codec's (paper) defaults; {} for those
-    run_params: ClassVar[dict[str, float]] = {}
+    # unset): its first and last steps at these, e.g. 8 bits; {} for none
+    schedule_params: ClassVar[dict[str, float]] = {}
+    # parameters of older builds that are gone, with what to write instead (refused with that advice)
+    gone_params: ClassVar[dict[str, str]] = {}
     keeps_stream_state: ClassVar[bool] = False  # both ends update per-stream state on every message
     # per-group fp16 zero/scale and no shared exponent: values around 1e-7 and below underflow, so
     # the pipeline scales gradients by a power of two before encoding (tahnode.pipeline.streams)
@@ -70,6 +67,7 @@ class Codec:
     on_cpu: ClassVar[bool] = False
 
     def __init__(self, **params: Any):
+        self.refuse_gone(params)
         try:
             self.params = self.Params(**params)
         except TypeError as exc:
@@ -91,31 +89,22 @@ class Codec:
         return CodecState()
 
     @classmethod
-    def schedule_params(cls, params: dict[str, float]) -> dict[str, float]:
-        """The parameters of a precision schedule's steps by default, for a run sending with `params`."""
-        return dict(cls.high_params)
+    def refuse_gone(cls, names) -> None:
+        """A CodecError saying what to write instead where `names` has a parameter that is gone."""
+        gone = sorted(set(names) & set(cls.gone_params))
+        if gone:
+            raise CodecError(f"{cls.name} has no parameter {gone[0]!r} any more: {cls.gone_params[gone[0]]}")
 
     # -- the interface ----------------------------------------------------------------------
     def header_params(self) -> dict[str, float]:
-        names = self._travelling(self.wire_version())
-        return {f.name: float(getattr(self.params, f.name)) for f in dataclasses.fields(self.params) if f.name in names}
+        return {f.name: float(getattr(self.params, f.name)) for f in dataclasses.fields(self.params)}
 
     def sent(self, msg: pb.EncodedTensor) -> bool:
-        """Whether `msg` is what this codec, with these parameters, sends: its name, wire version and
-        every parameter that travels. A receiver decodes only its run's own (finding 3 of issue 39: a
-        peer's grid or group size sets how much a decoder unpacks before anything else is checked)."""
-        return msg.codec == self.name and msg.version == self.wire_version() and all(
+        """Whether `msg` is what this codec, with these parameters, sends: its wire name, version and
+        every parameter. A receiver decodes only its run's own (finding 3 of issue 39: a peer's grid
+        or group size sets how much a decoder unpacks before anything else is checked)."""
+        return msg.codec == self.wire_name and msg.version == self.version and all(
             msg.params.get(name) == value for name, value in self.header_params().items())
-
-    @classmethod
-    def _travelling(cls, version: int) -> set[str]:
-        """The names of the parameters that a message of `version` carries in its params."""
-        names = {f.name for f in dataclasses.fields(cls.Params)} - {cls.version_param}
-        return set(cls.version_params[version]) if version in cls.version_params else names
-
-    def wire_version(self) -> int:
-        """The version of the payloads this instance writes."""
-        return int(getattr(self.params, self.version_param)) if self.version_param else self.version
 
     def encode(self, x: torch.Tensor, ctx: CodecContext | None = None,
                out: pb.EncodedTensor | None = None) -> pb.EncodedTensor:
@@ -143,7 +132,7 @@ class Codec:
         """Every field of `x`'s message but the payload and its checksum, written into `out`, and the
         payload on its way to the host (a CPU payload uncopied; a CUDA payload's one copy, waited for
         unless `overlap`). Where a message's host path starts (tahnode.tools.bench_copies counts what follows)."""
-        out.codec, out.version, out.dtype = self.name, self.wire_version(), DTYPES[x.dtype]
+        out.codec, out.version, out.dtype = self.wire_name, self.version, DTYPES[x.dtype]
         out.shape[:] = list(x.shape)
         out.checksum = pb.CRC32C
         for key, value in {**self.header_params(), **extra}.items():
@@ -159,20 +148,14 @@ class Codec:
         """`payload`: the message's payload where it travelled apart from it (a writable buffer;
         tahnode.net.body), else None (the message's own)."""
         ctx = ctx if ctx is not None else CodecContext()
-        if msg.codec != self.name:
-            raise CodecError(f"message was encoded with codec {msg.codec!r}, not {self.name!r}")
-        if msg.version not in self.versions:
-            readable = ", ".join(map(str, self.versions))
-            raise CodecError(f"codec {self.name} version {msg.version} is not supported "
-                             f"(this build reads version {readable})")
+        cls = wire_class(msg)
+        if cls is not type(self):
+            raise CodecError(f"a message of codec {msg.codec!r} version {msg.version} is {cls.name}'s, "
+                             f"not {self.name}'s")
         shape, dtype = _check_header(msg)
         if checksum(msg, payload) != msg.crc32:
             raise CodecError(f"{self.name} message checksum mismatch: the message was corrupted in transit")
         header = dict(msg.params)
-        if self.version_param:
-            if self.version_param in header:
-                raise CodecError(f"{self.name} header has unknown parameters: {self.version_param}")
-            header[self.version_param] = float(msg.version)
         payload = payload_tensor(msg, payload, receive_buffer("cpu" if self.on_cpu else device))
         if self.on_cpu:
             return self.decode_payload(payload, shape, dtype, header, ctx).to(device)
@@ -182,11 +165,7 @@ class Codec:
     def from_header(cls, header: dict[str, float], extra: tuple[str, ...] = ()) -> "Codec":
         """The codec instance a message's params describe (unknown or non-integral values rejected)."""
         kwargs: dict[str, Any] = {}
-        version = float(header.get(cls.version_param, cls.version) if cls.version_param else cls.version)
-        travelling = cls._travelling(int(version) if version.is_integer() else -1) | {cls.version_param}
         for f in dataclasses.fields(cls.Params):
-            if f.name not in travelling:
-                continue  # not this version's: the default, and refused below if the header has it
             if f.name not in header:
                 raise CodecError(f"{cls.name} header lacks parameter {f.name!r}")
             value = header[f.name]
@@ -259,13 +238,28 @@ def _check_header(msg: pb.EncodedTensor) -> tuple[tuple[int, ...], torch.dtype]:
     return shape, TORCH_DTYPES[msg.dtype]
 
 
-CODECS: dict[str, type[Codec]] = {}
+CODECS: dict[str, type[Codec]] = {}  # by the user's name
+WIRE: dict[tuple[str, int], type[Codec]] = {}  # by what a message says: (codec, version)
 
 
 def register(cls: type[Codec]) -> type[Codec]:
-    """Class decorator: make a codec known by its name."""
+    """Class decorator: make a codec known by its name and its messages by their wire name and version."""
+    cls.wire_name = cls.__dict__.get("wire_name", cls.name)
     CODECS[cls.name] = cls
+    WIRE[(cls.wire_name, cls.version)] = cls
     return cls
+
+
+def wire_class(msg: pb.EncodedTensor) -> type[Codec]:
+    """The codec whose messages `msg` is of, by its codec name and version."""
+    if (msg.codec, msg.version) in WIRE:
+        return WIRE[(msg.codec, msg.version)]
+    versions = sorted(v for name, v in WIRE if name == msg.codec)
+    if not versions:
+        known = ", ".join(sorted({name for name, _ in WIRE}))
+        raise CodecError(f"unknown codec {msg.codec!r} in message; known codecs: {known}")
+    raise CodecError(f"codec {msg.codec} version {msg.version} is not supported "
+                     f"(this build reads version {', '.join(map(str, versions))})")
 
 
 def get_codec(name: str, **params: Any) -> Codec:
@@ -280,6 +274,7 @@ def parse_param_args(name: str, items: list[str]) -> dict[str, Any]:
     if name not in CODECS:
         raise CodecError(f"unknown codec {name!r}; known codecs: {', '.join(sorted(CODECS))}")
     fields = {f.name: f for f in dataclasses.fields(CODECS[name].Params)}
+    CODECS[name].refuse_gone(item.partition("=")[0] for item in items)
     out: dict[str, Any] = {}
     for item in items:
         key, sep, raw = item.partition("=")
@@ -309,9 +304,7 @@ def decode(msg: pb.EncodedTensor, ctx: CodecContext | None = None, device: torch
            payload=None) -> torch.Tensor:
     """Decode any message with the codec it names (its parameters come from its header); `payload`:
     as Codec.decode."""
-    if msg.codec not in CODECS:
-        raise CodecError(f"unknown codec {msg.codec!r} in message; known codecs: {', '.join(sorted(CODECS))}")
-    return _bare(CODECS[msg.codec]).decode(msg, ctx, device, payload)
+    return _bare(wire_class(msg)).decode(msg, ctx, device, payload)
 
 
 def _bare(cls: type[Codec]) -> Codec:

@@ -1,5 +1,5 @@
-"""The codecs of tahnode, registered by name: none, naive, pertoken, group, tahquant, aqsgd, amaq.
-Each validates its header and calls its specification in tahnode.kernels (or a Triton kernel)."""
+"""The eight codecs of tahnode, registered by name: none, naive, pertoken, group, tahquant, tahquant-paper,
+aqsgd, amaq. Each validates its header and calls its specification in tahnode.kernels (or a Triton kernel)."""
 
 from __future__ import annotations
 
@@ -8,14 +8,15 @@ from dataclasses import dataclass
 
 import torch
 
-from ..kernels import amaq_ref, aqsgd_ref, group_ref, naive_ref, pertoken_ref, tahquant_ref
+from ..kernels import amaq_ref, aqsgd_ref, group_ref, naive_ref, pertoken_ref, tahquant_ref, tahquant_rice_ref
 from ..kernels import dispatch
 from ..kernels.quant_ref import check_finite
 from ..kernels.wire import CodecError, from_bytes
 from .base import Codec, register
 from .state import AmaqSenderState, CodecContext
 
-__all__ = ["NoneCodec", "NaiveCodec", "PerTokenCodec", "GroupCodec", "TahQuantCodec", "AqsgdCodec", "AmaqCodec"]
+__all__ = ["NoneCodec", "NaiveCodec", "PerTokenCodec", "GroupCodec", "TahQuantCodec", "TahQuantPaperCodec",
+           "AqsgdCodec", "AmaqCodec"]
 
 
 @dataclass(frozen=True)
@@ -90,57 +91,63 @@ class GroupCodec(Codec):
         return group_ref.decode(payload, shape, self.from_header(header).params, dtype)
 
 
-BLOCKS_MARK = "blocks"  # a layout-3 message's param: its width's left-over channels are tiled as one stream
+BLOCKS_MARK = "blocks"  # a tahquant message's param: its width's left-over channels are tiled as one stream
+LAYOUTS = {"layout": "tahquant's layouts are codecs of their own now: layout 3 (a run's) is codec tahquant "
+                     "(parameters group_size, qmax), layout 1 (the paper's) codec tahquant-paper; name the codec "
+                     "(e.g. [codec] forward = \"tahquant-paper\") and leave `layout` out"}
 
 
 @register
 class TahQuantCodec(Codec):
-    """TAH-Quant: entropy-guided INT3/INT4 per token, adaptive pivot swap + Hadamard per tile."""
+    """TAH-Quant as a run sends it: every tile of G channels sign-flipped and rotated, a grid of
+    2 qmax + 1 levels, Rice-coded (tahquant_rice_ref; messages: tahquant version 3)."""
 
     name = "tahquant"
-    Params = tahquant_ref.TahQuantParams
+    version = 3
+    Params = tahquant_rice_ref.RiceParams
     needs_prescale = True
-    version_param, versions = "layout", tahquant_ref.LAYOUTS
-    # layout 1's params as before qmax existed (alloc always 0); layout 2, rotated tiles at INT4, is retired:
-    # its messages are refused by version as an unknown layout's (docs/wire-format.md)
-    version_params = {tahquant_ref.LAYOUT_PAPER: ("group_size", "rho", "tau", "bits_high", "bits_low", "alloc"),
-                      tahquant_ref.LAYOUT_RICE: ("group_size", "qmax")}
-    high_params = {"bits_high": 6, "bits_low": 6}  # every token at 6 bits (docs/codecs.md, the schedule)
-    # a run's default: layout 3, the least loss measured within the bit budget (docs/codecs.md)
-    run_params = {"layout": tahquant_ref.LAYOUT_RICE, "group_size": 128, "qmax": 12}
-    PATHS = {tahquant_ref.LAYOUT_PAPER: dispatch.TAHQUANT, tahquant_ref.LAYOUT_RICE: dispatch.TAHQUANT_RICE}
-
-    @classmethod
-    def schedule_params(cls, params: dict[str, float]) -> dict[str, float]:
-        """Layout 3's schedule: a grid as fine as 6 bits' (qmax 31); layout 1's every token at 6 bits."""
-        if params.get("layout", tahquant_ref.LAYOUT_PAPER) == tahquant_ref.LAYOUT_RICE:
-            return {"qmax": 31}
-        return dict(cls.high_params)
-
-    @classmethod
-    def _implementation(cls, params: tahquant_ref.TahQuantParams, t):
-        return cls.PATHS[params.layout].serving(t)
+    schedule_params = {"qmax": 31}  # a grid as fine as 6 bits' (docs/codecs.md, the schedule)
+    gone_params = LAYOUTS
 
     def encode_payload(self, x, ctx):
-        return (self._implementation(self.params, x).encode(x.detach(), self.params),
-                self._blocks_mark(self.params, x.shape))
+        return dispatch.TAHQUANT.serving(x).encode(x.detach(), self.params), self._blocks_mark(self.params, x.shape)
 
     def decode_payload(self, payload, shape, dtype, header, ctx):
         params = self.from_header(header, extra=(BLOCKS_MARK,)).params
         if header.get(BLOCKS_MARK) != self._blocks_mark(params, shape).get(BLOCKS_MARK):
-            raise CodecError(f"tahquant layout 3: a width of {shape[-1]} channels at group_size {params.group_size} "
-                             f"is cut into blocks whose message says {BLOCKS_MARK}=1 (an older build cut it otherwise "
-                             f"and sends no mark)")
-        return self._implementation(params, payload).decode(payload, shape, params, dtype)
+            raise CodecError(f"tahquant: a width of {shape[-1]} channels at group_size {params.group_size} is cut "
+                             f"into blocks whose message says {BLOCKS_MARK}=1 (an older build cut it otherwise and "
+                             f"sends no mark)")
+        return dispatch.TAHQUANT.serving(payload).decode(payload, shape, params, dtype)
 
     @staticmethod
-    def _blocks_mark(params: tahquant_ref.TahQuantParams, shape) -> dict[str, float]:
-        """Layout 3 at a width that is not a multiple of G (its left-over channels tiled as one
-        stream, tahquant_rice_ref.blocks) says so in its params: a build that cut such widths
-        otherwise refuses the message ("unknown parameters") instead of misreading it. Widths of
-        whole tiles carry no mark: their messages are as they always were."""
-        rest = params.layout == tahquant_ref.LAYOUT_RICE and shape[-1] % int(params.group_size)
-        return {BLOCKS_MARK: 1.0} if rest else {}
+    def _blocks_mark(params: tahquant_rice_ref.RiceParams, shape) -> dict[str, float]:
+        """A width that is not a multiple of G (its left-over channels tiled as one stream,
+        tahquant_rice_ref.blocks) says so in its params: a build that cut such widths otherwise
+        refuses the message ("unknown parameters") instead of misreading it. Widths of whole tiles
+        carry no mark: their messages are as they always were."""
+        return {BLOCKS_MARK: 1.0} if shape[-1] % int(params.group_size) else {}
+
+
+@register
+class TahQuantPaperCodec(Codec):
+    """TAH-Quant as the paper gives it: entropy-guided INT3/INT4 per token, adaptive pivot swap +
+    Hadamard per tile (tahquant_ref; messages: tahquant version 1, as before the two had names)."""
+
+    name = "tahquant-paper"
+    wire_name = "tahquant"
+    version = 1
+    Params = tahquant_ref.PaperParams
+    needs_prescale = True
+    schedule_params = {"bits_high": 6, "bits_low": 6}  # every token at 6 bits (docs/codecs.md, the schedule)
+    gone_params = LAYOUTS
+
+    def encode_payload(self, x, ctx):
+        return dispatch.TAHQUANT_PAPER.serving(x).encode(x.detach(), self.params), {}
+
+    def decode_payload(self, payload, shape, dtype, header, ctx):
+        params = self.from_header(header).params
+        return dispatch.TAHQUANT_PAPER.serving(payload).decode(payload, shape, params, dtype)
 
 
 @register

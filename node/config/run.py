@@ -96,14 +96,13 @@ class CodecConfig:
     forward: str = "tahquant"
     # 6 bits, a scale per token and 128 channels: its error does not grow with the message
     backward: str = "pertoken"
-    # unset (None): the forward codec's own choice for runs (Codec.run_params: tahquant's layout 3 at
-    # G = 128, qmax = 12); {} for the codec's defaults (tahquant: the paper's algorithm)
+    # unset (None) or {}: the forward codec's defaults, a run's (tahquant: G = 128, qmax = 12)
     forward_params: dict[str, float] | None = None
     backward_params: dict[str, float] = field(default_factory=dict)
     # a precision schedule: the run's first `forward_high_start` and last `forward_high_end` share of
     # steps send activations with forward_params updated by `forward_high_params`; unset (None), the
-    # forward codec's own (Codec.schedule_params: tahquant layout 3's qmax 31, the other layouts' 6
-    # bits), {} for no schedule (issue 25: the first 12% of the steps on the finer grid trained
+    # forward codec's own (Codec.schedule_params: tahquant's qmax 31, tahquant-paper's 6 bits), {} for
+    # no schedule (issue 25: the first 12% of the steps on the finer grid trained
     # closest to none of the schedules within 4.6 bits)
     forward_high_params: dict[str, float] | None = None
     forward_high_start: float = 0.12
@@ -120,12 +119,8 @@ class CodecConfig:
 
     @property
     def forward_codec_params(self) -> dict[str, float]:
-        """The forward codec's parameters: forward_params, or where unset the codec's run_params."""
-        if self.forward_params is not None:
-            return dict(self.forward_params)
-        from ..codecs import CODECS
-
-        return dict(CODECS[self.forward].run_params) if self.forward in CODECS else {}
+        """The forward codec's parameters where they are not its defaults: forward_params ({} where unset)."""
+        return dict(self.forward_params or {})
 
     @property
     def high_params(self) -> dict[str, float]:
@@ -134,7 +129,7 @@ class CodecConfig:
             return dict(self.forward_high_params)
         from ..codecs import CODECS
 
-        return CODECS[self.forward].schedule_params(self.forward_codec_params) if self.forward in CODECS else {}
+        return dict(CODECS[self.forward].schedule_params) if self.forward in CODECS else {}
 
     @property
     def scheduled(self) -> bool:

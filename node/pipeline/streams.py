@@ -121,7 +121,7 @@ class CodecStreams:
         if not any(codec.sent(mb.tensor) for codec in own):
             sent = ", ".join(f"{k}={v:g}" for k, v in sorted(mb.tensor.params.items())[:8])
             raise codecs.CodecError(f"{direction} message encoded with {mb.tensor.codec!r} version {mb.tensor.version} "
-                                    f"({sent}); this run sends {own[0].name!r} version {own[0].wire_version()} "
+                                    f"({sent}); this run sends {own[0].wire_name!r} version {own[0].version} "
                                     f"({', '.join(f'{k}={v:g}' for k, v in own[0].header_params().items())})")
         ctx = self._context(self.receiving, direction, stream, CodecContext)
         ctx.sample_ids = list(mb.sample_ids)

@@ -27,9 +27,10 @@ from .convergence_runs import RunResult, RunSpec, train_one
 
 __all__ = ["main", "build_parser", "plan"]
 
-# the product's default pair last: tahquant with its precision schedule (docs/codecs.md)
-DEFAULT_PAIRS = ("none/none;none/pertoken;tahquant/naive;tahquant/none;tahquant/pertoken;"
-                 "tahquant:group_size=128,layout=3,qmax=12@start=0.12,end=0,qmax=31/pertoken")
+# the paper's algorithm with the three gradient codecs, then the product's default pair: tahquant with its
+# precision schedule (docs/codecs.md)
+DEFAULT_PAIRS = ("none/none;none/pertoken;tahquant-paper/naive;tahquant-paper/none;tahquant-paper/pertoken;"
+                 "tahquant:group_size=128,qmax=12@start=0.12,end=0,qmax=31/pertoken")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -37,8 +38,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--pairs", default=None,
                     help="codec pairs FWD[:k=v,...]/BWD[:k=v,...], comma-separated; the first is the reference unless "
                     f"none/none is among them (default {DEFAULT_PAIRS}; with --pipelines, the last of them, the "
-                    "product's default: tahquant's layout 3 with its schedule; tahquant written bare is "
-                    "the paper's algorithm, layout 1). Separate pairs with ';' when their parameters have commas")
+                    "product's default: tahquant with its schedule; the paper's algorithm is tahquant-paper). "
+                    "Separate pairs with ';' when their parameters have commas")
     ap.add_argument("--seeds", type=int, default=3, metavar="N", help="train every pair with seeds 0..N-1: weights and "
                     "data order (default 3)")
     ap.add_argument("--first-seed", type=int, default=0, help="start the seeds here (default 0)")

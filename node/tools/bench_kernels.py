@@ -22,7 +22,7 @@ from typing import Callable
 
 import torch
 
-from ..codecs import CODECS, decode
+from ..codecs import decode
 from ..net.memory import reuse_message_buffers
 from .bench_sweep import fastest_settings, sweep_rows
 from .host_path import CODECS as HOST_PATH_CODECS
@@ -75,7 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="also print the GPU time of each kernel of one encode and one decode "
                     "(torch.profiler), per shape")
     ap.add_argument("--sweep", action="store_true",
-                    help="instead of the usual rows, time a run's default pair (tahquant layout 3, pertoken) at other "
+                    help="instead of the usual rows, time a run's default pair (tahquant, pertoken) at other "
                          "launch settings of its kernels (values/warps per program; 'default' marks the current ones)")
     return ap
 
@@ -84,11 +84,11 @@ def profile_codecs(shape, dtype) -> str:
     """Per-kernel GPU times of one encode + decode of each codec the bench times (after warm-up), a
     table per codec (their kernels share names): where the time goes, for tuning."""
     from tahnode.kernels import (naive_ref, naive_triton, pertoken_ref, pertoken_triton, tahquant_ref,
-                                 tahquant_rice_triton, tahquant_triton)
+                                 tahquant_rice_ref, tahquant_rice_triton, tahquant_triton)
 
     x = activations(shape, dtype)
-    tq, nv, pt = tahquant_ref.TahQuantParams(), naive_ref.NaiveParams(), pertoken_ref.PerTokenParams()
-    layout3 = tahquant_ref.TahQuantParams(**CODECS["tahquant"].run_params)
+    tq, nv, pt = tahquant_ref.PaperParams(), naive_ref.NaiveParams(), pertoken_ref.PerTokenParams()
+    rice = tahquant_rice_ref.RiceParams()
 
     def naive():
         codes, e = naive_triton.encode(x, nv)
@@ -96,11 +96,11 @@ def profile_codecs(shape, dtype) -> str:
 
     tables = []
     for name, once in (
-            ("tahquant (the paper's layout 1)",
+            ("tahquant-paper (the paper's algorithm)",
              lambda: tahquant_triton.decode(tahquant_triton.encode(x, tq), shape, tq, dtype)),
             ("naive", naive),
-            ("tahquant layout 3 (a run's forward codec)",
-             lambda: tahquant_rice_triton.decode(tahquant_rice_triton.encode(x, layout3), shape, layout3, dtype)),
+            ("tahquant (a run's forward codec)",
+             lambda: tahquant_rice_triton.decode(tahquant_rice_triton.encode(x, rice), shape, rice, dtype)),
             ("pertoken (a run's backward codec)",
              lambda: pertoken_triton.decode(pertoken_triton.encode(x, pt), shape, pt, dtype))):
         tables.append(f"{name}, one encode + decode:\n{_profile(once)}")
@@ -164,12 +164,12 @@ def bench_shape(shape, dtype, iters: int, sweep: bool = False) -> list[dict]:
 
 
 def codec_rows(x: torch.Tensor, iters: int) -> list[dict]:
-    """Encode and decode rows of the paper's tahquant, naive and symtiles_rows' codecs, beside their
+    """Encode and decode rows of tahquant-paper, naive and symtiles_rows' codecs, beside their
     references, then host_path_rows."""
     from tahnode.kernels import naive_ref, naive_triton, tahquant_ref, tahquant_triton
 
     shape, dtype = tuple(x.shape), x.dtype
-    tq = tahquant_ref.TahQuantParams()
+    tq = tahquant_ref.PaperParams()
     nv = naive_ref.NaiveParams()
     ref_iters = max(1, min(iters, 5))
     rows = []
@@ -197,15 +197,13 @@ def codec_rows(x: torch.Tensor, iters: int) -> list[dict]:
 
 def symtiles_rows(x: torch.Tensor, iters: int, ref_iters: int) -> list[dict]:
     """Encode and decode rows of the per-tile symmetric codecs: pertoken (the default gradient codec)
-    and tahquant's rotated layout 3 (as a run sends it); their kernels must give the references'
-    bytes exactly."""
-    from tahnode.kernels import pertoken_ref, pertoken_triton, tahquant_ref, tahquant_rice_ref, tahquant_rice_triton
+    and tahquant (as a run sends it); their kernels must give the references' bytes exactly."""
+    from tahnode.kernels import pertoken_ref, pertoken_triton, tahquant_rice_ref, tahquant_rice_triton
 
     shape, dtype, rows = tuple(x.shape), x.dtype, []
-    layout3 = tahquant_ref.TahQuantParams(**CODECS["tahquant"].run_params)
     for op, kernel, ref, params in (
             ("pertoken encode", pertoken_triton, pertoken_ref, pertoken_ref.PerTokenParams()),
-            ("tahquant rice encode", tahquant_rice_triton, tahquant_rice_ref, layout3)):
+            ("tahquant rice encode", tahquant_rice_triton, tahquant_rice_ref, tahquant_rice_ref.RiceParams())):
         pay_k, pay_r = kernel.encode(x, params), ref.encode(x, params)
         diff = (str(int((pay_k != pay_r).sum())) if pay_k.numel() == pay_r.numel()
                 else f"size {pay_k.numel()} vs {pay_r.numel()}")
@@ -236,20 +234,16 @@ def time_wall(fn: Callable[[], object], iters: int, warmup: int = 2) -> float:
 def host_path_rows(x: torch.Tensor, iters: int, codecs: tuple[str, ...] = HOST_PATH_CODECS) -> list[dict]:
     """A whole message per codec (tahnode.tools.host_path): "tensor -> frames" (encode, envelope,
     sealed frames' wire bytes on the host) and "frames -> tensor" (reassembly, checks, decode onto x's device),
-    beside copying the raw tensor to pinned and to pageable host memory; with tahquant, also as a run
-    sends it ("tahquant layout 3": Codec.run_params). `diff`: elements where the received tensor
-    differs from decode(encode(x)) (must be 0)."""
+    beside copying the raw tensor to pinned and to pageable host memory. `diff`: elements where the
+    received tensor differs from decode(encode(x)) (must be 0)."""
     rows = []
     if x.is_cuda:
         pinned = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
         rows.append(dict(op="x -> pinned host", t=time_wall(lambda: pinned.copy_(x, non_blocking=True), iters),
                          ref=None, diff=""))
     rows.append(dict(op="x.cpu()", t=time_wall(lambda: x.cpu(), iters), ref=None, diff=""))
-    runs = [(name, name, {}) for name in codecs]
-    if "tahquant" in codecs:
-        runs.append(("tahquant layout 3", "tahquant", CODECS["tahquant"].run_params))
-    for label, name, params in runs:
-        path = HostPath(name, **params)
+    for label in codecs:
+        path = HostPath(label)
         expected = decode(path.codec.encode(x), device=x.device)
         rows.append(dict(op=f"{label}: tensor -> frames", t=time_wall(lambda: path.send(x), iters), ref=None, diff=""))
         sent = [path.send(x) for _ in range(iters + 3)]  # a frame list is received once: no replays

@@ -92,9 +92,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--stages", default="3,4", help="stage counts, comma-separated (default 3,4)")
     ap.add_argument("--pairs", default=DEFAULT_PAIRS,
                     help=f"codec pairs FWD[:k=v]/BWD[:k=v], comma-separated (default {DEFAULT_PAIRS}; "
-                    "backward naive means 6 bits; `default` is the pair a run sends by default, tahquant's layout 3 "
-                    "with its precision schedule forward and pertoken backward; tahquant written bare is the paper's "
-                    "algorithm, layout 1)")
+                    "backward naive means 6 bits; `default` is the pair a run sends by default, tahquant with its "
+                    "precision schedule forward and pertoken backward; tahquant written bare has no schedule; the "
+                    "paper's algorithm is tahquant-paper)")
     ap.add_argument("--all-pairs-at-4-stages", action="store_true",
                     help="run every pair with 4 stages too (default: only " + ", ".join(MAIN_PAIRS) + ")")
     ap.add_argument("--steps", type=int, default=4, help="measured steps per row (default 4)")

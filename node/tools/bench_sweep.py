@@ -1,4 +1,4 @@
-"""`tahnode bench kernels --sweep`: a run's default pair of kernels (tahquant layout 3, pertoken)
+"""`tahnode bench kernels --sweep`: a run's default pair of kernels (tahquant, pertoken)
 timed at other launch settings than their modules' defaults (values and warps per program), each
 checked against the references' bytes, and the fastest exact setting of each named."""
 
@@ -8,8 +8,6 @@ import contextlib
 from typing import Callable, NamedTuple
 
 import torch
-
-from ..codecs import CODECS
 
 __all__ = ["SYMTILES_BLOCKS", "RICE_BLOCKS", "Setting", "launch_blocks", "sweep_settings", "sweep_rows",
            "fastest_settings"]
@@ -43,15 +41,15 @@ def launch_blocks(module, encode: tuple[int, int], decode: tuple[int, int]):
 
 def sweep_settings() -> list[tuple[str, object, tuple[int, int], tuple[int, int], tuple[str, ...]]]:
     """(kernels, module, encode block, decode block, codecs timed) of each setting --sweep times: the
-    defaults first, then symtiles_triton's others (both codecs use it), then rice_triton's (layout 3)."""
+    defaults first, then symtiles_triton's others (both codecs use it), then rice_triton's (tahquant's)."""
     from tahnode.kernels import rice_triton, symtiles_triton
 
-    both, layout3 = ("pertoken", "tahquant rice"), ("tahquant rice",)
+    both, rice = ("pertoken", "tahquant rice"), ("tahquant rice",)
     default = (symtiles_triton.GPU_ENCODE_BLOCK, symtiles_triton.GPU_DECODE_BLOCK)
     out = [("symtiles", symtiles_triton, *default, both)]
     out += [("symtiles", symtiles_triton, b, b, both) for b in SYMTILES_BLOCKS if (b, b) != default]
     default = (rice_triton.GPU_ENCODE_BLOCK, rice_triton.GPU_DECODE_BLOCK)
-    out += [("rice", rice_triton, e, d, layout3) for e, d in RICE_BLOCKS if (e, d) != default]
+    out += [("rice", rice_triton, e, d, rice) for e, d in RICE_BLOCKS if (e, d) != default]
     return out
 
 
@@ -60,12 +58,11 @@ def sweep_rows(x: torch.Tensor, iters: int, timer: Callable[[Callable[[], object
     "CODEC encode [KERNELS values/warps]" ("default": the first setting, every module's defaults).
     `diff`: payload bytes (encode) or decoded elements (decode) that differ from the reference's
     (every setting must give 0). timer(fn, iters): fn's seconds (bench_kernels.time_cuda)."""
-    from tahnode.kernels import pertoken_ref, pertoken_triton, tahquant_ref, tahquant_rice_ref, tahquant_rice_triton
+    from tahnode.kernels import pertoken_ref, pertoken_triton, tahquant_rice_ref, tahquant_rice_triton
 
     shape, dtype, rows = tuple(x.shape), x.dtype, []
-    layout3 = tahquant_ref.TahQuantParams(**CODECS["tahquant"].run_params)
     codecs = {"pertoken": (pertoken_triton, pertoken_ref, pertoken_ref.PerTokenParams()),
-              "tahquant rice": (tahquant_rice_triton, tahquant_rice_ref, layout3)}
+              "tahquant rice": (tahquant_rice_triton, tahquant_rice_ref, tahquant_rice_ref.RiceParams())}
     wanted = {}
     for name, (_, ref, params) in codecs.items():
         payload = ref.encode(x, params)

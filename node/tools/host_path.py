@@ -19,7 +19,7 @@ from ..proto import tahnode_pb2 as pb
 
 __all__ = ["HostPath", "CODECS"]
 
-CODECS = ("none", "naive", "tahquant", "pertoken")  # the codecs whose host path the benchmarks measure
+CODECS = ("none", "naive", "tahquant-paper", "tahquant", "pertoken")  # the codecs whose host path the benches measure
 
 
 class HostPath:

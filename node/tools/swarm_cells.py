@@ -14,12 +14,12 @@ from .swarm import Shaper
 __all__ = ["CodecPair", "Row", "Cell", "BenchConfig", "final_loss", "COLUMNS", "CONVERGENCE_COLUMNS", "DEFAULT_PAIRS",
            "MAIN_PAIRS", "NO_SCHEDULE"]
 
-# `default`: the pair a run sends by default (its [codec] table unset: tahquant's layout 3 with its
-# precision schedule forward, pertoken backward); `tahquant` written bare is the paper's layout 1
-DEFAULT_PAIRS = ("none/none,default,group/naive,aqsgd/naive,aqsgd/naive:bits=8,amaq/naive,tahquant/naive,"
-                 "tahquant/tahquant")
+# `default`: the pair a run sends by default (its [codec] table unset: tahquant with its precision
+# schedule forward, pertoken backward); `tahquant` written bare has no schedule; tahquant-paper is the paper's
+DEFAULT_PAIRS = ("none/none,default,group/naive,aqsgd/naive,aqsgd/naive:bits=8,amaq/naive,tahquant-paper/naive,"
+                 "tahquant-paper/tahquant-paper")
 NO_SCHEDULE = {"forward_high_params": {}}  # the [codec] settings of a pair written without '@': no precision schedule
-MAIN_PAIRS = ("none/none", "default", "tahquant/naive", "tahquant/tahquant")
+MAIN_PAIRS = ("none/none", "default", "tahquant-paper/naive", "tahquant-paper/tahquant-paper")
 COLUMNS = ("link Mbit/s", "RTT ms", "stages", "codec fwd/bwd", "transport", "tokens/s", "limit tokens/s", "limit",
            "share of limit", "bits/elem fwd/bwd", "busiest direction bytes/step", "final loss", "peak RSS MB")
 CONVERGENCE_COLUMNS = ("codec fwd/bwd", "steps", "seeds", "final loss (mean of last 10, mean over seeds)",

@@ -26,23 +26,23 @@ def make_input(shape, dtype: str, seed: int, outlier: float) -> torch.Tensor:
     return x.to(DTYPE_NAMES[dtype])
 
 
+# "codec": the user's name (get_codec); the messages carry its wire name and version (tahquant-paper: tahquant v1)
 CASES = [
     dict(name="none-fp32", codec="none", params={}, shape=[2, 3], dtype="float32", seed=1, outlier=1.0),
     dict(name="naive-6bit", codec="naive", params={"bits": 6}, shape=[3, 8], dtype="float32", seed=2, outlier=1.0),
     dict(name="group-4bit-g8", codec="group", params={"bits": 4, "group_size": 8}, shape=[2, 16], dtype="float32",
          seed=3, outlier=1.0),
-    dict(name="tahquant-g8-fp16", codec="tahquant", params={"group_size": 8}, shape=[1, 5, 16], dtype="float16", seed=4,
-         outlier=12.0),
+    dict(name="tahquant-g8-fp16", codec="tahquant-paper", params={"group_size": 8}, shape=[1, 5, 16], dtype="float16",
+         seed=4, outlier=12.0),
     dict(name="pertoken-6bit-g8-bf16-short-tile", codec="pertoken", params={"bits": 6, "group_size": 8}, shape=[3, 20],
          dtype="bfloat16", seed=8, outlier=1000.0),
     dict(name="pertoken-4bit-g16-fp32", codec="pertoken", params={"bits": 4, "group_size": 16}, shape=[2, 2, 32],
          dtype="float32", seed=9, outlier=1.0),
-    dict(name="tahquant-rice-g8-fp16-blocks", codec="tahquant", params={"group_size": 8, "layout": 3, "qmax": 12},
+    dict(name="tahquant-rice-g8-fp16-blocks", codec="tahquant", params={"group_size": 8, "qmax": 12},
          shape=[1, 4, 12], dtype="float16", seed=12, outlier=12.0),
-    dict(name="tahquant-rice-g32-bf16-k0", codec="tahquant", params={"group_size": 32, "layout": 3, "qmax": 1},
+    dict(name="tahquant-rice-g32-bf16-k0", codec="tahquant", params={"group_size": 32, "qmax": 1},
          shape=[2, 3, 64], dtype="bfloat16", seed=13, outlier=12.0),
-    dict(name="tahquant-rice-g128-w96-bf16-blocks", codec="tahquant",
-         params={"group_size": 128, "layout": 3, "qmax": 12},
+    dict(name="tahquant-rice-g128-w96-bf16-blocks", codec="tahquant", params={"group_size": 128, "qmax": 12},
          shape=[2, 3, 96], dtype="bfloat16", seed=14, outlier=12.0),
     dict(name="amaq-learned", codec="amaq", params={"anneal_steps": 0}, shape=[2, 4, 8], dtype="float32", seed=6,
          outlier=1.0, gates=[-6.0, -2.0, 0.0, 0.5, 1.0, 2.0, 4.0, 6.0]),
