@@ -154,7 +154,7 @@ class CodecConfig:
                              "run's steps, in [0, 1]")
         if self.backward in ("aqsgd", "amaq"):
             raise ValueError(f"codec {self.backward!r} is a forward (activation) codec; use pertoken, none, naive, "
-                             "group or tahquant backward")
+                             "group, tahquant or tahquant-paper backward")
         return self
 
 
