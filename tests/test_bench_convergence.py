@@ -11,7 +11,7 @@ import math
 import pytest
 
 from tahnode.tools import bench_convergence
-from tahnode.tools.convergence_report import steps_to_reach, summarize
+from tahnode.tools.convergence_report import standard_error, spread, steps_to_reach, summarize, table
 from tahnode.tools.convergence_runs import RunResult
 
 ARGS = ["--steps", "3", "--seeds", "2", "--seq-len", "32", "--tokens-per-message", "256", "--data-mb", "1",
@@ -74,6 +74,16 @@ def test_gaps_and_tokens_compare_each_seed_with_its_own_reference():
     # its seed-1 one (1.0, below its own 1.1). q/q took its 20 steps at 6.125 bits
     assert s["q/q"].reference_tokens_to_own == pytest.approx({0: 19_800, 1: math.inf})
     assert s["q/q"].race(10) == f"{20_000 * 128 * 6.125 / 10e6:.0f} s / {19_800 * 128 * 32 / 10e6:.0f} s"
+
+
+def test_the_table_gives_each_gap_its_standard_error_and_the_reference_its_spread():
+    results = [run("none/none", seed, [(0, 5.0), (20, final)], bits=(32, 32)) for seed, final in enumerate((1.0, 1.1, 1.2))]
+    results += [run("q/q", seed, [(0, 5.0), (20, final)]) for seed, final in enumerate((1.01, 1.122, 1.2))]
+    rows = {line.split(" | ")[0].strip("| "): line for line in table(summarize(results, "none/none"), [10]).splitlines()}
+    assert standard_error([1.0, 2.0, 0.0]) == pytest.approx(1 / math.sqrt(3))
+    assert math.isnan(standard_error([1.0])) and spread([1.0, 1.1, 1.2]) == pytest.approx(100 * 0.2 / 1.1)
+    assert "| +1.00% ± 0.58 (+1.00, +2.00, +0.00) |" in rows["q/q"]  # paired: each seed against its own reference
+    assert "| spread 18.2% (1.0000 to 1.2000) |" in rows["none/none"]
 
 
 def test_a_run_stops_when_its_bench_has_gone(tmp_path, monkeypatch):

@@ -11,7 +11,7 @@ import statistics
 
 from ..config.swarm import SwarmConfig
 from .bench_report import markdown_table
-from .convergence_report import steps_to_reach, summarize
+from .convergence_report import standard_error, steps_to_reach, summarize
 from .convergence_runs import RunResult, RunSpec
 
 __all__ = ["add_pipeline_args", "pipeline_specs", "pipeline_report", "COLUMNS"]
@@ -112,7 +112,6 @@ def pipeline_report(results: list[RunResult], specs: list[RunSpec], rate_mbps: f
         if summary is None:
             continue
         gaps = list(summary.gaps.values())
-        se = statistics.stdev(gaps) / math.sqrt(len(gaps)) if len(gaps) > 1 else math.nan
         ratio = statistics.fmean(r.averaging_bytes / r.activation_bytes for r in summary.runs if r.activation_bytes)
         spread = max(r.spread for r in summary.runs)
         singles = {r.seed: by_key.get((pair, r.seed)) for r in summary.runs}
@@ -127,7 +126,7 @@ def pipeline_report(results: list[RunResult], specs: list[RunSpec], rate_mbps: f
         per_seed = ", ".join(f"{g:+.2f}" for g in gaps)
         rows.append([f"{spec.pipelines}", _outer_label(spec), str(len(summary.runs)),
                      f"{statistics.fmean(r.final_eval for r in summary.runs):.4f}",
-                     f"{statistics.fmean(gaps):+.2f}% ± {se:.2f} ({per_seed})" if gaps else "—",
+                     f"{statistics.fmean(gaps):+.2f}% ± {standard_error(gaps):.2f} ({per_seed})" if gaps else "—",
                      f"{100 * ratio:.1f}%", f"{spread:.2g}",
                      _mean_or_dash(steps, lambda v: f"{v:.0f} of {total}"), _mean_or_dash(wall, lambda v: f"{v:.2f}×"),
                      _mean_or_dash(ref_wall, lambda v: f"{v:.2f}×")])

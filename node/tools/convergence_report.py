@@ -12,12 +12,23 @@ from pathlib import Path
 from .bench_report import markdown_table, pyplot_for, save_figure
 from .convergence_runs import RunResult
 
-__all__ = ["PairSummary", "summarize", "table", "plot", "steps_to_reach", "COLUMNS"]
+__all__ = ["PairSummary", "summarize", "table", "plot", "steps_to_reach", "standard_error", "spread", "COLUMNS"]
 
-COLUMNS = ("codec fwd/bwd", "bits/elem fwd / bwd", "seeds", "held-out loss (mean)", "vs reference: mean (per seed)",
+COLUMNS = ("codec fwd/bwd", "bits/elem fwd / bwd", "seeds", "held-out loss (mean)",
+           "vs reference: mean ± s.e. (per seed); the reference: spread across seeds",
            "rel. error per crossing fwd / bwd", "tokens to the reference's final held-out loss",
            "link time to it at {rates} Mbit/s",
            "link time to this pair's final loss at {rates} Mbit/s: this pair / the reference")
+
+
+def standard_error(values: list[float]) -> float:
+    """The standard error of the mean of `values` (nan for fewer than two)."""
+    return statistics.stdev(values) / math.sqrt(len(values)) if len(values) > 1 else math.nan
+
+
+def spread(values: list[float]) -> float:
+    """How far apart `values` are: (largest - smallest) / mean, in % (nan for none)."""
+    return 100 * (max(values) - min(values)) / statistics.fmean(values) if values else math.nan
 
 
 def steps_to_reach(evals: list[list[float]], target: float) -> float:
@@ -40,6 +51,7 @@ class PairSummary:
     tokens_to_target: dict[int, float]  # seed -> tokens to reach the reference's final held-out loss
     reference_tokens_to_own: dict[int, float]  # seed -> tokens the reference needs to reach this pair's final loss
     reference_bits: float = 32.0     # the reference's busier direction, bits per element
+    is_reference: bool = False       # the reference pair itself
 
     @property
     def mean_gap(self) -> float:
@@ -83,7 +95,7 @@ def summarize(results: list[RunResult], reference: str) -> list[PairSummary]:
             gaps[r.seed] = 100 * (r.final_eval / base.final_eval - 1)
             tokens[r.seed] = steps_to_reach(r.evals, base.final_eval) * r.tokens_per_step
             back[r.seed] = steps_to_reach(base.evals, r.final_eval) * base.tokens_per_step
-        out.append(PairSummary(pair, runs, gaps, tokens, back, ref_bits))
+        out.append(PairSummary(pair, runs, gaps, tokens, back, ref_bits, pair == reference))
     return out
 
 
@@ -98,7 +110,14 @@ def _duration(seconds: float) -> str:
 def _cells(s: PairSummary, rates: list[float]) -> list[str]:
     diverged = [r.seed for r in s.runs if r.diverged]
     loss = statistics.fmean(r.final_eval for r in s.runs)
-    gap = (f"{s.mean_gap:+.2f}% ({', '.join(f'{g:+.2f}' for g in s.gaps.values())})" if s.gaps else "no reference run")
+    losses = [r.final_eval for r in s.runs if math.isfinite(r.final_eval)]
+    if s.is_reference and losses:  # how much the reference's own seeds differ
+        gap = f"spread {spread(losses):.1f}% ({min(losses):.4f} to {max(losses):.4f})"
+    elif s.gaps:
+        per_seed = ", ".join(f"{g:+.2f}" for g in s.gaps.values())
+        gap = f"{s.mean_gap:+.2f}% ± {standard_error(list(s.gaps.values())):.2f} ({per_seed})"
+    else:
+        gap = "no reference run"
     if diverged:
         gap += f"; **diverged** with seed {', '.join(map(str, diverged))}"
     reached = [t for t in s.tokens_to_target.values() if math.isfinite(t)]
