@@ -77,9 +77,11 @@ def test_gaps_and_tokens_compare_each_seed_with_its_own_reference():
 
 
 def test_the_table_gives_each_gap_its_standard_error_and_the_reference_its_spread():
-    results = [run("none/none", seed, [(0, 5.0), (20, final)], bits=(32, 32)) for seed, final in enumerate((1.0, 1.1, 1.2))]
+    results = [run("none/none", seed, [(0, 5.0), (20, final)], bits=(32, 32))
+               for seed, final in enumerate((1.0, 1.1, 1.2))]
     results += [run("q/q", seed, [(0, 5.0), (20, final)]) for seed, final in enumerate((1.01, 1.122, 1.2))]
-    rows = {line.split(" | ")[0].strip("| "): line for line in table(summarize(results, "none/none"), [10]).splitlines()}
+    lines = table(summarize(results, "none/none"), [10]).splitlines()
+    rows = {line.split(" | ")[0].strip("| "): line for line in lines}
     assert standard_error([1.0, 2.0, 0.0]) == pytest.approx(1 / math.sqrt(3))
     assert math.isnan(standard_error([1.0])) and spread([1.0, 1.1, 1.2]) == pytest.approx(100 * 0.2 / 1.1)
     assert "| +1.00% ± 0.58 (+1.00, +2.00, +0.00) |" in rows["q/q"]  # paired: each seed against its own reference
