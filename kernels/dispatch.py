@@ -14,9 +14,9 @@ from typing import Callable
 
 import torch
 
-from . import naive_ref, pertoken_cpu, pertoken_ref, tahquant_cpu, tahquant_ref, tahquant_rice_cpu, tahquant_rice_ref
+from . import pertoken_cpu, pertoken_ref, tahquant_cpu, tahquant_ref, tahquant_rice_cpu, tahquant_rice_ref
 
-__all__ = ["use_triton", "triton_available", "Paths", "NAIVE", "PERTOKEN", "TAHQUANT", "TAHQUANT_PAPER"]
+__all__ = ["use_triton", "triton_available", "Paths", "PERTOKEN", "TAHQUANT", "TAHQUANT_PAPER"]
 
 
 @functools.lru_cache(maxsize=None)
@@ -60,11 +60,6 @@ class Paths:
         return self.ref
 
 
-def _naive_triton() -> ModuleType:
-    from . import naive_triton
-    return naive_triton
-
-
 def _pertoken_triton() -> ModuleType:
     from . import pertoken_triton
     return pertoken_triton
@@ -80,7 +75,6 @@ def _tahquant_rice_triton() -> ModuleType:
     return tahquant_rice_triton
 
 
-NAIVE = Paths(naive_ref, None, _naive_triton)
 PERTOKEN = Paths(pertoken_ref, pertoken_cpu, _pertoken_triton)
 TAHQUANT_PAPER = Paths(tahquant_ref, tahquant_cpu, _tahquant_triton)                # codec tahquant-paper
 TAHQUANT = Paths(tahquant_rice_ref, tahquant_rice_cpu, _tahquant_rice_triton)       # codec tahquant

@@ -89,7 +89,6 @@ def test_numpy_row_packing_is_bitpacks():
 def test_the_registry_serves_cpu_tensors_with_the_fast_path(monkeypatch):
     x = torch.randn(2, 8, 64)
     assert dispatch.TAHQUANT_PAPER.serving(x) is tahquant_cpu
-    assert dispatch.NAIVE.serving(x).__name__.endswith("naive_ref")
     monkeypatch.setenv("TAHNODE_REFERENCE", "1")
     assert dispatch.TAHQUANT_PAPER.serving(x) is tahquant_ref
     msg = codecs.get_codec("tahquant-paper").encode(x)

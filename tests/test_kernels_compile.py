@@ -44,9 +44,7 @@ def _cases():
     """(name, kernel, signature, constexprs) for every kernel at representative configurations."""
     import triton
 
-    from tahnode.kernels import naive_triton as nt
     from tahnode.kernels import tahquant_triton as tq
-    from tahnode.kernels.naive_ref import NaiveParams
     from tahnode.kernels.tahquant_ref import Layout, PaperParams
 
     out = []
@@ -104,27 +102,6 @@ def _cases():
     sig = dict(pay_ptr="*u8", pc_ptr="*i32", status_ptr="*i32", n_bytes="i32", bm_a="i32", n_alloc="i32", nt="i32",
                BLK="constexpr")
     out.append(("tahquant bitcount", tq._bitcount_kernel, sig, dict(BLK=tq._byte_block())))
-
-    for dt in ("bf16", "fp32"):
-        sig = dict(x_ptr=PTR[dt], stride_x="i32", n_rows="i32", n_chan="i32", part_ptr="*fp32", badp_ptr="*u8",
-                   status_ptr="*i32", TB="constexpr", CB="constexpr")
-        out.append((f"naive colmax {dt}", nt._colmax_kernel, sig, dict(TB=64, CB=256)))
-    for bits in (6, 8):
-        sig = dict(part_ptr="*fp32", badp_ptr="*u8", n_part="i32", n_chan="i32", ratio_ptr="*fp32", status_ptr="*i32",
-                   QMAX="constexpr", CB="constexpr", PB="constexpr")
-        out.append((f"naive ratio bits={bits}", nt._ratio_kernel, sig,
-                    dict(QMAX=NaiveParams(bits).qmax, CB=256, PB=16)))
-    for dt, bits in (("bf16", 6), ("fp32", 7), ("fp16", 8)):  # planes 4+2, 4+2+1, 8
-        const = dict(BLOCK=4096, **nt._constexprs(NaiveParams(bits)))
-        sig = dict(x_ptr=PTR[dt], ratio_ptr="*fp32", status_ptr="*i32", scale_ptr="*fp16", out_ptr="*u8", n="i64",
-                   n_pad="i64", n_chan="i32")
-        sig.update({k: "constexpr" for k in const})
-        out.append((f"naive encode {dt} bits={bits}", nt._naive_encode_kernel, sig, const))
-        dconst = dict(const, OUT_BF16=dt == "bf16")
-        sig = dict(codes_ptr="*u8", scale_ptr="*fp16", pow2="fp32", out_ptr=PTR[dt], bad_ptr="*u8", n="i64",
-                   n_pad="i64", n_chan="i32")
-        sig.update({k: "constexpr" for k in dconst})
-        out.append((f"naive decode {dt} bits={bits}", nt._naive_decode_kernel, sig, dconst))
 
     from tahnode.kernels import symtiles_triton as st
     for dt, g, bits, rotate, packed in (("bf16", 128, 6, False, True), ("fp32", 32, 6, False, False),

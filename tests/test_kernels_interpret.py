@@ -1,6 +1,6 @@
-"""The Triton kernels against their specifications: tahquant_triton vs tahquant_ref and
-naive_triton vs naive_ref, byte for byte, under Triton's CPU interpreter (or on the GPU when one
-is present and TRITON_INTERPRET is unset).
+"""The Triton kernels against their specifications: tahquant_triton vs tahquant_ref, byte for byte,
+under Triton's CPU interpreter (or on the GPU when one is present and TRITON_INTERPRET is unset);
+and the registry's dispatch to them (naive, a baseline, is served by its reference everywhere).
 
 TAH-Quant's one allowed difference is the Hadamard rounding (the kernel's fp32 tl.dot vs the
 reference's float64 product rounded once; docs/wire-format.md). It can only touch flagged tiles, and
@@ -26,7 +26,7 @@ if os.environ.get("TRITON_INTERPRET", "0") in ("", "0") and not torch.cuda.is_av
 pytest.importorskip("triton")
 
 from tahnode import codecs  # noqa: E402
-from tahnode.kernels import dispatch, naive_ref, naive_triton, tahquant_ref, tahquant_triton  # noqa: E402
+from tahnode.kernels import dispatch, naive_ref, tahquant_ref, tahquant_triton  # noqa: E402
 from tahnode.kernels.bitpack import packed_nbytes, padded_count, unpack_bits, unpack_rows  # noqa: E402
 from tahnode.kernels.tahquant_ref import Layout, PaperParams as P  # noqa: E402
 from tahnode.kernels.wire import CodecError  # noqa: E402
@@ -220,8 +220,7 @@ def launches(module, fn):
 def test_kernel_paths_are_a_few_launches():
     """The GPU paths are a few launches, because launch overhead (not bytes) would dominate
     otherwise (design.md section 4): tahquant encode = six kernels and one torch scan, decode = two
-    kernels and one scan; naive encode = three kernels, decode = one kernel, the reference's copy of
-    the scales and one reduction of the error flags."""
+    kernels and one scan."""
     x = activations((2, 64, 256), BF16, seed=13).to(DEVICE)
     shape, p = tuple(x.shape), P()
     kernels, ops, payload = launches(tahquant_triton, lambda: tahquant_triton.encode(x, p))
@@ -232,15 +231,6 @@ def test_kernel_paths_are_a_few_launches():
     assert kernels == ["_bitcount_kernel", "_decode_kernel"] and ops == ["cumsum"]
     check_payload(payload, tahquant_ref.encode(x.cpu(), p), shape, p)
     check_decode(y, tahquant_ref.decode(payload.cpu(), shape, p, BF16), payload, shape, p)
-
-    nv = naive_ref.NaiveParams()
-    kernels, ops, (pk, e) = launches(naive_triton, lambda: naive_triton.encode(x, nv))
-    assert kernels == ["_colmax_kernel", "_ratio_kernel", "_naive_encode_kernel"] and ops == []
-    kernels, ops, y = launches(naive_triton, lambda: naive_triton.decode(pk, shape, nv, e, BF16))
-    assert kernels == ["_naive_decode_kernel"] and ops == ["clone", "max"]
-    pr, er = naive_ref.encode(x.cpu(), nv)
-    assert e == er and torch.equal(pk.cpu(), pr)
-    assert torch.equal(y.cpu(), naive_ref.decode(pr, shape, nv, er, BF16))
 
 
 def test_tahquant_noncontiguous_input():
@@ -420,54 +410,6 @@ def test_tahquant_corrupt_payloads_raise_like_reference():
         tahquant_triton.decode(payload.to(DEVICE), (1, 14, 96), p, F32)  # header shape disagrees
 
 
-@pytest.mark.parametrize("bits", range(2, 9))
-def test_naive_matches_reference(bits):
-    p = naive_ref.NaiveParams(bits)
-    gen = torch.Generator().manual_seed(bits)
-    for shape, dtype in (((3, 37, 96), F32), ((5, 70), BF16), ((1, 1, 13), F16), ((2, 150, 512), F32)):
-        x = (torch.randn(shape, generator=gen) * torch.rand(shape[-1], generator=gen) * 3).to(dtype)
-        x[..., 0] = 0.0
-        if bits == 6:
-            x = x * 1e-8  # tiny gradients: the shared exponent
-        if bits == 7 and dtype == F32:
-            x = x * 1e-40  # subnormal float32: the exponent of a subnormal peak, clamped at -126
-        pk, ek = naive_triton.encode(x.to(DEVICE), p)
-        pr, er = naive_ref.encode(x, p)
-        assert ek == er and torch.equal(pk.cpu(), pr), (shape, dtype)
-        dk = naive_triton.decode(pr.to(DEVICE), shape, p, er, dtype)
-        assert torch.equal(dk.cpu(), naive_ref.decode(pr, shape, p, er, dtype)), (shape, dtype)
-
-
-def test_naive_gpu_block_and_errors(monkeypatch):
-    monkeypatch.setattr(naive_triton, "_interpreting", lambda: False)  # the GPU's block shapes
-    monkeypatch.setattr(naive_triton, "_block", lambda: 4096)
-    p = naive_ref.NaiveParams(6)
-    x = torch.randn(3, 999, 7)  # 20979 codes: 5 padding codes
-    pk, ek = naive_triton.encode(x.to(DEVICE), p)
-    pr, er = naive_ref.encode(x, p)
-    assert ek == er and torch.equal(pk.cpu(), pr)
-    shape = tuple(x.shape)
-    bad_cases = {
-        "short": (pr[:-1], er),
-        "negative scale": (_set(pr, 1, 0x80 | int(pr[1])), er),
-        "code out of range": (torch.cat([pr[:14], torch.full_like(pr[14:-20], 0xFF), pr[-20:]]), er),
-        "padding": (_set(pr, pr.numel() - 1, 0xFF), er),
-        "exponent": (pr, 200),
-    }
-    for name, (bad, e) in bad_cases.items():
-        with pytest.raises(CodecError) as ref:
-            naive_ref.decode(bad, shape, p, e, F32)
-        with pytest.raises(CodecError) as ker:
-            naive_triton.decode(bad.to(DEVICE), shape, p, e, F32)
-        assert str(ker.value) == str(ref.value), name
-    x[1, 2, 3] = float("inf")
-    with pytest.raises(CodecError) as ref:
-        naive_ref.encode(x, p)
-    with pytest.raises(CodecError) as ker:
-        naive_triton.encode(x.to(DEVICE), p)
-    assert str(ker.value) == str(ref.value)
-
-
 def test_dispatch(monkeypatch):
     """The registry sends CUDA tensors, or CPU tensors with TAHNODE_FORCE_TRITON=1 under the
     interpreter, to the kernels; everything else to the references. (The variable is set only
@@ -485,10 +427,9 @@ def test_dispatch(monkeypatch):
     if DEVICE == "cpu":
         monkeypatch.setenv("TAHNODE_FORCE_TRITON", "1")
     used = []
-    for mod in (tahquant_triton, naive_triton):
-        for fn in ("encode", "decode"):
-            real = getattr(mod, fn)
-            monkeypatch.setattr(mod, fn, lambda *a, _r=real, _n=f"{mod.__name__}.{fn}": used.append(_n) or _r(*a))
+    for fn in ("encode", "decode"):
+        real = getattr(tahquant_triton, fn)
+        monkeypatch.setattr(tahquant_triton, fn, lambda *a, _r=real, _n=fn: used.append(_n) or _r(*a))
     x = activations((2, 9, 80), BF16, seed=12)
     for name in ("tahquant-paper", "naive"):
         codec = codecs.get_codec(name)
@@ -501,5 +442,4 @@ def test_dispatch(monkeypatch):
             assert torch.equal(payload, ref) and msg.params["exp"] == e
         else:
             check_payload(payload, tahquant_ref.encode(x, P()), x.shape, P())
-    assert sorted(set(used)) == sorted(f"{m.__name__}.{f}" for m in (tahquant_triton, naive_triton)
-                                       for f in ("encode", "decode"))
+    assert sorted(set(used)) == ["decode", "encode"]  # tahquant-paper's kernels; naive's reference, on the CPU

@@ -83,22 +83,17 @@ def build_parser() -> argparse.ArgumentParser:
 def profile_codecs(shape, dtype) -> str:
     """Per-kernel GPU times of one encode + decode of each codec the bench times (after warm-up), a
     table per codec (their kernels share names): where the time goes, for tuning."""
-    from tahnode.kernels import (naive_ref, naive_triton, pertoken_ref, pertoken_triton, tahquant_ref,
-                                 tahquant_rice_ref, tahquant_rice_triton, tahquant_triton)
+    from tahnode.kernels import (pertoken_ref, pertoken_triton, tahquant_ref, tahquant_rice_ref, tahquant_rice_triton,
+                                 tahquant_triton)
 
     x = activations(shape, dtype)
-    tq, nv, pt = tahquant_ref.PaperParams(), naive_ref.NaiveParams(), pertoken_ref.PerTokenParams()
+    tq, pt = tahquant_ref.PaperParams(), pertoken_ref.PerTokenParams()
     rice = tahquant_rice_ref.RiceParams()
-
-    def naive():
-        codes, e = naive_triton.encode(x, nv)
-        naive_triton.decode(codes, shape, nv, e, dtype)
 
     tables = []
     for name, once in (
             ("tahquant-paper (the paper's algorithm)",
              lambda: tahquant_triton.decode(tahquant_triton.encode(x, tq), shape, tq, dtype)),
-            ("naive", naive),
             ("tahquant (a run's forward codec)",
              lambda: tahquant_rice_triton.decode(tahquant_rice_triton.encode(x, rice), shape, rice, dtype)),
             ("pertoken (a run's backward codec)",
@@ -164,13 +159,12 @@ def bench_shape(shape, dtype, iters: int, sweep: bool = False) -> list[dict]:
 
 
 def codec_rows(x: torch.Tensor, iters: int) -> list[dict]:
-    """Encode and decode rows of tahquant-paper, naive and symtiles_rows' codecs, beside their
-    references, then host_path_rows."""
-    from tahnode.kernels import naive_ref, naive_triton, tahquant_ref, tahquant_triton
+    """Encode and decode rows of tahquant-paper and symtiles_rows' codecs, beside their references,
+    then host_path_rows."""
+    from tahnode.kernels import tahquant_ref, tahquant_triton
 
     shape, dtype = tuple(x.shape), x.dtype
     tq = tahquant_ref.PaperParams()
-    nv = naive_ref.NaiveParams()
     ref_iters = max(1, min(iters, 5))
     rows = []
 
@@ -184,12 +178,6 @@ def codec_rows(x: torch.Tensor, iters: int) -> list[dict]:
                      ref=time_cuda(lambda: tahquant_ref.decode(pay_r, shape, tq, dtype), ref_iters), diff=""))
     del pay_k
 
-    (nk, ek), (nr, er) = naive_triton.encode(x, nv), naive_ref.encode(x, nv)
-    diff = str(int((nk != nr).sum())) if nk.numel() == nr.numel() and ek == er else "exponent/size differ"
-    rows.append(dict(op="naive encode", t=time_cuda(lambda: naive_triton.encode(x, nv), iters),
-                     ref=time_cuda(lambda: naive_ref.encode(x, nv), ref_iters), diff=diff))
-    rows.append(dict(op="naive decode", t=time_cuda(lambda: naive_triton.decode(nr, shape, nv, er, dtype), iters),
-                     ref=time_cuda(lambda: naive_ref.decode(nr, shape, nv, er, dtype), ref_iters), diff=""))
     rows += symtiles_rows(x, iters, ref_iters)
     rows += host_path_rows(x, min(iters, HOST_PATH_ITERS))
     return rows
