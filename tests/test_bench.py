@@ -158,3 +158,12 @@ def test_every_launch_setting_the_sweep_times_gives_the_references_bytes(kernels
     assert defaults == (symtiles_triton.GPU_ENCODE_BLOCK, symtiles_triton.GPU_DECODE_BLOCK,
                         rice_triton.GPU_DECODE_BLOCK)
 
+
+
+@pytest.mark.parametrize("tool", ["abuse", "convergence", "coordinator", "nat", "soak", "swarm"])
+def test_every_bench_that_writes_a_doc_section_names_it_with_one_flag(tool):
+    import importlib
+
+    parser = importlib.import_module(f"tahnode.tools.bench_{tool}").build_parser()
+    assert parser.parse_args(["--name", "mine"]).name == "mine"
+    assert parser.parse_args([]).name == tool

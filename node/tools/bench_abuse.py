@@ -230,6 +230,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="seconds measured before and after the abuse (default 10)")
     ap.add_argument("--doc", default="docs/benchmarks-log.md",
                     help="where the rows go (default docs/benchmarks-log.md)")
+    ap.add_argument("--name", default="abuse", help="the doc section's name (default abuse)")
     ap.add_argument("--no-doc", action="store_true", help="print the rows only; leave the doc alone")
     ap.add_argument("--json", action="store_true", help="print the rows as JSON")
     return ap
@@ -246,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
     text = markdown_table(COLUMNS, [cells(r, rows[0]) for r in rows])
     command = ("tahnode bench abuse " + " ".join(sys.argv[3:] if argv is None else argv)).strip()
     if not args.no_doc:
-        write_section(Path(args.doc), "abuse", "A token holder's abuse: the coordinator and a stage daemon", [
+        write_section(Path(args.doc), args.name, "A token holder's abuse: the coordinator and a stage daemon", [
             text, "", "A real coordinator (`tahnode coordinator`, plain gRPC on loopback) and a real stage daemon "
             "(`tahnode join --stage 1`, its data plane plain gRPC); stage 0 is held by the attacking neighbour, stage "
             "2 by a client. First the neighbour (a process of its own, with the token and its bound key) opens "

@@ -316,6 +316,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="seed of the volunteers' link speeds and compute speeds (default 0)")
     ap.add_argument("--doc", default="docs/benchmarks-log.md",
                     help="where the rows go (default docs/benchmarks-log.md)")
+    ap.add_argument("--name", default="coordinator", help="the doc section's name (default coordinator)")
     ap.add_argument("--no-doc", action="store_true", help="print the rows only; leave the doc alone")
     ap.add_argument("--json", action="store_true",
                     help="print the rows as a JSON list on stdout (instead of the table)")
@@ -325,7 +326,7 @@ def build_parser() -> argparse.ArgumentParser:
 def report(rows: list[CoordinatorRow], args, command: str) -> str:
     text = markdown_table(COLUMNS, [cells(r) for r in rows])
     if not args.no_doc:
-        write_section(Path(args.doc), "coordinator", "Coordinator at scale", [
+        write_section(Path(args.doc), args.name, "Coordinator at scale", [
             text, "", f"A real coordinator (`tahnode coordinator`, plain gRPC on loopback, {args.stages} stages) "
             "against N simulated volunteers in one process that join with --stage auto, heartbeat, and answer its link "
             "probes over emulated links (up and down 10-1000 Mbit/s, log-uniform; RTT 5-80 ms); the window lasted "

@@ -68,6 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--bandwidth", default="0", help="link rate in Mbit/s, userspace-shaped (default 0: unshaped)")
     ap.add_argument("--doc", default="docs/benchmarks-log.md",
                     help="where the report goes (default docs/benchmarks-log.md)")
+    ap.add_argument("--name", default="soak", help="the doc section and plot name (default soak)")
     ap.add_argument("--plots", default="docs/plots", help="where the PNG plot goes (default docs/plots)")
     ap.add_argument("--workdir", default="bench-soak", help="logs of the swarm (default bench-soak)")
     ap.add_argument("--prefix", default="tnk-", help="name prefix of the swarm (default tnk-)")
@@ -125,11 +126,11 @@ def report(series: list[ProcessSeries], state: dict, args, command: str) -> str:
         ax.set_ylabel(what)
         ax.legend(fontsize=8)
     fig.tight_layout()
-    plot = Path(args.plots) / "soak.png"
+    plot = Path(args.plots) / f"{args.name}.png"
     fig.savefig(plot, dpi=110)
     plt.close(fig)
     t = state.get("training", {})
-    write_section(Path(args.doc), "soak", "Soak: memory and file descriptors over a long run", [
+    write_section(Path(args.doc), args.name, "Soak: memory and file descriptors over a long run", [
         text, "", f"Model: {args.model}; {args.stages} stages and {args.standbys} standby on 127.0.0.1, "
         f"{args.minutes:g} minutes, sampled every {args.every:g} s; growth from the mean of the first three samples "
         f"after {args.warmup_minutes:g} minutes of warm-up to the mean of the last three. Steps trained: "
