@@ -74,6 +74,10 @@ def test_gaps_and_tokens_compare_each_seed_with_its_own_reference():
     # its seed-1 one (1.0, below its own 1.1). q/q took its 20 steps at 6.125 bits
     assert s["q/q"].reference_tokens_to_own == pytest.approx({0: 19_800, 1: math.inf})
     assert s["q/q"].race(10) == f"{20_000 * 128 * 6.125 / 10e6:.0f} s / {19_800 * 128 * 32 / 10e6:.0f} s"
+    # a pair whose every seed diverged (the GPU's llama-125m table) has a row of its own, its gap and races unknown
+    assert s["bad/q"].race(10) == "—"
+    bad = next(line for line in table(list(s.values()), [10]).splitlines() if line.startswith("| bad/q |"))
+    assert "| diverged | —; **diverged** with seed 0 |" in bad
 
 
 def test_the_table_gives_each_gap_its_standard_error_and_the_reference_its_spread():
@@ -83,7 +87,9 @@ def test_the_table_gives_each_gap_its_standard_error_and_the_reference_its_sprea
     lines = table(summarize(results, "none/none"), [10]).splitlines()
     rows = {line.split(" | ")[0].strip("| "): line for line in lines}
     assert standard_error([1.0, 2.0, 0.0]) == pytest.approx(1 / math.sqrt(3))
-    assert math.isnan(standard_error([1.0])) and spread([1.0, 1.1, 1.2]) == pytest.approx(100 * 0.2 / 1.1)
+    # a diverged seed's gap is not a number: no error (Python 3.12's statistics raises on one), a nan
+    assert all(math.isnan(standard_error(gaps)) for gaps in ([1.0], [math.nan, 1.0], [1.0, math.inf]))
+    assert spread([1.0, 1.1, 1.2]) == pytest.approx(100 * 0.2 / 1.1)
     assert "| +1.00% ± 0.58 (+1.00, +2.00, +0.00) |" in rows["q/q"]  # paired: each seed against its own reference
     assert "| spread 18.2% (1.0000 to 1.2000) |" in rows["none/none"]
 

@@ -22,8 +22,11 @@ COLUMNS = ("codec fwd/bwd", "bits/elem fwd / bwd", "seeds", "held-out loss (mean
 
 
 def standard_error(values: list[float]) -> float:
-    """The standard error of the mean of `values` (nan for fewer than two)."""
-    return statistics.stdev(values) / math.sqrt(len(values)) if len(values) > 1 else math.nan
+    """The standard error of the mean of `values` (nan for fewer than two, or where one is not finite: a
+    diverged run's gap)."""
+    if len(values) < 2 or not all(map(math.isfinite, values)):
+        return math.nan
+    return statistics.stdev(values) / math.sqrt(len(values))
 
 
 def spread(values: list[float]) -> float:
@@ -72,7 +75,7 @@ class PairSummary:
     def race(self, rate_mbps: float) -> str:
         """Link time to this pair's own final loss, for this pair and for the reference (mean over seeds)."""
         live = [r.tokens_per_step * r.evals[-1][0] for r in self.runs if not r.diverged]
-        ours = statistics.fmean(live) if self.runs else math.nan
+        ours = statistics.fmean(live) if live else math.nan  # none when every seed diverged
         theirs = [t for t in self.reference_tokens_to_own.values() if math.isfinite(t)]
         if not theirs or not math.isfinite(ours):
             return "—"
@@ -113,11 +116,11 @@ def _cells(s: PairSummary, rates: list[float]) -> list[str]:
     losses = [r.final_eval for r in s.runs if math.isfinite(r.final_eval)]
     if s.is_reference and losses:  # how much the reference's own seeds differ
         gap = f"spread {spread(losses):.1f}% ({min(losses):.4f} to {max(losses):.4f})"
-    elif s.gaps:
+    elif s.gaps and len(diverged) < len(s.runs):
         per_seed = ", ".join(f"{g:+.2f}" for g in s.gaps.values())
         gap = f"{s.mean_gap:+.2f}% ± {standard_error(list(s.gaps.values())):.2f} ({per_seed})"
     else:
-        gap = "no reference run"
+        gap = "—" if diverged else "no reference run"
     if diverged:
         gap += f"; **diverged** with seed {', '.join(map(str, diverged))}"
     reached = [t for t in s.tokens_to_target.values() if math.isfinite(t)]
