@@ -36,6 +36,7 @@ from ..pipeline.state import PipelineError
 from ..pipeline.worker import StageWorker
 from ..proto import tahnode_pb2 as pb
 from ..train.data import open_dataset
+from ..train.model import COMPUTE_DTYPES, StageModel, build_stage
 from .checkpoint_sync import CheckpointSync
 from .device import device_label, device_memory, measure_layer_ms, resolve_device
 from .follower import AssignmentFollower
@@ -196,12 +197,8 @@ class StageNode:
                   "coordinator", flush=True)
             await self.sync.fetch(a)
         dataset = await asyncio.to_thread(open_dataset, run, cfg.data_dir) if a.stage == 0 else None
-        model = None
-        if cfg.init_from:
-            from ..train.hf import load_stage_from_hf
-            from ..train.model import build_stage
-
-            model = load_stage_from_hf(build_stage(run.model, a.stage, run.stages, seed=run.train.seed), cfg.init_from)
+        # beside the event loop: a large stage takes longer to build than the coordinator waits for a heartbeat
+        model = await asyncio.to_thread(self._build_model)
         worker = StageWorker(run, a.stage, self.t, self.device, store, dataset,
                              on_step=Progress(run.train.steps, cfg.progress), model=model,
                              on_saved=lambda path, step: self.sync.saved(path, step, a.stage, a.num_stages),
@@ -212,6 +209,17 @@ class StageNode:
         if resumed:
             print(f"{self.node_id}: resumed stage {a.stage} from its checkpoint at step {resumed}", flush=True)
         return worker
+
+    def _build_model(self) -> StageModel:
+        """The assigned stage's model, initialized as every holder of it initializes it, or loaded from
+        `init_from`."""
+        a, run = self.assignment, self.run_cfg
+        if not self.cfg.init_from:
+            return build_stage(run.model, a.stage, run.stages, seed=run.train.seed,
+                               dtype=COMPUTE_DTYPES[run.train.dtype])
+        from ..train.hf import load_stage_from_hf
+
+        return load_stage_from_hf(build_stage(run.model, a.stage, run.stages, seed=run.train.seed), self.cfg.init_from)
 
     async def run(self) -> int:
         """Hold a stage and train until the run ends (0) or `stop` is set (0, stage saved); 1 if the

@@ -201,6 +201,7 @@ class GrpcLink(OutLink):
 
     async def _write(self, call) -> None:
         done = asyncio.ensure_future(call)  # completes (with an error) when the peer goes away
+        getter = None
         try:
             while True:
                 getter = asyncio.ensure_future(self.next_or_end())
@@ -222,6 +223,10 @@ class GrpcLink(OutLink):
         finally:
             if not done.done():
                 done.cancel()
+            # a stream cancelled while it waited (the link restarted): its wait for the queue ends with it, or it
+            # would take the next stream's first envelope off the queue and drop it
+            if getter is not None and not getter.done():
+                getter.cancel()
 
 
 class GrpcTransport(LinkedTransport):

@@ -155,7 +155,7 @@ class LinkedTransport:
         self.envelope_cap = MAX_ENVELOPE_BYTES  # the run's largest legitimate envelope, once known (set_envelope_cap)
         self.peer_keys: dict[str, bytes] = {}  # node id -> public key: only these (the neighbours) may send frames here
         self.peer_certs: dict[str, bytes] = {}  # node id -> its TLS certificate (PEM), pinned when dialling it
-        self.keys_changed = asyncio.Event()      # set (and replaced) whenever peer_keys gains a key
+        self.peers_changed = asyncio.Event()     # set (and replaced) whenever a link is pointed at a peer
         self.receive_buffer: Callable[[int], Any] = bytearray  # where a received envelope is reassembled (n bytes)
 
     def open_links(self) -> None:
@@ -185,20 +185,29 @@ class LinkedTransport:
             self.peer_certs[node_id] = tls_cert
         if node_id and public_key:
             self.peer_keys[node_id] = public_key
-            self.keys_changed.set()
-            self.keys_changed = asyncio.Event()
         self.links[direction].set_peer(node_id, address)
+        self.peers_changed.set()
+        self.peers_changed = asyncio.Event()
+
+    async def wait_for_peer(self, direction: Direction, timeout: float) -> bool:
+        """Whether the outgoing link of `direction` points at a peer, waiting up to `timeout` for an
+        assignment that names one."""
+        return await self._until(lambda: bool(self.links[direction].address), timeout)
 
     async def peer_known(self, node_id: str, timeout: float) -> bool:
         """Wait up to `timeout` for an assignment that names `node_id` as a neighbour (a neighbour
         may learn of this node a heartbeat earlier than this node learns of it)."""
+        return await self._until(lambda: node_id in self.peer_keys, timeout)
+
+    async def _until(self, holds: Callable[[], bool], timeout: float) -> bool:
+        """Whether `holds()`, waiting up to `timeout` for the set_peer that makes it so."""
         deadline = asyncio.get_running_loop().time() + timeout
-        while node_id not in self.peer_keys:
+        while not holds():
             left = deadline - asyncio.get_running_loop().time()
             if left <= 0:
                 return False
             try:
-                await asyncio.wait_for(self.keys_changed.wait(), left)
+                await asyncio.wait_for(self.peers_changed.wait(), left)
             except asyncio.TimeoutError:
                 return False
         return True

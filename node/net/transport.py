@@ -132,6 +132,9 @@ class Transport(Protocol):
     def peer(self, direction: Direction) -> str:
         """The node id the outgoing link of `direction` points at ("" if none)."""
 
+    async def wait_for_peer(self, direction: Direction, timeout: float) -> bool:
+        """Whether the outgoing link of `direction` points at a peer, waiting up to `timeout` for one."""
+
     def generation(self, direction: Direction) -> int:
         """Counter of the outgoing link's streams; it changes when the link failed. Encode with
         codec state of the current generation, and hand that number to `send`."""

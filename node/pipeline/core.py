@@ -27,7 +27,9 @@ from .streams import CodecStreams
 
 log = logging.getLogger("tahnode.pipeline")
 
-__all__ = ["StageCore"]
+__all__ = ["StageCore", "PEER_WAIT_S"]
+
+PEER_WAIT_S = 10.0  # how long a micro-batch waits for its link's peer to be named (a few heartbeats)
 
 
 class StageCore:
@@ -110,6 +112,15 @@ class StageCore:
         current generation unless `gen` is given."""
         await self.t.send(direction, envelope if envelope is not None else pb.Envelope(**body),
                           self.t.generation(direction) if gen is None else gen)
+
+    async def send_micro_batch(self, direction: Direction, gen: int, envelope: Body | PendingBody, index: int) -> None:
+        """Send micro-batch `index` onward. A link that points at no peer yet (an assignment a heartbeat
+        behind the step's Sync, which never crosses the ring's last hop back to stage 0) is waited for
+        up to PEER_WAIT_S; then the step is replayed rather than the micro-batch dropped unseen."""
+        if not await self.t.wait_for_peer(direction, PEER_WAIT_S):
+            self.replay_step(f"no {direction} peer to send micro-batch {index} of step {self.state.step} to", tell=True)
+            return
+        await self.send(direction, gen, envelope=envelope)
 
     def offence(self, item: Inbound, exc: Exception) -> None:
         """A received envelope that is not the sender's to send (or not this direction's): counted

@@ -193,7 +193,7 @@ class StepDriver:
                     log.error("%s: the model diverged; the step will be replayed", exc)
                     self.diverged = True
                     return False
-                await self.core.send(FORWARD, gen, envelope=env)
+                await self.core.send_micro_batch(FORWARD, gen, env, index)
             waiter = asyncio.ensure_future(self.all_backward.wait())
             aborted = asyncio.ensure_future(self.abort.wait())
             done, _ = await asyncio.wait({waiter, aborted}, return_when=asyncio.FIRST_COMPLETED)

@@ -120,10 +120,10 @@ class Inbox:
             return
         if item.direction == FORWARD:
             direction, out, gen = result
-            await core.send(direction, gen, envelope=out)
+            await core.send_micro_batch(direction, gen, out, mb.index)
             return
         if result is not None:
-            await core.send(BACKWARD, result[1], envelope=result[0])
+            await core.send_micro_batch(BACKWARD, result[1], result[0], mb.index)
         if self.ops.driver is not None:
             self.ops.driver.backward_done(core.state.all_backward)
 
