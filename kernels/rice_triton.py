@@ -78,8 +78,13 @@ def sums_buffer(n: int, device) -> tuple[torch.Tensor, int]:
 
 
 def ends_of(sums: torch.Tensor) -> torch.Tensor:
-    """The block sums' running totals (int64), ends[b] over blocks 0..b: what launch_write reads beside them."""
-    return torch.cumsum(sums, 0, dtype=torch.int64)
+    """The block sums' running totals (int64), ends[b] over blocks 0..b: what launch_write reads beside them.
+    One scan of the columns laid end to end, each column's start taken off after: torch's scan down the
+    rows of a (blocks, 9) tensor runs each column on one GPU thread (5.8 ms at 4x2048x4096 on an H200,
+    94% of the codec's GPU time), while a 1-D scan is CUB's."""
+    columns = torch.cumsum(sums.t().reshape(-1), 0, dtype=torch.int64).view(sums.shape[1], sums.shape[0])
+    before = torch.cat([columns.new_zeros(1), columns[:-1, -1]])  # each column's start: the columns before it
+    return (columns - before[:, None]).t().contiguous()
 
 
 # The k the last payload of each (qmax, values) took: the next one's first write kernel is compiled

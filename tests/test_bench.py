@@ -142,18 +142,18 @@ def test_every_launch_setting_the_sweep_times_gives_the_references_bytes(kernels
     y[0, 3, :2] = -y[0, 3, :2] - 1
     assert bench_sweep._differing(y, x) == "2" and bench_sweep._differing(y[0], x).startswith("[16, 256]")
     assert rows[0]["op"] == "pertoken encode [symtiles {}/{}, default]".format(*defaults[0])
-    assert rows[3]["op"] == "tahquant rice decode [symtiles {}/{}, default]".format(*defaults[1])
-    assert "tahquant rice encode [symtiles {}/{}]".format(*bench_sweep.SYMTILES_BLOCKS[-1]) in [r["op"] for r in rows]
-    assert rows[-1]["op"] == "tahquant rice decode [rice {}/{}]".format(*bench_sweep.RICE_BLOCKS[-1][1])
+    assert rows[3]["op"] == "tahquant decode [symtiles {}/{}, default]".format(*defaults[1])
+    assert "tahquant encode [symtiles {}/{}]".format(*bench_sweep.SYMTILES_BLOCKS[-1]) in [r["op"] for r in rows]
+    assert rows[-1]["op"] == "tahquant decode [rice {}/{}]".format(*bench_sweep.RICE_BLOCKS[-1][1])
     lines = bench_sweep.fastest_settings([dict(r, t=1e-3 if "default" in r["op"] else 2e-3) for r in rows])
     assert lines[0] == "pertoken encode, symtiles: the defaults are fastest (1000.0 us)"
     assert len(lines) == 6  # pertoken encode, decode; tahquant encode, decode by symtiles and by rice
     rows[-1].update(t=1e-4)
     rows[-2].update(t=1e-4, diff="3")  # a faster setting that gives other bytes is not chosen
     lines = bench_sweep.fastest_settings([dict(r, t=r["t"] if r["t"] < 1e-3 else 1e-3) for r in rows])
-    assert lines[-1] == "tahquant rice decode, rice: fastest {}/{} 100.0 us, the defaults 1000.0 us (10.00x)".format(
+    assert lines[-1] == "tahquant decode, rice: fastest {}/{} 100.0 us, the defaults 1000.0 us (10.00x)".format(
         *bench_sweep.RICE_BLOCKS[-1][1])
-    assert lines[3] == "tahquant rice encode, rice: the defaults are fastest (1000.0 us)"
+    assert lines[3] == "tahquant encode, rice: the defaults are fastest (1000.0 us)"
     # every setting put back
     assert defaults == (symtiles_triton.GPU_ENCODE_BLOCK, symtiles_triton.GPU_DECODE_BLOCK,
                         rice_triton.GPU_DECODE_BLOCK)

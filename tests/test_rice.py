@@ -213,6 +213,17 @@ def test_rice_kernels_give_the_references_bytes(kernels, monkeypatch, blocks, ki
     assert torch.equal(rice_triton.decode(low.to(DEVICE), unary.to(DEVICE), n, k, qmax, "t").cpu(), codes)
 
 
+def test_the_block_sums_running_totals_are_a_scan_down_each_column():
+    """ends_of scans the (blocks, 9) sums as one 1-D scan (CUB's on a GPU, not a thread per column): the same
+    totals as the plain scan down the rows, in int64, past int32's range, for one block or many."""
+    g = torch.Generator().manual_seed(0)
+    for blocks, high in ((1, 1000), (5, 2**31 - 1), (8192, 5000)):
+        sums = torch.randint(0, high, (blocks, 9), dtype=torch.int32, generator=g)
+        ends = rice_triton.ends_of(sums)
+        assert ends.dtype == torch.int64 and ends.is_contiguous()
+        assert torch.equal(ends, torch.cumsum(sums.long(), 0))
+
+
 def test_rice_kernels_write_the_same_bytes_whatever_k_they_guessed(kernels, monkeypatch):
     """The write kernel runs before k is read on the host, compiled for a guess (the last payload's k
     at that size) and storing nothing unless the device picked that k; a wrong guess costs a second

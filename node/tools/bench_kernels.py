@@ -172,9 +172,10 @@ def codec_rows(x: torch.Tensor, iters: int) -> list[dict]:
     pay_r = tahquant_ref.encode(x, tq)
     diff = (str(int((pay_k != pay_r).sum())) if pay_k.numel() == pay_r.numel()
             else f"size {pay_k.numel()} vs {pay_r.numel()}")
-    rows.append(dict(op="tahquant encode", t=time_cuda(lambda: tahquant_triton.encode(x, tq), iters),
+    rows.append(dict(op="tahquant-paper encode", t=time_cuda(lambda: tahquant_triton.encode(x, tq), iters),
                      ref=time_cuda(lambda: tahquant_ref.encode(x, tq), ref_iters), diff=diff))
-    rows.append(dict(op="tahquant decode", t=time_cuda(lambda: tahquant_triton.decode(pay_r, shape, tq, dtype), iters),
+    rows.append(dict(op="tahquant-paper decode",
+                     t=time_cuda(lambda: tahquant_triton.decode(pay_r, shape, tq, dtype), iters),
                      ref=time_cuda(lambda: tahquant_ref.decode(pay_r, shape, tq, dtype), ref_iters), diff=""))
     del pay_k
 
@@ -191,7 +192,7 @@ def symtiles_rows(x: torch.Tensor, iters: int, ref_iters: int) -> list[dict]:
     shape, dtype, rows = tuple(x.shape), x.dtype, []
     for op, kernel, ref, params in (
             ("pertoken encode", pertoken_triton, pertoken_ref, pertoken_ref.PerTokenParams()),
-            ("tahquant rice encode", tahquant_rice_triton, tahquant_rice_ref, tahquant_rice_ref.RiceParams())):
+            ("tahquant encode", tahquant_rice_triton, tahquant_rice_ref, tahquant_rice_ref.RiceParams())):
         pay_k, pay_r = kernel.encode(x, params), ref.encode(x, params)
         diff = (str(int((pay_k != pay_r).sum())) if pay_k.numel() == pay_r.numel()
                 else f"size {pay_k.numel()} vs {pay_r.numel()}")

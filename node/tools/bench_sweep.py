@@ -44,7 +44,7 @@ def sweep_settings() -> list[tuple[str, object, tuple[int, int], tuple[int, int]
     defaults first, then symtiles_triton's others (both codecs use it), then rice_triton's (tahquant's)."""
     from tahnode.kernels import rice_triton, symtiles_triton
 
-    both, rice = ("pertoken", "tahquant rice"), ("tahquant rice",)
+    both, rice = ("pertoken", "tahquant"), ("tahquant",)
     default = (symtiles_triton.GPU_ENCODE_BLOCK, symtiles_triton.GPU_DECODE_BLOCK)
     out = [("symtiles", symtiles_triton, *default, both)]
     out += [("symtiles", symtiles_triton, b, b, both) for b in SYMTILES_BLOCKS if (b, b) != default]
@@ -62,7 +62,7 @@ def sweep_rows(x: torch.Tensor, iters: int, timer: Callable[[Callable[[], object
 
     shape, dtype, rows = tuple(x.shape), x.dtype, []
     codecs = {"pertoken": (pertoken_triton, pertoken_ref, pertoken_ref.PerTokenParams()),
-              "tahquant rice": (tahquant_rice_triton, tahquant_rice_ref, tahquant_rice_ref.RiceParams())}
+              "tahquant": (tahquant_rice_triton, tahquant_rice_ref, tahquant_rice_ref.RiceParams())}
     wanted = {}
     for name, (_, ref, params) in codecs.items():
         payload = ref.encode(x, params)
