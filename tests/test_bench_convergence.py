@@ -11,6 +11,7 @@ import math
 import pytest
 
 from tahnode.tools import bench_convergence
+from tahnode.tools.bench_report import machine
 from tahnode.tools.convergence_report import standard_error, spread, steps_to_reach, summarize, table
 from tahnode.tools.convergence_runs import RunResult
 
@@ -162,3 +163,14 @@ def test_a_swarm_with_a_shorter_schedule_is_compared_with_its_reference_and_time
     assert row[4].startswith("+0.50% ± 0.50")  # +1% and 0% against the reference of their own seed and length
     assert row[7] == "8 of 10" and row[8] == "0.38×"  # steps 5 and 10 (7.5) to one pipeline's 1.0; over its 20 steps
     assert row[9] == "0.50×"  # the reference with four times the batch reaches 1.0 at its step 10 of the single's 20
+
+
+def test_the_section_names_where_its_runs_trained_when_that_was_elsewhere():
+    """A table made here from runs trained on a lent GPU says so, not that this machine trained them."""
+    here, gpu = machine("cpu"), "16 CPU cores (x), 128 GiB, GPU NVIDIA H200; Python 3.12.3, torch 2.11.0"
+    assert bench_convergence.trained_on([run("a", 0, [(0, 1.0)]) for _ in range(2)], "cpu") is not None
+    mine = [RunResult("a", seed, 1, machine=here) for seed in range(2)]
+    assert bench_convergence.trained_on(mine, "cpu") is None  # the usual case: the line names this machine
+    mixed = [*mine, RunResult("a", 2, 1, machine=gpu), RunResult("a", 3, 1)]
+    assert bench_convergence.trained_on(mixed, "cpu") == (f"2 runs on {here}; 1 run on {gpu}; "
+                                                          "1 run that did not record where it trained")

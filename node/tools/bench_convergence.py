@@ -14,12 +14,13 @@ import json
 import multiprocessing
 import shlex
 import sys
+from collections import Counter
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict
 from pathlib import Path
 
 from ..net.memory import reuse_message_buffers
-from .bench_report import write_section
+from .bench_report import machine, write_section
 from .swarm_cells import CodecPair
 from .convergence_pipelines import add_pipeline_args, pipeline_report, pipeline_specs
 from .convergence_report import plot, summarize, table
@@ -202,8 +203,19 @@ def report(results: list[RunResult], specs: list[RunSpec], args, command: str) -
                f"Gaps compare each seed with the reference ({reference}) of the same seed. Link time = tokens × "
                "width × bits per element of a link's busier direction / rate: what the link alone needs."))
     write_section(Path(args.doc), f"bench-convergence-{args.name}", f"Convergence: {args.name}",
-                  [text, "", setting, "", f"Command: `{command}`"], plots, spec.device)
+                  [text, "", setting, "", f"Command: `{command}`"], plots, spec.device, trained_on(results, spec.device))
     return text
+
+
+def trained_on(results: list[RunResult], device: str) -> str | None:
+    """Where the runs trained, when that is not (only) this machine with `device`: each machine with its
+    runs (the table is made here; its runs may come from a workdir filled elsewhere, e.g. on a lent GPU)."""
+    here = machine(device)
+    counts = Counter(r.machine for r in results)
+    if set(counts) <= {here}:
+        return None
+    return "; ".join(f"{n} run{'s' if n > 1 else ''} " + (f"on {m}" if m else "that did not record where it trained")
+                     for m, n in counts.items())
 
 
 def _pipelines_note(rate: float, swarm_steps: int) -> str:

@@ -40,12 +40,13 @@ def markdown_table(columns: tuple[str, ...], rows: list[list[str]]) -> str:
     return "\n".join(lines + ["| " + " | ".join(cells) + " |" for cells in rows])
 
 
-def write_section(doc: Path, name: str, title: str, body: list[str], plots: list[Path], device: str = "cpu") -> None:
+def write_section(doc: Path, name: str, title: str, body: list[str], plots: list[Path], device: str = "cpu",
+                  where: str | None = None) -> None:
     """Replace (or add at the end) the section `name` of the doc: `body` lines, then a line naming the
-    machine and the date, then the plots (linked relative to the doc)."""
+    machine (`where`, else this one with `device`) and the date, then the plots (linked relative to the doc)."""
     begin, end = BEGIN.format(name=name), END.format(name=name)
     links = [f"![{p.stem}]({os.path.relpath(p, doc.parent)})" for p in plots]
-    section = "\n".join([begin, *body, "", f"Machine: {machine(device)}. Date: {datetime.date.today().isoformat()}.",
+    section = "\n".join([begin, *body, "", f"Machine: {where or machine(device)}. Date: {datetime.date.today().isoformat()}.",
                          "", *links, end])
     text = doc.read_text() if doc.exists() else "# Benchmarks\n"
     if begin in text and end in text:

@@ -13,6 +13,7 @@ import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from .bench_report import machine
 from .swarm_cells import NO_SCHEDULE
 
 __all__ = ["RunSpec", "RunResult", "train_one"]
@@ -103,6 +104,7 @@ class RunResult:
     averaging_bytes: int = 0     # what the replicas sent each other for their outer steps
     outer_steps: int = 0
     spread: float = 0.0          # the largest |difference| between two replicas' weights after an outer step
+    machine: str = ""            # where it trained (bench_report.machine); "" in results older than the field
 
     @property
     def final_eval(self) -> float:
@@ -168,6 +170,7 @@ def train_one(spec: RunSpec, progress=None) -> RunResult:
         if progress is not None:
             progress.put((spec.key, step + 1))
     result.seconds = time.perf_counter() - started
+    result.machine = machine(spec.device)
     result.bits_fwd = replica.stats.bits_per_element(FORWARD)
     result.bits_bwd = replica.stats.bits_per_element(BACKWARD)
     result.error_fwd = replica.errors.mean(FORWARD)
