@@ -203,7 +203,8 @@ def report(results: list[RunResult], specs: list[RunSpec], args, command: str) -
                f"Gaps compare each seed with the reference ({reference}) of the same seed. Link time = tokens × "
                "width × bits per element of a link's busier direction / rate: what the link alone needs."))
     write_section(Path(args.doc), f"bench-convergence-{args.name}", f"Convergence: {args.name}",
-                  [text, "", setting, "", f"Command: `{command}`"], plots, spec.device, trained_on(results, spec.device))
+                  [text, "", setting, "", f"Command: `{command}`"], plots, spec.device,
+                  trained_on(results, spec.device))
     return text
 
 
@@ -214,8 +215,8 @@ def trained_on(results: list[RunResult], device: str) -> str | None:
     counts = Counter(r.machine for r in results)
     if set(counts) <= {here}:
         return None
-    return "; ".join(f"{n} run{'s' if n > 1 else ''} " + (f"on {m}" if m else "that did not record where it trained")
-                     for m, n in counts.items())
+    return "; ".join(f"{n} run{'s' if n > 1 else ''} "
+                     + (f"on {m}" if m else "that did not record where it trained") for m, n in counts.items())
 
 
 def _pipelines_note(rate: float, swarm_steps: int) -> str:

@@ -46,8 +46,8 @@ def write_section(doc: Path, name: str, title: str, body: list[str], plots: list
     machine (`where`, else this one with `device`) and the date, then the plots (linked relative to the doc)."""
     begin, end = BEGIN.format(name=name), END.format(name=name)
     links = [f"![{p.stem}]({os.path.relpath(p, doc.parent)})" for p in plots]
-    section = "\n".join([begin, *body, "", f"Machine: {where or machine(device)}. Date: {datetime.date.today().isoformat()}.",
-                         "", *links, end])
+    dated = f"Machine: {where or machine(device)}. Date: {datetime.date.today().isoformat()}."
+    section = "\n".join([begin, *body, "", dated, "", *links, end])
     text = doc.read_text() if doc.exists() else "# Benchmarks\n"
     if begin in text and end in text:
         text = text[:text.index(begin)] + section + text[text.index(end) + len(end):]
