@@ -159,7 +159,6 @@ def test_every_launch_setting_the_sweep_times_gives_the_references_bytes(kernels
                         rice_triton.GPU_DECODE_BLOCK)
 
 
-
 @pytest.mark.parametrize("tool", ["abuse", "convergence", "coordinator", "nat", "soak", "swarm"])
 def test_every_bench_that_writes_a_doc_section_names_it_with_one_flag(tool):
     import importlib

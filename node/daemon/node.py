@@ -31,12 +31,13 @@ from ..net.tls import PINNED_COORDINATOR_FILE, CoordinatorTrust, TlsCertificate,
 from ..net.transport import Transport
 from ..pipeline.admission import envelope_cap
 from ..pipeline.checkpoint import CheckpointStore
+from ..pipeline.core import initial_model
 from ..pipeline.outer_sync import CATCH_UP_S
 from ..pipeline.state import PipelineError
 from ..pipeline.worker import StageWorker
 from ..proto import tahnode_pb2 as pb
 from ..train.data import open_dataset
-from ..train.model import COMPUTE_DTYPES, StageModel, build_stage
+from ..train.model import StageModel, build_stage
 from .checkpoint_sync import CheckpointSync
 from .device import device_label, device_memory, measure_layer_ms, resolve_device
 from .follower import AssignmentFollower
@@ -215,8 +216,7 @@ class StageNode:
         `init_from`."""
         a, run = self.assignment, self.run_cfg
         if not self.cfg.init_from:
-            return build_stage(run.model, a.stage, run.stages, seed=run.train.seed,
-                               dtype=COMPUTE_DTYPES[run.train.dtype])
+            return initial_model(run, a.stage)
         from ..train.hf import load_stage_from_hf
 
         return load_stage_from_hf(build_stage(run.model, a.stage, run.stages, seed=run.train.seed), self.cfg.init_from)

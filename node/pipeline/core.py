@@ -27,9 +27,15 @@ from .streams import CodecStreams
 
 log = logging.getLogger("tahnode.pipeline")
 
-__all__ = ["StageCore", "PEER_WAIT_S"]
+__all__ = ["StageCore", "PEER_WAIT_S", "initial_model"]
 
 PEER_WAIT_S = 10.0  # how long a micro-batch waits for its link's peer to be named (a few heartbeats)
+
+
+def initial_model(run: RunConfig, stage: int) -> StageModel:
+    """Stage `stage` of the run's model as every holder of it initializes it (its seed, its compute dtype),
+    on the CPU."""
+    return build_stage(run.model, stage, run.stages, seed=run.train.seed, dtype=COMPUTE_DTYPES[run.train.dtype])
 
 
 class StageCore:
@@ -41,8 +47,7 @@ class StageCore:
                  on_saved: Callable[[str, int], None] | None = None, pipeline: int = 0):
         self.run_cfg, self.stage, self.pipeline = run, stage, pipeline
         self.t = transport
-        self.model = (model or build_stage(run.model, stage, run.stages, seed=self.train.seed,
-                                           dtype=self.dtype)).to(device)
+        self.model = (model or initial_model(run, stage)).to(device)
         self.opt = StageOptimizer(self.model.parameters(), self.train)
         self.stats = Stats(tokens_per_step=self.train.micro_batches * self.train.batch_size * self.train.seq_len)
         self.codecs = CodecStreams(run, stage, transport, self.device, self.stats)

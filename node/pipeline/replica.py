@@ -17,8 +17,9 @@ from ..net.transport import BACKWARD, FORWARD, Direction
 from ..proto import tahnode_pb2 as pb
 from ..train.data import SampleSchedule, TokenDataset
 from ..train.hf import load_stage_from_hf
-from ..train.model import COMPUTE_DTYPES, StageModel, build_stage
+from ..train.model import COMPUTE_DTYPES, StageModel
 from ..train.optim import StageOptimizer, grad_sumsq
+from .core import initial_model
 from .schedule import Split
 from .state import Pending, Stats
 from .streams import CodecStreams
@@ -68,7 +69,7 @@ class PipelineReplica:
         self.dtype = COMPUTE_DTYPES[t.dtype]
         self.models: list[StageModel] = []
         for k in range(run.stages):
-            model = build_stage(run.model, k, run.stages, seed=t.seed, dtype=self.dtype)
+            model = initial_model(run, k)
             if init_from:
                 load_stage_from_hf(model, init_from)
             self.models.append(model.to(self.device))
