@@ -37,7 +37,7 @@ from ..pipeline.state import PipelineError
 from ..pipeline.worker import StageWorker
 from ..proto import tahnode_pb2 as pb
 from ..train.data import open_dataset
-from ..train.model import StageModel, build_stage
+from ..train.model import StageModel
 from .checkpoint_sync import CheckpointSync
 from .device import device_label, device_memory, measure_layer_ms, resolve_device
 from .follower import AssignmentFollower
@@ -219,7 +219,7 @@ class StageNode:
             return initial_model(run, a.stage)
         from ..train.hf import load_stage_from_hf
 
-        return load_stage_from_hf(build_stage(run.model, a.stage, run.stages, seed=run.train.seed), self.cfg.init_from)
+        return load_stage_from_hf(initial_model(run, a.stage), self.cfg.init_from)
 
     async def run(self) -> int:
         """Hold a stage and train until the run ends (0) or `stop` is set (0, stage saved); 1 if the
