@@ -115,6 +115,51 @@ def test_a_run_stops_when_its_bench_has_gone(tmp_path, monkeypatch):
         train_one(spec)
 
 
+@pytest.mark.slow
+def test_a_bench_ended_by_sigterm_leaves_no_process_behind(tmp_path):
+    """SIGTERM (a `timeout`, a service manager) ends the bench at once, and its workers and their manager
+    with it, mid-step: none is left training or waiting."""
+    import contextlib
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from tahnode.tools.bench_probes import process_tree
+
+    argv = [sys.executable, "-m", "tahnode.cli", "bench", "convergence", *ARGS, "--steps", "100000", "--pairs",
+            "none/none", "--workdir", str(tmp_path / "work"), "--no-doc"]
+    bench = subprocess.Popen(argv, env={**os.environ, "TAHNODE_CACHE": str(tmp_path / "cache")},
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 120
+        while len(helpers := process_tree(bench.pid)[1:]) < 3:  # the manager and two workers
+            assert bench.poll() is None and time.monotonic() < deadline, "the bench did not start its workers"
+            time.sleep(0.2)
+        time.sleep(3)  # into training
+        bench.send_signal(signal.SIGTERM)
+        bench.wait(timeout=30)
+        deadline = time.monotonic() + 15
+        while left := [pid for pid in helpers if os.path.exists(f"/proc/{pid}") and _alive(pid)]:
+            assert time.monotonic() < deadline, f"left behind: {left}"
+            time.sleep(0.2)
+    finally:
+        for pid in process_tree(bench.pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    assert not list((tmp_path / "work").glob("*.json"))
+
+
+def _alive(pid: int) -> bool:
+    """Running, not a zombie waiting for its reaper."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
 def test_pairs_split_on_semicolons_else_commas_and_one_pair_keeps_its_commas():
     parse = bench_convergence.parse_pairs
     assert [p.label for p in parse("none/none,tahquant-paper/naive")] == ["none/none", "tahquant-paper/naive"]

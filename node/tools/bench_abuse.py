@@ -15,11 +15,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import multiprocessing
 import sys
 import tempfile
 import time
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -28,6 +26,7 @@ from .abuse_frames import PAD_TO, StageDaemon, send_frames
 from .bench_coordinator import BenchError, CoordinatorProcess, Spread
 from .bench_probes import POLL_S, fetch, memory_mb, process_tree
 from .bench_report import markdown_table, write_section
+from .workers import worker_pool
 
 __all__ = ["main", "PhaseRow"]
 
@@ -172,7 +171,7 @@ def run(args, workdir: Path) -> list[PhaseRow]:
             return lambda: time.monotonic() >= end
 
         rows = [observe(coord, daemon, "before", after(args.settle))]
-        with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        with worker_pool(1) as pool:
             for kind, streams in (("padded", args.padded_frames), ("endless", args.endless_frames)):
                 attack = pool.submit(send_frames, coord.address, coord.token, workdir / "neighbour.key", target,
                                      daemon.node_id, {kind: streams})

@@ -15,7 +15,6 @@ import multiprocessing
 import shlex
 import sys
 from collections import Counter
-from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict
 from pathlib import Path
 
@@ -25,6 +24,7 @@ from .swarm_cells import CodecPair
 from .convergence_pipelines import add_pipeline_args, pipeline_report, pipeline_specs
 from .convergence_report import plot, summarize, table
 from .convergence_runs import RunResult, RunSpec, train_one
+from .workers import worker_manager, worker_pool
 
 __all__ = ["main", "build_parser", "plan"]
 
@@ -130,12 +130,9 @@ def run_all(specs: list[RunSpec], workdir: Path, jobs: int) -> list[RunResult]:
     todo = [s for s in specs if not (workdir / f"{s.key}.json").exists()]
     if todo:
         train_samples_ready(todo[0])
-        ctx = multiprocessing.get_context("spawn")
-        with ctx.Manager() as manager, Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                                                TimeElapsedColumn()) as bar, \
-                ProcessPoolExecutor(max_workers=min(jobs, len(todo)), mp_context=ctx,
-                                    # messages cross the host as in a daemon
-                                    initializer=reuse_message_buffers) as pool:
+        with worker_manager() as manager, Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                                                   TimeElapsedColumn()) as bar, \
+                worker_pool(min(jobs, len(todo)), reuse_message_buffers) as pool:  # messages cross the host as in a daemon
             queue = manager.Queue()
             overall = bar.add_task(f"{len(todo)} runs ({len(specs) - len(todo)} done before)",
                                    total=len(todo) * todo[0].steps)

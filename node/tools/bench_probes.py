@@ -3,13 +3,14 @@ tree from /proc, and GETs of its HTTP endpoints, polled from a process of their 
 
 from __future__ import annotations
 
-import multiprocessing
 import os
 import time
 import urllib.request
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from .workers import worker_pool
 
 __all__ = ["stat_fields", "process_tree", "cpu_seconds", "memory_mb", "fetch", "EndpointLog", "poll_endpoints",
            "poller_pool", "POLL_S"]
@@ -99,5 +100,5 @@ def poll_endpoints(urls: list[str], seconds: float) -> list[EndpointLog]:
 
 
 def poller_pool() -> ProcessPoolExecutor:
-    """One spawned worker (this process has gRPC threads: no fork)."""
-    return ProcessPoolExecutor(max_workers=1, mp_context=multiprocessing.get_context("spawn"))
+    """One worker process (spawned: this process has gRPC threads)."""
+    return worker_pool(1)
