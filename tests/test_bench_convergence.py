@@ -160,6 +160,19 @@ def _alive(pid: int) -> bool:
         return False
 
 
+def test_the_bench_trains_on_its_reference_schedule_unless_a_config_names_another(tmp_path):
+    """Without --config every run takes the bench's steadier [train] (60 warm-up steps); a TOML's [train]
+    is taken whole, and the two never share a result file."""
+    parse = bench_convergence.build_parser().parse_args
+    default = bench_convergence.plan(parse(["--pairs", "none/none", "--seeds", "1"]))[0].run_config().train
+    assert (default.lr, default.warmup_steps) == (3e-3, 60)
+    toml = tmp_path / "mine.toml"
+    toml.write_text("[train]\nlr = 1e-3\n")
+    mine = bench_convergence.plan(parse(["--pairs", "none/none", "--seeds", "1", "--config", str(toml)]))[0]
+    assert (mine.run_config().train.lr, mine.run_config().train.warmup_steps) == (1e-3, 10)  # the run default
+    assert mine.key != bench_convergence.plan(parse(["--pairs", "none/none", "--seeds", "1"]))[0].key
+
+
 def test_pairs_split_on_semicolons_else_commas_and_one_pair_keeps_its_commas():
     parse = bench_convergence.parse_pairs
     assert [p.label for p in parse("none/none,tahquant-paper/naive")] == ["none/none", "tahquant-paper/naive"]

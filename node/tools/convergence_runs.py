@@ -36,6 +36,7 @@ class RunSpec:
     samples_per_message: int
     messages_per_step: int
     config: str = ""             # a TOML file with [train] settings (lr, warmup_steps, ...)
+    train: dict = field(default_factory=dict)     # [train] settings over the TOML's (the bench's reference)
     data: str = ""               # a prepared token file; "" = the built-in corpus
     data_mb: float = 16.0        # size of the built-in corpus
     device: str = "cpu"
@@ -51,7 +52,7 @@ class RunSpec:
     def key(self) -> str:
         """A name for the run's result file: the pair and seed, and a hash of every other setting."""
         settings = asdict(self)
-        for name in ("schedule", "swarm"):  # runs without one keep the names they had before it existed
+        for name in ("schedule", "swarm", "train"):  # runs without one keep the names they had before it existed
             if not settings[name]:
                 del settings[name]
         text = json.dumps(settings, sort_keys=True)
@@ -72,6 +73,7 @@ class RunSpec:
         from ..config import RunConfig
 
         return RunConfig.build(self.model, self.config or None, **{
+            **{f"train.{k}": v for k, v in self.train.items()},
             "stages": self.stages, "data": self.data, "data_limit_mb": self.data_mb,
             "train.steps": self.steps, "train.seq_len": self.seq_len, "train.batch_size": self.samples_per_message,
             "train.micro_batches": self.messages_per_step, "train.pipeline_micro_batches": self.messages_per_step,
