@@ -1,7 +1,7 @@
 """Real daemons on a real checkpoint: a tiny tied Llama saved by `transformers` (tie_word_embeddings,
 as Llama 3.2 1B has) trains across two `tahnode join --init-from DIR` processes, the head on stage
-0 and the last stage's hidden states coming back to it, with single-process training's losses (in float32 and in bfloat16); a
-stage given a checkpoint of another model refuses to start, naming the field."""
+0 and the last stage's hidden states coming back to it, with single-process training's losses (in
+float32 and in bfloat16); a stage given a checkpoint of another model refuses to start, naming the field."""
 
 from __future__ import annotations
 

@@ -147,7 +147,7 @@ def run_all(specs: list[RunSpec], workdir: Path, jobs: int) -> list[RunResult]:
         train_samples_ready(todo[0])
         with worker_manager() as manager, Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                                                    TimeElapsedColumn()) as bar, \
-                worker_pool(min(jobs, len(todo)), reuse_message_buffers) as pool:  # messages cross the host as in a daemon
+                worker_pool(min(jobs, len(todo)), reuse_message_buffers) as pool:  # host copies as in a daemon
             queue = manager.Queue()
             overall = bar.add_task(f"{len(todo)} runs ({len(specs) - len(todo)} done before)",
                                    total=len(todo) * todo[0].steps)
