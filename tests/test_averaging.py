@@ -101,7 +101,7 @@ def test_three_replicas_reach_the_mean_within_the_codecs_error(dhts, bits):
 def test_replicas_at_different_rounds_never_average_together(dhts):
     xs = vectors(3, seed=1)
     with replicas(dhts, [StageAverager] * 3) as avs:
-        results = run_round(avs, xs, [5, 5, 6], expected=3, timeout=2.0)
+        results = run_round(avs, xs, [5, 5, 6], expected=3, timeout=4.0)
     pair = (xs[0] + xs[1]) / 2
     for result in results[:2]:
         assert result.group == 2
@@ -139,7 +139,9 @@ def test_a_missing_replica_leaves_the_others_to_average_at_the_deadline(dhts):
     for result in results:
         assert result.group == 2
         assert float((result.mean - pair).abs().max()) <= codec_tolerance(xs, 8)
-        assert 1.5 <= result.seconds < 2.0 + 3 * GRACE_S
+        # it waited for the deadline, then went ahead: far sooner than the all-reduce's own timeout (about 61 s),
+        # with room for a machine loaded by the swarms that other tests run beside it
+        assert 1.5 <= result.seconds < 2.0 + GRACE_S + 20
 
 
 class NaNRunner(parts.CheckedRunner):
@@ -213,7 +215,7 @@ def test_a_non_member_cannot_join_the_members_group(dhts):
         members = [avs[0].peer_id, avs[1].peer_id]
         for averager in avs[:2]:
             averager.set_members(members)
-        results = run_round(avs, xs, [2] * 3, expected=3, timeout=3.0)
+        results = run_round(avs, xs, [2] * 3, expected=3, timeout=4.0)
         outsider = avs[2].peer_id
     pair = (xs[0] + xs[1]) / 2
     for result in results[:2]:
