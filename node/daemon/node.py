@@ -214,12 +214,7 @@ class StageNode:
     def _build_model(self) -> StageModel:
         """The assigned stage's model, initialized as every holder of it initializes it, or loaded from
         `init_from`."""
-        a, run = self.assignment, self.run_cfg
-        if not self.cfg.init_from:
-            return initial_model(run, a.stage)
-        from ..train.hf import load_stage_from_hf
-
-        return load_stage_from_hf(initial_model(run, a.stage), self.cfg.init_from)
+        return initial_model(self.run_cfg, self.assignment.stage, self.cfg.init_from)
 
     async def run(self) -> int:
         """Hold a stage and train until the run ends (0) or `stop` is set (0, stage saved); 1 if the

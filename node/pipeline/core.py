@@ -32,10 +32,15 @@ __all__ = ["StageCore", "PEER_WAIT_S", "initial_model"]
 PEER_WAIT_S = 10.0  # how long a micro-batch waits for its link's peer to be named (a few heartbeats)
 
 
-def initial_model(run: RunConfig, stage: int) -> StageModel:
+def initial_model(run: RunConfig, stage: int, init_from: str = "") -> StageModel:
     """Stage `stage` of the run's model as every holder of it initializes it (its seed, its compute dtype),
-    on the CPU."""
-    return build_stage(run.model, stage, run.stages, seed=run.train.seed, dtype=COMPUTE_DTYPES[run.train.dtype])
+    on the CPU; with `init_from`, its tensors then loaded from that Hugging Face checkpoint folder."""
+    model = build_stage(run.model, stage, run.stages, seed=run.train.seed, dtype=COMPUTE_DTYPES[run.train.dtype])
+    if init_from:
+        from ..train.hf import load_stage_from_hf
+
+        load_stage_from_hf(model, init_from)
+    return model
 
 
 class StageCore:

@@ -16,7 +16,6 @@ from ..config import RunConfig
 from ..net.transport import BACKWARD, FORWARD, Direction
 from ..proto import tahnode_pb2 as pb
 from ..train.data import SampleSchedule, TokenDataset
-from ..train.hf import load_stage_from_hf
 from ..train.model import COMPUTE_DTYPES, StageModel
 from ..train.optim import StageOptimizer, grad_sumsq
 from .core import initial_model
@@ -69,10 +68,7 @@ class PipelineReplica:
         self.dtype = COMPUTE_DTYPES[t.dtype]
         self.models: list[StageModel] = []
         for k in range(run.stages):
-            model = initial_model(run, k)
-            if init_from:
-                load_stage_from_hf(model, init_from)
-            self.models.append(model.to(self.device))
+            self.models.append(initial_model(run, k, init_from).to(self.device))
         self.opts = [StageOptimizer(m.parameters(), t) for m in self.models]
         self.stats = Stats()  # every stage's sends counted together
         self.streams = [CodecStreams(run, k, _OneStream(), self.device, self.stats) for k in range(run.stages)]
