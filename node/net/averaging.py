@@ -55,6 +55,7 @@ class AveragingRound:
     bytes_sent: int = 0        # serialized bytes this replica sent in the all-reduce (parts and returned deltas)
     bytes_received: int = 0
     seconds: float = 0.0       # wall time of the call
+    dropped: int = 0           # replicas of the group that some part of the mean lacks: dropped as silent senders
 
 
 class StageAverager:
@@ -116,19 +117,22 @@ class StageAverager:
             return AveragingRound(None, 0, seconds=time.monotonic() - started)
         group = await asyncio.to_thread(self._averager.run_round, vector.cpu(), format(round % 256, "08b"),
                                         expected, timeout)
-        refused, sent, received, partial = await asyncio.to_thread(self._averager.ask, "_take_ledger")
+        tally = await asyncio.to_thread(self._averager.ask, "_take_ledger")
         mean = None
-        if group is not None and partial:  # its values of some parts are its own: not the group's mean
+        if group is not None and tally.partial:  # its values of some parts are its own: not the group's mean
             log.warning("averaging %s round %d: a part's average never came back; the round counts as missed",
                         self.prefix, round)
             group = None
         if group is not None:
             mean = await asyncio.to_thread(self._result)
-        if refused:
+        if tally.refused:
             log.info("averaging %s round %d: refused %s", self.prefix, round,
-                     ", ".join(f"{count} from {peer}" for peer, count in sorted(refused.items())))
-        return AveragingRound(mean, len(group) if group is not None else 0, refused, sent, received,
-                              time.monotonic() - started)
+                     ", ".join(f"{count} from {peer}" for peer, count in sorted(tally.refused.items())))
+        if mean is not None and tally.dropped:
+            log.warning("averaging %s round %d: a part of the mean lacks %d of the group's %d replicas (silent "
+                        "senders, dropped)", self.prefix, round, tally.dropped, len(group))
+        return AveragingRound(mean, len(group) if group is not None else 0, tally.refused, tally.sent, tally.received,
+                              time.monotonic() - started, tally.dropped if mean is not None else 0)
 
     def _result(self) -> torch.Tensor:
         with self._averager.get_tensors() as (tensor,):

@@ -37,7 +37,8 @@ log = logging.getLogger("tahnode.averaging")
 
 class CheckedReducer(TensorPartReducer):
     """hivemind's reducer, but it keeps every sender's part k (None: wrong shape or not finite) and
-    averages part k once all are in, over those admitted() lets in, each counting 1."""
+    averages part k once all are in, over those admitted() lets in, each counting 1. A part's result
+    is (its average or None, how many senders it left out: those dropped as silent)."""
 
     def __init__(self, part_shapes, num_senders: int, *, own: int, ratio: float, refuse):
         self.own, self.ratio, self.refuse, self.parts = own, ratio, refuse, {}
@@ -47,9 +48,10 @@ class CheckedReducer(TensorPartReducer):
         super().reset_accumulators()
         self.parts, self.accumulator = {}, None  # parts are kept, not summed
 
-    async def accumulate_part(self, sender_index: int, part_index: int, tensor_part, weight: float = 1.0):
-        """The average of part `part_index` (None: nothing admitted), once every sender's is in; `weight`
-        is what the sender claims, and is ignored."""
+    async def accumulate_part(self, sender_index: int, part_index: int, tensor_part, weight: float = 1.0
+                              ) -> tuple[torch.Tensor | None, int]:
+        """Part `part_index`'s (average, senders left out), once every sender's part is in or its sender
+        dropped; `weight` is what the sender claims, and is ignored."""
         assert 0 <= sender_index < self.num_senders and 0 <= part_index < self.num_parts
         self.num_parts_received[sender_index] += 1
         while part_index > self.current_part_index:
@@ -72,8 +74,9 @@ class CheckedReducer(TensorPartReducer):
             self.current_part_future.set_result(self._mean())
             self.reset_accumulators()
 
-    def _mean(self) -> torch.Tensor | None:
+    def _mean(self) -> tuple[torch.Tensor | None, int]:
         senders = sorted(self.parts)
+        dropped = self.num_senders - len(senders)
         parts = [self.parts[s] for s in senders]
         norms = [float(p.double().norm()) if p is not None else float("nan") for p in parts]
         ok = admitted(norms, self.ratio)
@@ -81,7 +84,7 @@ class CheckedReducer(TensorPartReducer):
             if not keep and sender != self.own:  # its own part left out is no peer's offence
                 self.refuse(sender)
         kept = [p for p, keep in zip(parts, ok) if keep and p is not None]
-        return torch.stack(kept).mean(dim=0) if kept else None
+        return (torch.stack(kept).mean(dim=0) if kept else None), dropped
 
 
 class CheckedContainer(TensorPartContainer):
@@ -118,7 +121,7 @@ class _CountingStub:
         self.stub, self.ledger = stub, ledger
 
     async def rpc_aggregate_part(self, requests: AsyncIterator) -> AsyncIterator:
-        return self.ledger.counting_received(await self.stub.rpc_aggregate_part(requests))
+        return self.ledger.counting_averages(await self.stub.rpc_aggregate_part(requests))
 
 
 class CheckedRunner(AllReduceRunner):
@@ -162,7 +165,9 @@ class CheckedRunner(AllReduceRunner):
             return await super()._communicate_with_peer(peer_id)
         peer_index, sender_index = self.ordered_peer_ids.index(peer_id), self.sender_peer_ids.index(peer_id)
         for part_index, part in enumerate(self.parts_for_local_averaging):
-            mean = await self.tensor_part_reducer.accumulate_part(sender_index, part_index, part, weight=self.weight)
+            mean, dropped = await self.tensor_part_reducer.accumulate_part(sender_index, part_index, part,
+                                                                           weight=self.weight)
+            self.ledger.mark_dropped(dropped)
             coded = decoded(self._mean_message(part_index, mean)) if mean is not None else None
             self.tensor_part_container.register_processed_part(peer_index, part_index, coded)
 
@@ -188,13 +193,14 @@ class CheckedRunner(AllReduceRunner):
 
     async def _accumulate_parts_streaming(self, stream: AsyncIterator[averaging_pb2.AveragingData], sender_index: int):
         """A sender's parts, each answered with the average in this replica's codec (encoded once: the
-        same bytes for every sender); with nothing admitted, an error (the sender keeps its own part)."""
+        same bytes for every sender) and, as its `weight`, how many of the group's replicas the average
+        left out; with nothing admitted, an error (the sender keeps its own part)."""
         loop, part_index = asyncio.get_running_loop(), 0
         prefetch = self.tensor_part_container.prefetch
         try:
             async for part in amap_in_executor(lambda msg: decoded(msg.tensor_part), stream, max_prefetch=prefetch):
                 try:
-                    mean = await self.tensor_part_reducer.accumulate_part(sender_index, part_index, part)
+                    mean, dropped = await self.tensor_part_reducer.accumulate_part(sender_index, part_index, part)
                 except BannedException:
                     break
                 if mean is None:
@@ -202,7 +208,9 @@ class CheckedRunner(AllReduceRunner):
                     break
                 serialized = await loop.run_in_executor(None, self._mean_message, part_index, mean)
                 part_index += 1
-                message = averaging_pb2.AveragingData(code=averaging_pb2.AVERAGED_PART, tensor_part=serialized)
+                message = averaging_pb2.AveragingData(code=averaging_pb2.AVERAGED_PART, tensor_part=serialized,
+                                                      weight=dropped)
+                self.ledger.mark_dropped(dropped)
                 self.ledger.sent += message.ByteSize()
                 yield message
         finally:

@@ -4,12 +4,12 @@ state, which part is usable, and the ledger of what was refused, sent and receiv
 
 from __future__ import annotations
 
-from collections import Counter
+from dataclasses import dataclass, field
 from typing import AsyncIterator
 
 import torch
 
-__all__ = ["Ledger", "usable", "MIN_MATCHMAKING_S", "REQUEST_TIMEOUT_S", "CHUNK_TIMEOUT_S", "GRACE_S",
+__all__ = ["Ledger", "Tally", "usable", "MIN_MATCHMAKING_S", "REQUEST_TIMEOUT_S", "CHUNK_TIMEOUT_S", "GRACE_S",
            "allreduce_timeout_s", "CONTROL_TIMEOUT_S", "STATE_KEY"]
 
 MIN_MATCHMAKING_S = 0.5      # the least time a replica looks for its group
@@ -39,31 +39,59 @@ def usable(part: torch.Tensor | None, shape) -> torch.Tensor | None:
     return part if bool(torch.isfinite(part).all()) else None
 
 
+@dataclass
+class Tally:
+    """One round as the averager's process counted it, for the parent."""
+
+    refused: dict[str, int] = field(default_factory=dict)  # peer id -> its parts (or averages) refused
+    sent: int = 0             # serialized bytes sent
+    received: int = 0
+    partial: bool = False     # a part's average never came back: some values are this replica's own
+    dropped: int = 0          # the most replicas of the group that a part's average left out (silent senders)
+
+
 class Ledger:
     """What the averager's process tallies until the parent takes it after a round: parts refused per
-    peer, the serialized bytes it sent and received; and the peers allowed in its groups (none: all)."""
+    peer, the serialized bytes it sent and received, the replicas its averages left out; and the peers
+    allowed in its groups (none: all)."""
 
     def __init__(self):
         self.members: frozenset[str] = frozenset()
-        self.refused: Counter = Counter()
-        self.sent = self.received = 0
-        self.partial = False  # a part's average never came back in the last round
+        self.tally = Tally()
+
+    @property
+    def sent(self) -> int:
+        return self.tally.sent
+
+    @sent.setter
+    def sent(self, value: int) -> None:
+        self.tally.sent = value
 
     def admits(self, peer) -> bool:
         return not self.members or str(peer) in self.members
 
     def refuse(self, peer) -> None:
-        self.refused[str(peer)] += 1
+        self.tally.refused[str(peer)] = self.tally.refused.get(str(peer), 0) + 1
 
     def mark_partial(self) -> None:
-        self.partial = True
+        self.tally.partial = True
 
-    def take(self) -> tuple[dict[str, int], int, int, bool]:
-        tally = (dict(self.refused), self.sent, self.received, self.partial)
-        self.refused, self.sent, self.received, self.partial = Counter(), 0, 0, False
+    def mark_dropped(self, count: int) -> None:
+        self.tally.dropped = max(self.tally.dropped, count)
+
+    def take(self) -> Tally:
+        tally, self.tally = self.tally, Tally()
         return tally
 
     async def counting_received(self, stream: AsyncIterator) -> AsyncIterator:
         async for message in stream:
-            self.received += message.ByteSize()
+            self.tally.received += message.ByteSize()
+            yield message
+
+    async def counting_averages(self, stream: AsyncIterator) -> AsyncIterator:
+        """A reducer's answers, counted; each average's `weight` is how many of the group's replicas
+        it left out (senders silent past the sender timeout), which this replica's mean then lacks."""
+        async for message in self.counting_received(stream):
+            if message.HasField("tensor_part") and message.weight >= 1:
+                self.mark_dropped(int(min(message.weight, 1 << 16)))
             yield message
