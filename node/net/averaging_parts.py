@@ -173,7 +173,7 @@ class CheckedRunner(AllReduceRunner):
 
     async def _generate_input_for_peer(self, peer_index: int) -> AsyncIterator[averaging_pb2.AveragingData]:
         async for message in super()._generate_input_for_peer(peer_index):
-            self.ledger.sent += message.ByteSize()
+            self.ledger.tally.sent += message.ByteSize()
             yield message
 
     async def rpc_aggregate_part(self, stream: AsyncIterator[averaging_pb2.AveragingData], context: P2PContext
@@ -211,7 +211,7 @@ class CheckedRunner(AllReduceRunner):
                 message = averaging_pb2.AveragingData(code=averaging_pb2.AVERAGED_PART, tensor_part=serialized,
                                                       weight=dropped)
                 self.ledger.mark_dropped(dropped)
-                self.ledger.sent += message.ByteSize()
+                self.ledger.tally.sent += message.ByteSize()
                 yield message
         finally:
             if part_index != self.tensor_part_reducer.num_parts:

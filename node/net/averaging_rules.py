@@ -59,14 +59,6 @@ class Ledger:
         self.members: frozenset[str] = frozenset()
         self.tally = Tally()
 
-    @property
-    def sent(self) -> int:
-        return self.tally.sent
-
-    @sent.setter
-    def sent(self, value: int) -> None:
-        self.tally.sent = value
-
     def admits(self, peer) -> bool:
         return not self.members or str(peer) in self.members
 
