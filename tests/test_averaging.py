@@ -174,10 +174,10 @@ class OneValueRunner(parts.CheckedRunner):
 
 
 class SilentRunner(parts.CheckedRunner):
-    """Sends its parts 3 s late, past a sender timeout of 1 s."""
+    """Sends its parts 25 s late, past a sender timeout of 10 s."""
 
     async def _generate_input_for_peer(self, peer_index):
-        await asyncio.sleep(3.0)
+        await asyncio.sleep(25.0)
         async for message in super()._generate_input_for_peer(peer_index):
             yield message
 
@@ -234,8 +234,9 @@ def test_a_hostile_replica_never_poisons_the_honest_ones(dhts, liar):
 def test_a_mean_that_lacks_a_dropped_sender_says_so(dhts, monkeypatch):
     """A replica of the group sends its parts after the sender timeout: the two others drop it from the
     parts they reduce, and their means say that a replica is missing from some part (`dropped`); the
-    late one keeps its own values (no mean). Before, both reported a group of three and nothing else."""
-    monkeypatch.setattr(parts, "CHUNK_TIMEOUT_S", 1.0)
+    late one keeps its own values (no mean). Before, both reported a group of three and nothing else.
+    The sender timeout is 10 s here, twice the product's: a loaded machine once held an honest sender 5 s."""
+    monkeypatch.setattr(parts, "CHUNK_TIMEOUT_S", 10.0)
     xs = vectors(3, seed=6)
     with replicas(dhts, [StageAverager, StageAverager, SilentReplica]) as avs:
         results = run_round(avs, xs, [9] * 3, expected=3, timeout=5.0)
