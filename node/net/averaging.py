@@ -128,11 +128,13 @@ class StageAverager:
         if tally.refused:
             log.info("averaging %s round %d: refused %s", self.prefix, round,
                      ", ".join(f"{count} from {peer}" for peer, count in sorted(tally.refused.items())))
-        if mean is not None and tally.dropped:
+        # a reducer's word: never more than the others of the group
+        dropped = min(tally.dropped, len(group) - 1) if mean is not None else 0
+        if dropped:
             log.warning("averaging %s round %d: a part of the mean lacks %d of the group's %d replicas (silent "
-                        "senders, dropped)", self.prefix, round, tally.dropped, len(group))
+                        "senders, dropped)", self.prefix, round, dropped, len(group))
         return AveragingRound(mean, len(group) if group is not None else 0, tally.refused, tally.sent, tally.received,
-                              time.monotonic() - started, tally.dropped if mean is not None else 0)
+                              time.monotonic() - started, dropped)
 
     def _result(self) -> torch.Tensor:
         with self._averager.get_tensors() as (tensor,):
