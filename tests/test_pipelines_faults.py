@@ -57,6 +57,15 @@ def tree(pid: int) -> list[int]:
     return out
 
 
+def kill_tree(pid: int) -> None:
+    """SIGKILL to `pid` and every process below it (a daemon's p2p daemon and averager with it)."""
+    for p in tree(pid):
+        try:
+            os.kill(p, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
 def test_a_lying_replica_is_refused_and_banned_and_a_killed_one_does_not_stop_the_outer_step(tmp_path):
     swarm = Swarm(tmp_path)
     marker = tmp_path / "stalled"
@@ -81,11 +90,7 @@ def test_a_lying_replica_is_refused_and_banned_and_a_killed_one_does_not_stop_th
         while not marker.exists():
             assert time.monotonic() < deadline, "the victim never reached its third outer step"
             time.sleep(0.2)
-        for pid in tree(faulty["victim"].pid):  # the victim's machine dies in the middle of the all-reduce
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        kill_tree(faulty["victim"].pid)  # the victim's machine dies in the middle of the all-reduce
         state = swarm.wait_for(lambda s: any("banned: liar" in e for e in s["events"]), 240, "the liar banned")
         assert "pseudo-gradients" in next(e for e in state["events"] if "banned: liar" in e)
         swarm.wait_for(lambda s: s["training"]["finished"] or any(p["index"] == 0 and (p["step"] or 0) >= STEPS
@@ -97,7 +102,8 @@ def test_a_lying_replica_is_refused_and_banned_and_a_killed_one_does_not_stop_th
         swarm.stop()
         for proc in faulty.values():
             if proc.poll() is None:
-                proc.kill()
+                kill_tree(proc.pid)
+                proc.wait(10)
     stalled_at = marker.stat().st_mtime
     zero = [e for e in ledger if e["pipeline"] == 0]
     assert [e["step"] for e in zero] == list(range(STEPS))  # every step of pipeline 0 once

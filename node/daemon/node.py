@@ -198,18 +198,25 @@ class StageNode:
                   "coordinator", flush=True)
             await self.sync.fetch(a)
         dataset = await asyncio.to_thread(open_dataset, run, cfg.data_dir) if a.stage == 0 else None
-        # beside the event loop: a large stage takes longer to build than the coordinator waits for a heartbeat
-        model = await asyncio.to_thread(self._build_model)
-        worker = StageWorker(run, a.stage, self.t, self.device, store, dataset,
-                             on_step=Progress(run.train.steps, cfg.progress), model=model,
-                             on_saved=lambda path, step: self.sync.saved(path, step, a.stage, a.num_stages),
-                             pipeline=a.pipeline)
+        # beside the event loop, which sends the heartbeats: a large stage takes longer to build, and a
+        # first checkpoint longer to load, than the coordinator waits for a heartbeat (a stage of
+        # llama-tiny under load once took 12 s from its fetched checkpoint to its loaded one)
+        worker, resumed = await asyncio.to_thread(self._make_worker, store, dataset)
         # for rollbacks: the store's copy
         worker.saver.fetch = lambda step: self.sync.fetch_step(a.stage, a.num_stages, step)
-        resumed = worker.resume()
         if resumed:
             print(f"{self.node_id}: resumed stage {a.stage} from its checkpoint at step {resumed}", flush=True)
         return worker
+
+    def _make_worker(self, store: CheckpointStore, dataset) -> tuple[StageWorker, int]:
+        """The stage's worker with its model built (or loaded from `init_from`) and its newest
+        checkpoint loaded; and the step it resumed at (0: none)."""
+        a = self.assignment
+        worker = StageWorker(self.run_cfg, a.stage, self.t, self.device, store, dataset,
+                             on_step=Progress(self.run_cfg.train.steps, self.cfg.progress), model=self._build_model(),
+                             on_saved=lambda path, step: self.sync.saved(path, step, a.stage, a.num_stages),
+                             pipeline=a.pipeline)
+        return worker, worker.resume()
 
     def _build_model(self) -> StageModel:
         """The assigned stage's model, initialized as every holder of it initializes it, or loaded from
