@@ -79,16 +79,10 @@ def test_a_vacancy_takes_a_standby_and_an_incomplete_pipeline_is_dissolved(tmp_p
     placement = placed(r, swarm)
     assert sorted(placement.chains()) == [0, 1]
     spare = next(n.node_id for n in r.nodes.values() if n.status is NodeStatus.STANDBY)
-    lost = placement.chains()[1][1]
-    r.nodes[lost].status = NodeStatus.FAILED  # what the sweep records
-    r.roster.invalidate()
-    r.epoch += 1
+    fail(r, placement.chains()[1][1])
     asyncio.run(settle(placement, 1.0))
     assert placement.chains()[1][1] == spare and sorted(placement.chains()) == [0, 1]
-    gone = placement.chains()[1][0]
-    r.nodes[gone].status = NodeStatus.FAILED
-    r.roster.invalidate()
-    r.epoch += 1
+    fail(r, placement.chains()[1][0])
     asyncio.run(settle(placement, 1.0))
     assert sorted(placement.chains()) == [0] and r.roster.pipelines() == [0]  # training goes on in pipeline 0
     assert statuses(r) == {"active": 3, "standby": 2, "failed": 2}
@@ -112,14 +106,19 @@ def test_late_newcomers_complete_a_new_pipeline(tmp_path):
     assert sorted(placement.chains()) == [0, 1] and statuses(r) == {"active": 6, "standby": 1}
 
 
+def join(r, name: str, stage: int) -> pb.JoinReply:
+    """`name` joins `r` for `stage` (--stage N), as a daemon's join request does."""
+    sealer = Sealer(SwarmKey("t" * 32), name, identity=NodeKey.generate())
+    return r.join(sealer.seal(pb.JoinRequest(node_id=name, address=f"127.0.0.1:{len(name)}", stage=stage), COORDINATOR))
+
+
+def fail(r, name: str) -> None:
+    r.nodes[name].status = NodeStatus.FAILED  # what the sweep records
+    r.roster.invalidate()
+    r.epoch += 1
+
+
 def test_a_pinned_node_opens_a_new_pipeline_only_where_asked(tmp_path):
-    key = SwarmKey("t" * 32)
-
-    def join(r, name: str, stage: int) -> pb.JoinReply:
-        sealer = Sealer(key, name, identity=NodeKey.generate())
-        return r.join(sealer.seal(pb.JoinRequest(node_id=name, address=f"127.0.0.1:{len(name)}", stage=stage),
-                                  COORDINATOR))
-
     two = registry_with(tmp_path / "two", TrueSwarm(0, 0), stages=2, pipelines=2)
     assert [join(two, n, k).assignment.pipeline for n, k in (("a", 0), ("b", 0), ("c", 1), ("d", 1))] == [0, 1, 0, 1]
     assert two.roster.complete_pipelines() == [0, 1]
@@ -130,3 +129,24 @@ def test_a_pinned_node_opens_a_new_pipeline_only_where_asked(tmp_path):
     # auto pipelines are formed of --stage auto nodes
     with pytest.raises(StageTaken, match="stage 0 is held by node a"):
         join(auto, "b", 0)
+
+
+def test_a_pinned_node_whose_pipeline_was_dissolved_takes_only_its_own_stage_again(tmp_path):
+    """Pipelines a/c, b/d and x/- of pinned nodes; d fails, so pipeline 1 is dissolved and b (stage 0)
+    stands by. Pipeline 2's open stage 1 is not b's: b waits (before, it was put there) until a node
+    for stage 1 opens pipeline 1 again, and takes its stage 0 there."""
+    r = registry_with(tmp_path, TrueSwarm(0, 0), stages=2, pipelines=3)
+    assert [join(r, n, k).assignment.pipeline for n, k in (("a", 0), ("b", 0), ("c", 1), ("d", 1), ("x", 0))] == \
+        [0, 1, 0, 1, 2]
+    for n in r.nodes.values():
+        n.layer_ms = 1.0  # its compute speed reported
+    placement = Placement(r, FAST, TrueSwarm(0, 0).measure)
+    fail(r, "d")
+    asyncio.run(settle(placement, 1.0))
+    assert any("pipeline 1 dissolved" in e for e in r.events)
+    assert r.nodes["b"].status is NodeStatus.STANDBY and r.roster.open_stages(2) == [1]
+    assert join(r, "e", 1).assignment.pipeline == 2
+    assert join(r, "f", 1).assignment.pipeline == 1
+    asyncio.run(settle(placement, 1.0))
+    assert placement.chains() == {0: ["a", "c"], 1: ["b", "f"], 2: ["x", "e"]}
+    assert statuses(r) == {"active": 6, "failed": 1}

@@ -4,7 +4,8 @@ fill the open stages of the pipelines there are, then form new pipelines while e
 what the probes know (capacity probes of every node, full probes of a new chain's links, for at
 most `probe_wait_s`) and formed only if it reaches `min_chain_share` of the fastest pipeline's
 speed; spare nodes stand by. A pipeline that loses a stage no standby can fill is dissolved while
-another pipeline trains, its nodes stand by. While one pipeline trains, every `rebalance_s` a new
+another pipeline trains, its nodes stand by (one that joined for a stage, --stage N, takes only that
+stage again). While one pipeline trains, every `rebalance_s` a new
 plan over the movable nodes replaces its chain if its links are fully probed and it cuts the
 bottleneck (the chain in use judged by its links' best probes) by the `hysteresis` share.
 Searches run in a thread, on a shortlist."""
@@ -107,6 +108,13 @@ class Placement:
         roster = self.r.roster
         return [p for p in roster.pipelines() if roster.open_stages(p) and p not in self.r.roster.finished]
 
+    def can_fill(self, pipeline: int, waiting: list[NodeRecord]) -> bool:
+        """Whether `waiting` nodes can take every open stage of `pipeline`: a node that joined for a
+        stage (--stage N) and stands by takes only that stage, a --stage auto node any."""
+        open_stages = set(self.r.roster.open_stages(pipeline))
+        pinned = {n.chosen for n in waiting if n.chosen >= 0} & open_stages
+        return len(open_stages - pinned) <= sum(1 for n in waiting if n.chosen < 0)
+
     def may_form(self, waiting: int) -> bool:
         """Whether `waiting` nodes may form another pipeline: below --pipelines N (or max_pipelines), a
         whole chain of them, and with auto the standbys kept back once one pipeline exists."""
@@ -122,8 +130,7 @@ class Placement:
         speeds reported; and, before a new pipeline, the candidates' capacity probes done (or
         `probe_wait_s` spent on them)."""
         waiting = self.r.waiting()
-        roster = self.r.roster
-        fillable = any(len(roster.open_stages(p)) <= len(waiting) for p in self.open_pipelines())
+        fillable = any(self.can_fill(p, waiting) for p in self.open_pipelines())
         forming = self.may_form(len(waiting)) and self.formed_epoch != self.r.epoch
         ready = (any(n.status is NodeStatus.JOINING for n in waiting) or fillable or forming
                  or bool(self.open_pipelines() and self.chains())) and self._settled(waiting)
@@ -153,7 +160,7 @@ class Placement:
         again until it stands on full probes."""
         epoch = self.r.epoch
         for p in self.open_pipelines():
-            if len(self.r.roster.open_stages(p)) > len(self.r.waiting()):
+            if not self.can_fill(p, self.r.waiting()):
                 continue
             try:
                 result = await self.solve(self.problem(movable=False, pipeline=p))
@@ -183,7 +190,7 @@ class Placement:
         complete = self.r.roster.complete_pipelines()
         for p in self.open_pipelines():
             lost = p in self.r.roster.formed  # not one whose pinned nodes are still joining
-            if lost and complete and len(self.r.roster.open_stages(p)) > len(self.r.waiting()):
+            if lost and complete and not self.can_fill(p, self.r.waiting()):
                 holders = [self.r.roster.holder(k, p) for k in range(self.r.run.stages)]
                 moved = [n.node_id for n in holders if n is not None and self.r.stand_by(n)]
                 self.r.epoch += 1
@@ -275,7 +282,11 @@ class Placement:
         holders = {} if pipeline is None else {
             h.node_id: k for k in range(run.stages)
             if (h := self.r.roster.holder(k, pipeline)) and not (movable and h.movable)}
-        free = [n for n in self.r.live() if n.node_id not in holders
+        if not movable:  # a standby that joined for a stage fills that stage, or none
+            for n in sorted((n for n in self.r.waiting() if n.chosen >= 0), key=lambda n: n.node_id):
+                if n.chosen not in holders.values():
+                    holders[n.node_id] = n.chosen
+        free = [n for n in self.r.live() if n.node_id not in holders and n.chosen < 0
                 and (n.status.waiting or (movable and n.pipeline == pipeline))]
         fw, bw = self.activation_bytes()
         layers = [len(stage_layers(run.model.n_layers, run.stages, k)) for k in range(run.stages)]

@@ -245,7 +245,8 @@ class SwarmRegistry:
         rejoin = req.node_id in self.nodes
         node = NodeRecord(req.node_id, req.address, stage, req.device, req.memory_bytes, req.compute_ms,
                           status=NodeStatus.ACTIVE if stage >= 0 else NodeStatus.JOINING, tls_cert=req.tls_cert,
-                          movable=req.movable or stage < 0, pipeline=pipeline, seen=seen)
+                          movable=req.movable or stage < 0, pipeline=pipeline, seen=seen,
+                          chosen=-1 if req.movable or stage < 0 else stage)
         if stage >= 0:
             node.resume_step = self.resume_step(stage)
         self.nodes[req.node_id] = node

@@ -60,6 +60,7 @@ class NodeRecord:
     averager_peer: str = ""                    # that address's peer id
     tls_cert: bytes = b""                      # its data plane's TLS certificate (PEM); b"": plain gRPC
     movable: bool = False                      # joined with --stage auto: rebalancing may move it
+    chosen: int = -1                           # the stage it joined for (--stage N): it takes no other; -1: auto
 
 
 @dataclass
