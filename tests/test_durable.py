@@ -6,6 +6,7 @@ test_coordinator.py."""
 from __future__ import annotations
 
 import math
+import time
 
 import pytest
 
@@ -64,6 +65,32 @@ def test_a_restarted_registry_has_the_ledger_epoch_and_run_it_had(tmp_path):
     assert sorted(again.ledger()) == [0, 1, 2, 4, 5, 6, 7]
     assert again.sealer.identity.public == reg_key
     assert any("restarted" in e for e in again.events)
+
+
+def test_a_kept_holder_has_its_time_to_report_from_when_the_restarted_coordinator_serves(tmp_path):
+    """The holders a restart keeps have two heartbeat timeouts from serving() to report, however long
+    the restart took to serve (under load it once took 14 s, and every holder was declared failed);
+    a holder that never reports is failed after that."""
+    reg = registry(tmp_path)
+    n2 = Sealer(SwarmKey(TOKEN), "n2", identity=KEYS.setdefault("n2", NodeKey.generate()))
+    reg.join(n2.seal(pb.JoinRequest(node_id="n2", address="127.0.0.1:1", stage=2), COORDINATOR))
+    del reg
+    again = registry(tmp_path)
+    again.timeout = 10.0
+    held = again.nodes["n2"]
+    held.last_seen -= 30  # restored 30 s before it served
+    again.serving()
+    again.sweep()
+    assert held.status is NodeStatus.ACTIVE
+    held.last_seen -= 15  # 15 s later: within two timeouts of serving
+    again.sweep()
+    assert held.status is NodeStatus.ACTIVE
+    held.last_seen -= 10  # 25 s later: gone
+    again.sweep()
+    assert held.status is NodeStatus.FAILED
+    seen = held.last_seen
+    again.serving()  # serving again grants no holder more time
+    assert held.last_seen == seen < time.monotonic() - 10
 
 
 def test_memory_holds_only_the_recent_losses(tmp_path):

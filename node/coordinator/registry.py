@@ -78,6 +78,7 @@ class SwarmRegistry:
         for pipeline, stage, node_id, address, device, cert in self.db.holders():  # presumed alive until timed out
             self.nodes[node_id] = NodeRecord(node_id, address, stage, device, status=NodeStatus.ACTIVE, tls_cert=cert,
                                              pipeline=pipeline)
+        self.restored = set(self.nodes)  # their time to report counts from serving()
         if self.histories or self.nodes:
             held = ", ".join(f"{n.node_id} stage {n.stage} of pipeline {n.pipeline}"
                              for n in self.nodes.values()) or "none"
@@ -85,6 +86,16 @@ class SwarmRegistry:
                               for p, h in sorted(self.histories.items()))
             self.event(f"restarted: the ledger holds steps {steps or 'none'}, membership epoch "
                        f"{self._epoch}; holders kept: {held}")
+
+    def serving(self) -> None:
+        """The control plane answers from now: the holders kept from before a restart have two heartbeat
+        timeouts from now to report (their channels back off while the coordinator was down: under load a
+        restart once took 14 s to serve, and every holder was declared failed before it could report)."""
+        for node_id in self.restored:
+            node = self.nodes.get(node_id)
+            if node is not None and node.status.live:
+                node.last_seen = max(node.last_seen, time.monotonic() + self.timeout)
+        self.restored.clear()
 
     def ledger(self, pipeline: int = 0) -> dict[int, pb.LossPoint]:
         """Every committed step of a pipeline: its loss, samples and wall time on its loss stage (from disk)."""

@@ -193,6 +193,7 @@ async def serve(run: RunConfig, cfg: CoordinatorConfig) -> None:
     host, _, port = cfg.http.rpartition(":")
     site = web.TCPSite(runner, host or "0.0.0.0", int(port), shutdown_timeout=0.5)  # SIGTERM ends it within 2 s
     await site.start()
+    registry.serving()
     shown = "127.0.0.1" if host in ("", "0.0.0.0") else host
     planes = ([cfg.listen] if server else []) + (["p2p"] if p2p else [])
     print(f"tahnode coordinator: control plane on {' and '.join(planes)}, status page at http://{shown}:{port}/ "
