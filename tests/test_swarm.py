@@ -157,9 +157,9 @@ def test_down_cleans_up_after_a_crash(tmp_path):
 @needs_root
 @pytest.mark.netns
 def test_placement_avoids_the_slow_link_and_a_standby_takes_over(tmp_path):
-    """Four `--stage auto` nodes, 200 Mbit/s links except n2-n3 at 20: the chain avoids n2-n3, every
-    link probed in full tells the slow link from the fast ones (the rates themselves are checked on
-    idle nodes above), the fourth node stands by, and when stage 1's node is killed the standby
+    """Four `--stage auto` nodes, 200 Mbit/s links except n2-n3 at 20: the chain avoids n2-n3, no
+    link probed in full reads above its rate (the rates themselves are checked on idle nodes
+    above), the fourth node stands by, and when stage 1's node is killed the standby
     takes the stage over from the store; the ledger has every step once with exactly its scheduled
     samples."""
     prefix, workdir, cache = f"tp{os.getpid() % 1000}-", tmp_path / "swarm", tmp_path / "cache"
@@ -170,16 +170,13 @@ def test_placement_avoids_the_slow_link_and_a_standby_takes_over(tmp_path):
                   "--heartbeat-timeout", "5", "--prefix", prefix, "--workdir", str(workdir), *flags,
                   env={**os.environ, "TAHNODE_CACHE": str(cache)})
         state = wait_state(workdir, chain_probed, 240, "placement and full probes of the chain's links")
-        # any link may read low while four nodes train on two cores (a probe competes for the CPU, and
-        # a receiver's event loop may stall behind a step: CI once read the slow link at 9 of its 20
-        # Mbit/s, and with `make test`'s other worker busy a fast link read 44 of 200), never above
-        # tc's rate; a fast link never reads as slow as the slow one could (20 Mbit/s shaped on it
-        # would read at most 24)
+        # no link reads above its tc rate (the slow one never above 24 Mbit/s). How low a
+        # fast link reads is not bounded here (the rates themselves are checked on idle nodes above): a probe
+        # competes for the CPU with four nodes training on two cores and `make test`'s other worker, and a
+        # receiver's event loop may stall behind a step (CI read a fast link at 44, and once at 26.5, of 200)
         for (src, dst), (mbps, _) in probed_links(state).items():
-            if {src, dst} == {"n2", "n3"}:
-                assert mbps <= 1.2 * 20, f"{src}->{dst}: measured {mbps:.1f}, shaped 20"
-            else:
-                assert 1.5 * 20 <= mbps <= 1.2 * 200, f"{src}->{dst}: measured {mbps:.1f}, shaped 200"
+            shaped = 20 if {src, dst} == {"n2", "n3"} else 200
+            assert 0 < mbps <= 1.2 * shaped, f"{src}->{dst}: measured {mbps:.1f}, shaped {shaped}"
         chain = chain_of(state)
         assert not any({a, b} == {"n2", "n3"} for a, b in zip(chain, chain[1:])), f"chain {chain} uses the slow link"
         spare = [n["id"] for n in state["nodes"] if n["status"] == "standby"]
