@@ -43,13 +43,14 @@ def dhts():
 
 
 @contextmanager
-def replicas(dhts, kinds, bits=8, states=None):
+def replicas(dhts, kinds, bits=8, states=None, feedback=False):
     """Started StageAveragers of one fresh prefix, one per DHT (kind k on dhts[k]), shut down after."""
     prefix = f"run{uuid.uuid4().hex[:8]}_s0"
     made = []
     try:
         for k, kind in enumerate(kinds):
-            made.append(kind(dhts[k], prefix, SIZE, bits, RATIO, state=states[k] if states else None))
+            made.append(kind(dhts[k], prefix, SIZE, bits, RATIO, state=states[k] if states else None,
+                             feedback=feedback))
         for averager in made:
             averager.start()
         yield made
@@ -96,6 +97,24 @@ def test_three_replicas_reach_the_mean_within_the_codecs_error(dhts, bits):
         assert float((x - exact).norm()) > 4 * float((result.mean - exact).norm())  # moved: not its own vector
         for counted in (result.bytes_sent, result.bytes_received):
             assert 0.95 * expected_bytes <= counted <= 1.1 * expected_bytes
+
+
+def test_with_error_feedback_what_the_mean_counted_of_the_replicas_averages_to_the_mean(dhts):
+    """As group_mean.butterfly_mean's `counted`: each replica's parts as their reducers decoded them, and
+    the part it reduced less the mean's rounding times the senders; their average is the mean itself."""
+    xs = vectors(3, seed=9)
+    for step in (3, 6):  # a sender silent past CHUNK_TIMEOUT_S under load is dropped, and the round says so: again
+        with replicas(dhts, [StageAverager] * 3, bits=4, feedback=True) as avs:
+            results = run_round(avs, xs, [step] * 3, expected=3, timeout=10.0)
+        if not any(result.dropped for result in results):
+            break
+    for x, result in zip(xs, results):
+        assert (result.group, result.dropped) == (3, 0) and result.counted is not None
+        assert 0 < float((result.counted - x).abs().max()) <= 3 * codec_tolerance(xs, 4)  # rounded, no more
+    counted = torch.stack([result.counted for result in results]).mean(dim=0)
+    assert float((counted - results[0].mean).abs().max()) < 1e-8
+    with replicas(dhts, [StageAverager] * 2, bits=4) as avs:  # without feedback: nothing is kept
+        assert all(r.counted is None for r in run_round(avs, xs[:2], [1, 1], expected=2, timeout=10.0))
 
 
 def test_replicas_at_different_rounds_never_average_together(dhts):

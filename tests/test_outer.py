@@ -132,6 +132,72 @@ def test_the_butterfly_mean_of_honest_replicas(bits):
         assert sum(result.bytes_sent) == 4 * (2 * blockwise.encoded_size(333, 8) + blockwise.encoded_size(334, 8))
 
 
+@pytest.mark.parametrize("bits", [4, 8])
+def test_what_the_mean_counted_of_each_replica_averages_to_the_mean_they_took(bits):
+    """A replica's parts as their reducers decoded them, and for the part it reduced its own values less
+    the mean's rounding times the senders: their average over the group is the mean every replica took."""
+    torch.manual_seed(3)
+    vectors = [torch.randn(1000) * 1e-3 for _ in range(3)]
+    result = butterfly_mean(vectors, bits, ratio=10)
+    assert float((torch.stack(result.counted).mean(0) - result.means[0]).abs().max()) < 1e-9
+    third = slice(333, 666)  # replica 1 reduces the second third; replica 0's went there compressed
+    assert torch.equal(result.counted[0][third], blockwise.dequantize(blockwise.quantize(vectors[0][third], bits)))
+    assert not torch.equal(result.counted[1][third], vectors[1][third])  # it carries its mean's rounding
+
+
+def test_error_feedback_keeps_the_sum_of_rounded_means_on_the_sum_of_true_ones():
+    """Rounds of the same pseudo-gradients at 4 bits: with each replica's residual (vector - counted)
+    added to its next, the applied means add up to the true ones within a rounding step; without, the
+    rounding's bias adds up round after round."""
+    torch.manual_seed(4)
+    grads = [torch.randn(640) * 1e-3 + 3e-4 for _ in range(3)]
+    exact = torch.stack(grads).mean(0)
+    drift = {}
+    for feedback in (True, False):
+        residuals, total = [torch.zeros(640) for _ in grads], torch.zeros(640)
+        for _ in range(40):
+            sent = [g + r for g, r in zip(grads, residuals)]
+            result = butterfly_mean(sent, 4, ratio=10)
+            total += result.means[0]
+            if feedback:
+                residuals = [v - c for v, c in zip(sent, result.counted)]
+        drift[feedback] = float((total - 40 * exact).abs().max())
+    step = float(torch.stack(grads).abs().max()) / 7  # about one 4-bit step
+    assert drift[True] < 2 * step < drift[False] / 5
+
+
+def test_an_outer_optimizer_with_feedback_carries_its_residual_and_keeps_it_in_its_own_tensors():
+    torch.manual_seed(5)
+    params = [torch.nn.Parameter(torch.randn(7))]
+    outer = OuterOptimizer(params, SwarmConfig(outer_feedback=True))
+    with torch.no_grad():
+        params[0].sub_(0.5)
+    sent = outer.pseudo_gradient()
+    assert torch.allclose(sent, torch.full((7,), 0.5))
+    counted = torch.full((7,), 0.4)
+    outer.step(torch.full((7,), 0.45))
+    outer.feed_back(counted)
+    assert torch.allclose(outer.own_tensors()["residual"], torch.full((7,), 0.1))
+    with torch.no_grad():
+        params[0].sub_(0.5)
+    assert torch.allclose(outer.pseudo_gradient(), torch.full((7,), 0.6))  # its next adds the residual
+    outer.reset()  # a round without a group: it steps by its own change, and the residual waits for the next
+    outer.feed_back(torch.zeros(7))
+    assert torch.allclose(outer.own_tensors()["residual"], torch.full((7,), 0.1))
+    outer.pseudo_gradient()
+    outer.feed_back(None)  # a mean that counted all of it
+    assert torch.equal(outer.own_tensors()["residual"], torch.zeros(7))
+    assert set(outer.tensors()) == {"anchor"}  # what peers are served: never a replica's residual
+    fresh = OuterOptimizer([torch.nn.Parameter(torch.zeros(7))], SwarmConfig(outer_feedback=True))
+    fresh.load_own(outer.own_tensors())
+    assert torch.equal(fresh.own_tensors()["residual"], outer.own_tensors()["residual"])
+    fresh.forget_residual()
+    assert torch.equal(fresh.own_tensors()["residual"], torch.zeros(7))
+    with pytest.raises(ValueError, match="6 values for a stage of 7"):
+        fresh.load_own({"residual": torch.zeros(6)})
+    assert OuterOptimizer(params, SwarmConfig()).own_tensors() == {}  # without feedback: none
+
+
 @pytest.mark.parametrize("poison", [float("nan"), 1e30])
 def test_a_poisoned_pseudo_gradient_is_refused_and_never_averaged_in(poison):
     torch.manual_seed(2)

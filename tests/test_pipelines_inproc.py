@@ -44,27 +44,27 @@ class LocalGroup:
         if len(arrived) == expected:
             self._close(key, arrived)
         try:
-            mean, group, sent = await asyncio.wait_for(asyncio.shield(arrived[pipeline][1]), timeout)
+            mean, group, sent, counted = await asyncio.wait_for(asyncio.shield(arrived[pipeline][1]), timeout)
         except asyncio.TimeoutError:  # at the deadline, those that came average (two at least)
             if len(arrived) >= 2 and key not in self.closed:
                 self._close(key, arrived)
             if not arrived[pipeline][1].done():
                 del arrived[pipeline]
                 return self._outcome(None, 0, 0, started)
-            mean, group, sent = arrived[pipeline][1].result()
-        return self._outcome(mean, group, sent, started)
+            mean, group, sent, counted = arrived[pipeline][1].result()
+        return self._outcome(mean, group, sent, started, counted)
 
     def _close(self, key: tuple[int, int], arrived: dict) -> None:
         self.closed.add(key)
         order = sorted(arrived)
         result = butterfly_mean([arrived[p][0] for p in order], self.bits, self.ratio)
-        for p, mean, sent in zip(order, result.means, result.bytes_sent):
-            arrived[p][1].set_result((mean, len(order), sent))
+        for p, mean, sent, counted in zip(order, result.means, result.bytes_sent, result.counted):
+            arrived[p][1].set_result((mean, len(order), sent, counted))
 
     @staticmethod
-    def _outcome(mean, group: int, sent: int, started: float) -> SimpleNamespace:
+    def _outcome(mean, group: int, sent: int, started: float, counted=None) -> SimpleNamespace:
         return SimpleNamespace(mean=mean, group=group, refused={}, bytes_sent=sent, bytes_received=sent,
-                               seconds=time.perf_counter() - started)
+                               seconds=time.perf_counter() - started, counted=counted)
 
     async def load_state(self, stage: int, pipeline: int):
         others = [s for (k, p), s in self.syncs.items() if k == stage and p != pipeline]
@@ -89,7 +89,8 @@ class MissesFirstRound(LocalAverager):
     async def average(self, vector, round, expected, timeout):
         if round == 1:
             await asyncio.sleep(timeout)
-            return SimpleNamespace(mean=None, group=0, refused={}, bytes_sent=0, bytes_received=0, seconds=timeout)
+            return SimpleNamespace(mean=None, group=0, refused={}, bytes_sent=0, bytes_received=0, seconds=timeout,
+                                   counted=None)
         return await super().average(vector, round, expected, timeout)
 
 
@@ -174,20 +175,40 @@ def assert_one_model(swarm: Pipelines, pipelines: int) -> None:
             assert float((first - other).abs().max()) < 1e-5, (k, p)
 
 
-@pytest.mark.parametrize("codecs", [NONE, {}], ids=["none", "default pair"])
-def test_two_pipelines_train_exactly_as_the_replica_group(dataset, codecs):
+@pytest.mark.parametrize("codecs,every,feedback", [(NONE, 4, False), ({}, 4, False), (NONE, 2, True)],
+                         ids=["none", "default pair", "error feedback"])
+def test_two_pipelines_train_exactly_as_the_replica_group(dataset, codecs, every, feedback):
     steps = 6
-    run = build_run(steps, **codecs, **{"swarm.pipelines": 2, "swarm.outer_every": 4, "swarm.outer_bits": 8,
-                                        "train.pipeline_micro_batches": 2})
+    run = build_run(steps, **codecs, **{"swarm.pipelines": 2, "swarm.outer_every": every, "swarm.outer_bits": 8,
+                                        "swarm.outer_feedback": feedback, "train.pipeline_micro_batches": 2})
     swarm = Pipelines(run, dataset, 2).train(steps)
     expected = reference_losses(run, dataset, steps)
     for p in range(2):
         assert list(swarm.losses(p).values()) == expected[p]
-        # after 4 and 6
-        assert all(w.outer.stats.steps == 2 and w.outer.stats.last_group == 2 for w in swarm.workers[p])
+        rounds = len({*range(every, steps + 1, every), steps})  # after 4 and 6 (2, 4 and 6)
+        assert all(w.outer.stats.steps == rounds and w.outer.stats.last_group == 2 for w in swarm.workers[p])
+        if feedback:  # its residual is what the means did not count: a rounding, never zero
+            assert all(0 < float(w.outer.outer.residual.abs().max()) < 1e-3 for w in swarm.workers[p])
     for k in range(run.stages):  # the last step averaged too: one model, to the codec's error
         a, b = (torch.cat([x.detach().reshape(-1) for x in swarm.workers[p][k].model.parameters()]) for p in range(2))
         assert float((a - b).abs().max()) < 1e-4
+
+
+def test_a_checkpoint_keeps_the_error_feedback_residual(dataset, tmp_path):
+    from tahnode.pipeline.checkpoint import CheckpointStore
+
+    steps = 4
+    run = build_run(steps, **NONE, **{"swarm.pipelines": 2, "swarm.outer_every": 2, "swarm.outer_bits": 4,
+                                      "swarm.outer_feedback": True})
+    swarm = Pipelines(run, dataset, 2).train(steps)
+    worker = swarm.workers[1][1]
+    worker.saver.store = CheckpointStore(tmp_path)
+    worker.save()
+    again = StageWorker(run, 1, InProcessNetwork().transport("again"), "cpu", CheckpointStore(tmp_path), pipeline=1)
+    assert again.resume() == steps
+    residual = worker.outer.outer.residual
+    assert float(residual.abs().max()) > 0 and torch.equal(again.outer.outer.residual, residual)
+    assert torch.equal(again.outer.outer.tensors()["anchor"], worker.outer.outer.tensors()["anchor"])
 
 
 def test_a_late_pipeline_takes_the_latest_outer_step_and_trains_in_step_from_then_on(dataset):

@@ -26,6 +26,8 @@ def _shown(f: dataclasses.Field, default) -> str:
     """What --help says of a field's default (a parsed field names its default as a flag would)."""
     if default is None:
         return ""
+    if isinstance(default, bool):
+        return f" (default {'on' if default else 'off'})"
     if f.metadata.get("parse") is not None and default == 0:
         return " (default auto)"
     return f" (default {default:g})" if isinstance(default, float) else f" (default {default})"

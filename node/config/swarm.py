@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .knob import knob
+from .knob import knob, parse_switch
 
 __all__ = ["SwarmConfig", "AUTO_PIPELINES", "OUTER_BITS", "parse_pipelines"]
 
@@ -45,6 +45,9 @@ class SwarmConfig:
     outer_momentum: float = knob(0.0, "the outer step's Nesterov momentum (DiLoCo's is 0.9 with outer lr 0.7); 0: none")
     outer_bits: int = knob(4, "bits of a pseudo-gradient value on the wire: 4 or 8 (a float16 scale per block of 64), "
                            "16 (float16) or 32", choices=OUTER_BITS)
+    outer_feedback: bool = knob(False, "error feedback: what the compressed means of a replica's pseudo-gradients "
+                                "have not yet counted is added to its next one (SparseLoCo's)", metavar="on|off",
+                                parse=parse_switch)
     outer_timeout_s: float = knob(30.0, "how long a replica waits for the others of its stage at an outer step; it "
                                   "goes ahead with those that came", flag="--outer-timeout", metavar="SECONDS")
     outer_norm_ratio: float = knob(10.0, "a replica's pseudo-gradient whose norm is above this multiple of its group's "

@@ -89,7 +89,7 @@ class StageAveraging:
         try:
             host = await averaging_host(self.cfg, self.folder, dht_peers)
             averager = StageAverager(host.dht, f"tahnode{self.run_id}s{w.stage}", w.outer.outer.numel, swarm.outer_bits,
-                                     swarm.outer_norm_ratio, state=w.outer.state)
+                                     swarm.outer_norm_ratio, state=w.outer.state, feedback=swarm.outer_feedback)
             averager.start()
         except Exception as exc:  # the pipeline trains on alone: its outer steps keep its weights
             log.error("%s: the averager of stage %d did not start (%s); the stage trains without averaging",
@@ -99,7 +99,8 @@ class StageAveraging:
         self.beats.averager = await host.address()
         w.outer.use(averager)
         print(f"{self.node_id}: stage {w.stage} averages with its replicas in the other pipelines (every "
-              f"{swarm.outer_every} steps, {swarm.outer_bits}-bit pseudo-gradients)", flush=True)
+              f"{swarm.outer_every} steps, {swarm.outer_bits}-bit pseudo-gradients"
+              f"{', error feedback' if swarm.outer_feedback else ''})", flush=True)
 
     async def stop(self) -> None:
         if self.starting is not None:

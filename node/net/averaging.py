@@ -56,6 +56,7 @@ class AveragingRound:
     bytes_received: int = 0
     seconds: float = 0.0       # wall time of the call
     dropped: int = 0           # replicas of the group that some part of the mean lacks: dropped as silent senders
+    counted: torch.Tensor | None = None  # with error feedback: what the mean counted of its vector (GroupMean's)
 
 
 class StageAverager:
@@ -68,7 +69,8 @@ class StageAverager:
 
     averager_class = None  # hivemind's averager kind; None: averaging_parts.CheckedAverager (tests swap in liars)
 
-    def __init__(self, dht, prefix: str, size: int, bits: int, norm_ratio: float, state: State | None = None):
+    def __init__(self, dht, prefix: str, size: int, bits: int, norm_ratio: float, state: State | None = None,
+                 feedback: bool = False):
         if bits not in BITS:
             raise UnsupportedBits(f"pseudo-gradients travel at {', '.join(map(str, BITS))} bits, not {bits}")
         if "." in prefix:
@@ -85,7 +87,7 @@ class StageAverager:
         kind = self.averager_class or parts.CheckedAverager
         self._averager = kind(torch.zeros(size, dtype=torch.float32), dht, prefix=prefix,
                               compression=parts.compression_for(bits), ratio=norm_ratio, state=state,
-                              allreduce_timeout=allreduce_timeout_s(size, bits))
+                              allreduce_timeout=allreduce_timeout_s(size, bits), feedback=feedback)
 
     @property
     def peer_id(self) -> str:
@@ -123,8 +125,9 @@ class StageAverager:
             log.warning("averaging %s round %d: a part's average never came back; the round counts as missed",
                         self.prefix, round)
             group = None
+        counted = None
         if group is not None:
-            mean = await asyncio.to_thread(self._result)
+            mean, counted = await asyncio.to_thread(self._result)
         if tally.refused:
             log.info("averaging %s round %d: refused %s", self.prefix, round,
                      ", ".join(f"{count} from {peer}" for peer, count in sorted(tally.refused.items())))
@@ -134,11 +137,13 @@ class StageAverager:
             log.warning("averaging %s round %d: a part of the mean lacks %d of the group's %d replicas (silent "
                         "senders, dropped)", self.prefix, round, dropped, len(group))
         return AveragingRound(mean, len(group) if group is not None else 0, tally.refused, tally.sent, tally.received,
-                              time.monotonic() - started, dropped)
+                              time.monotonic() - started, dropped, counted)
 
-    def _result(self) -> torch.Tensor:
+    def _result(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The mean, and with error feedback what it counted of this replica's vector."""
+        counted = getattr(self._averager, "counted", None)
         with self._averager.get_tensors() as (tensor,):
-            return tensor.clone()
+            return tensor.clone(), (counted.clone() if counted is not None else None)
 
     async def load_state(self, timeout: float) -> tuple[dict, list[torch.Tensor]] | None:
         """A peer's state (metadata, tensors), if one answered within `timeout` s with tensors of the

@@ -12,6 +12,7 @@ import asyncio
 import logging
 import math
 import threading
+from dataclasses import dataclass
 from typing import AsyncIterator
 
 import torch
@@ -35,10 +36,19 @@ from .averaging_codec import compression_for, decoded  # noqa: F401  (compressio
 log = logging.getLogger("tahnode.averaging")
 
 
+@dataclass
+class PartMean:
+    """A reducer's result for one part."""
+
+    mean: torch.Tensor | None  # the average of the admitted parts (None: none admitted)
+    dropped: int               # senders it left out as silent
+    senders: int = 0           # parts in the average
+    own_in: bool = False       # this replica's own part among them
+
+
 class CheckedReducer(TensorPartReducer):
     """hivemind's reducer, but it keeps every sender's part k (None: wrong shape or not finite) and
-    averages part k once all are in, over those admitted() lets in, each counting 1. A part's result
-    is (its average or None, how many senders it left out: those dropped as silent)."""
+    averages part k once all are in, over those admitted() lets in, each counting 1 (PartMean)."""
 
     def __init__(self, part_shapes, num_senders: int, *, own: int, ratio: float, refuse):
         self.own, self.ratio, self.refuse, self.parts = own, ratio, refuse, {}
@@ -49,9 +59,9 @@ class CheckedReducer(TensorPartReducer):
         self.parts, self.accumulator = {}, None  # parts are kept, not summed
 
     async def accumulate_part(self, sender_index: int, part_index: int, tensor_part, weight: float = 1.0
-                              ) -> tuple[torch.Tensor | None, int]:
-        """Part `part_index`'s (average, senders left out), once every sender's part is in or its sender
-        dropped; `weight` is what the sender claims, and is ignored."""
+                              ) -> PartMean:
+        """Part `part_index`'s average, once every sender's part is in or its sender dropped; `weight` is
+        what the sender claims, and is ignored."""
         assert 0 <= sender_index < self.num_senders and 0 <= part_index < self.num_parts
         self.num_parts_received[sender_index] += 1
         while part_index > self.current_part_index:
@@ -74,7 +84,7 @@ class CheckedReducer(TensorPartReducer):
             self.current_part_future.set_result(self._mean())
             self.reset_accumulators()
 
-    def _mean(self) -> tuple[torch.Tensor | None, int]:
+    def _mean(self) -> PartMean:
         senders = sorted(self.parts)
         dropped = self.num_senders - len(senders)
         parts = [self.parts[s] for s in senders]
@@ -84,17 +94,42 @@ class CheckedReducer(TensorPartReducer):
             if not keep and sender != self.own:  # its own part left out is no peer's offence
                 self.refuse(sender)
         kept = [p for p, keep in zip(parts, ok) if keep and p is not None]
-        return (torch.stack(kept).mean(dim=0) if kept else None), dropped
+        own_in = any(keep and sender == self.own for sender, keep in zip(senders, ok))
+        return PartMean(torch.stack(kept).mean(dim=0) if kept else None, dropped, len(kept), own_in)
 
 
 class CheckedContainer(TensorPartContainer):
     """hivemind's part container, but what comes back for a part is its group's average (the same bytes
     for every replica, so that they stay equal), and an average that is non-finite, of another shape,
-    or too large (accepted()) is refused: the part stays as it was."""
+    or too large (accepted()) is refused: the part stays as it was.
 
-    def __init__(self, *args, ratio: float, refuse, on_partial, **kwargs):
-        self.ratio, self.refuse, self.on_partial = ratio, refuse, on_partial
-        super().__init__(*args, **kwargs)
+    With `counted` (error feedback) it also keeps what the group's mean counted of this replica's vector
+    (group_mean.GroupMean.counted): a part as its reducer decoded it, or for the part it reduced its own
+    values less the mean's rounding times the senders; a part whose mean it did not take, its own values."""
+
+    def __init__(self, tensors, *args, ratio: float, refuse, on_partial, counted: torch.Tensor | None = None,
+                 **kwargs):
+        self.ratio, self.refuse, self.on_partial, self.counted = ratio, refuse, on_partial, counted
+        super().__init__(tensors, *args, **kwargs)
+        self.base = tensors[0].detach().view(-1)
+        if counted is not None:
+            counted.copy_(self.base)
+
+    def _counted_slot(self, peer_index: int, part_index: int) -> torch.Tensor:
+        """The slice of `counted` where part `part_index` of the parts reduced by `peer_index` lies (the
+        parts are views of the replica's flat vector)."""
+        own = self._input_parts_by_peer[peer_index][part_index][0]
+        start = own.storage_offset() - self.base.storage_offset()
+        return self.counted[start:start + own.numel()]
+
+    def count(self, peer_index: int, part_index: int, value: torch.Tensor) -> None:
+        """What the mean will count of this part if its reducer's average is taken."""
+        if self.counted is not None:
+            self._counted_slot(peer_index, part_index).copy_(value.reshape(-1))
+
+    def _uncount(self, peer_index: int, part_index: int) -> None:
+        if self.counted is not None:
+            self._counted_slot(peer_index, part_index).copy_(self._input_parts_by_peer[peer_index][part_index][0])
 
     def register_failed_reducer(self, peer_index: int):
         """As hivemind's (this replica's own values for the parts that reducer never averaged), and
@@ -102,6 +137,7 @@ class CheckedContainer(TensorPartContainer):
         self.on_partial()
         for part_index in range(self._outputs_registered_by_peer[peer_index], self.num_parts_by_peer[peer_index]):
             own = self._input_parts_by_peer[peer_index][part_index][0]
+            self._uncount(peer_index, part_index)
             TensorPartContainer.register_processed_part(self, peer_index, part_index, torch.zeros_like(own))
             self.failed_size += own.numel()
 
@@ -110,6 +146,7 @@ class CheckedContainer(TensorPartContainer):
         mean = usable(part, own.shape)
         if mean is None or not accepted(own, mean, self.ratio):
             self.refuse(peer_index)
+            self._uncount(peer_index, part_index)
             mean = own
         super().register_processed_part(peer_index, part_index, mean - own)
 
@@ -128,7 +165,7 @@ class CheckedRunner(AllReduceRunner):
     """hivemind's butterfly all-reduce with the checked container and reducer, members only, bytes counted."""
 
     def __init__(self, *, ledger: Ledger, ratio: float, tensors, peer_fractions, compression, part_size_bytes: int,
-                 tensor_infos=None, **kwargs):
+                 tensor_infos=None, counted: torch.Tensor | None = None, **kwargs):
         container = dict(compression=compression, part_size_bytes=part_size_bytes, tensor_infos=tensor_infos)
         super().__init__(tensors=tensors, peer_fractions=peer_fractions, **container, **kwargs)
         self.ledger = ledger
@@ -137,7 +174,7 @@ class CheckedRunner(AllReduceRunner):
         self.tensor_part_reducer.finished.set()
         self.tensor_part_container = CheckedContainer(tensors, peer_fractions, return_deltas=True, ratio=ratio,
                                                       refuse=lambda k: self._refuse(self.ordered_peer_ids[k]),
-                                                      on_partial=ledger.mark_partial, **container)
+                                                      on_partial=ledger.mark_partial, counted=counted, **container)
         index = self.ordered_peer_ids.index(self.peer_id)
         self.parts_for_local_averaging = self.tensor_part_container.get_raw_input_parts(index)
         own = self.sender_peer_ids.index(self.peer_id) if self.peer_id in self.sender_peer_ids else -1
@@ -165,15 +202,23 @@ class CheckedRunner(AllReduceRunner):
             return await super()._communicate_with_peer(peer_id)
         peer_index, sender_index = self.ordered_peer_ids.index(peer_id), self.sender_peer_ids.index(peer_id)
         for part_index, part in enumerate(self.parts_for_local_averaging):
-            mean, dropped = await self.tensor_part_reducer.accumulate_part(sender_index, part_index, part,
-                                                                           weight=self.weight)
-            self.ledger.mark_dropped(dropped)
-            coded = decoded(self._mean_message(part_index, mean)) if mean is not None else None
+            result = await self.tensor_part_reducer.accumulate_part(sender_index, part_index, part, weight=self.weight)
+            self.ledger.mark_dropped(result.dropped)
+            coded = decoded(self._mean_message(part_index, result.mean)) if result.mean is not None else None
+            if coded is not None and result.own_in:  # its own part went in raw: the mean's rounding is its to carry
+                self.tensor_part_container.count(peer_index, part_index,
+                                                 part - result.senders * (result.mean - coded.reshape(part.shape)))
             self.tensor_part_container.register_processed_part(peer_index, part_index, coded)
 
     async def _generate_input_for_peer(self, peer_index: int) -> AsyncIterator[averaging_pb2.AveragingData]:
+        container, part_index = self.tensor_part_container, 0
         async for message in super()._generate_input_for_peer(peer_index):
             self.ledger.tally.sent += message.ByteSize()
+            if container.counted is not None and message.HasField("tensor_part"):  # as its reducer decodes it
+                sent = await asyncio.get_running_loop().run_in_executor(None, decoded, message.tensor_part)
+                if sent is not None:
+                    container.count(peer_index, part_index, sent)
+                part_index += 1
             yield message
 
     async def rpc_aggregate_part(self, stream: AsyncIterator[averaging_pb2.AveragingData], context: P2PContext
@@ -200,9 +245,10 @@ class CheckedRunner(AllReduceRunner):
         try:
             async for part in amap_in_executor(lambda msg: decoded(msg.tensor_part), stream, max_prefetch=prefetch):
                 try:
-                    mean, dropped = await self.tensor_part_reducer.accumulate_part(sender_index, part_index, part)
+                    result = await self.tensor_part_reducer.accumulate_part(sender_index, part_index, part)
                 except BannedException:
                     break
+                mean, dropped = result.mean, result.dropped
                 if mean is None:
                     yield averaging_pb2.AveragingData(code=averaging_pb2.INTERNAL_ERROR)
                     break
@@ -246,7 +292,7 @@ class CheckedAverager(DecentralizedAverager):
     runner_class = CheckedRunner
 
     def __init__(self, tensor: torch.Tensor, dht, *, prefix: str, compression: CompressionBase, ratio: float, state,
-                 allreduce_timeout: float):
+                 allreduce_timeout: float, feedback: bool = False):
         sharing = state is not None and not dht.client_mode
         super().__init__([tensor], dht, start=False, prefix=prefix, target_group_size=2, min_group_size=2,
                          min_matchmaking_time=MIN_MATCHMAKING_S, request_timeout=REQUEST_TIMEOUT_S,
@@ -254,6 +300,9 @@ class CheckedAverager(DecentralizedAverager):
                          reducer_timeout=2 * CHUNK_TIMEOUT_S, allreduce_timeout=allreduce_timeout,
                          allow_state_sharing=sharing)
         self.ledger, self.ratio, self.state, self.allreduce_timeout = Ledger(), ratio, state, allreduce_timeout
+        # with error feedback: what the last round's mean counted of this replica's vector (shared with the
+        # averager's process, as the averaged tensor is)
+        self.counted = torch.zeros_like(tensor).share_memory_() if feedback else None
         self.control_lock = threading.Lock()  # the parent's threads share the control pipe
 
     @classmethod
@@ -374,7 +423,7 @@ class CheckedAverager(DecentralizedAverager):
         group_id = group_info.group_id if group_id is None else group_id
         runner = self.runner_class(p2p=self._p2p, servicer_type=type(self), prefix=self.prefix, tensors=tensors,
                                    group_id=group_id, ordered_peer_ids=group_info.peer_ids, ledger=self.ledger,
-                                   ratio=self.ratio, **kwargs)
+                                   ratio=self.ratio, counted=self.counted, **kwargs)
         self._running_groups[group_id].set_result(runner)
         async for tensor, update in azip(as_aiter(*tensors), runner):
             tensor.add_(update)

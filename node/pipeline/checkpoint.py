@@ -44,7 +44,7 @@ def checkpoint_name(stage: int, num_stages: int, step: int) -> str:
 def stage_shapes(model: torch.nn.Module, outer: bool = False) -> dict[str, tuple[int, ...]]:
     """The name and shape of every tensor a checkpoint of `model`'s stage holds (weights once, the
     AdamW moments of each trainable parameter; with `outer`, pipelines in data parallel, the outer
-    weights and momentum, flat); `extra/...` (codec state) is not listed."""
+    weights, momentum and error-feedback residual, flat); `extra/...` (codec state) is not listed."""
     aliases = tied_aliases(model)
     shapes = {f"model/{k}": tuple(v.shape) for k, v in model.state_dict().items() if k not in aliases}
     for name, p in model.named_parameters():
@@ -52,7 +52,7 @@ def stage_shapes(model: torch.nn.Module, outer: bool = False) -> dict[str, tuple
             shapes[f"optim/{name}/exp_avg"] = shapes[f"optim/{name}/exp_avg_sq"] = tuple(p.shape)
     if outer:
         numel = sum(p.numel() for p in model.parameters() if p.requires_grad)
-        shapes["outer/anchor"] = shapes["outer/momentum"] = (numel,)
+        shapes["outer/anchor"] = shapes["outer/momentum"] = shapes["outer/residual"] = (numel,)
     return shapes
 
 

@@ -136,7 +136,7 @@ class OuterSync:
             log.error("stage %d: outer step after step %d without the others: %s", self.core.stage, committed, exc)
             result = AveragingRound(None, 0)
         self._count(result)
-        await self.core.compute(self._take, committed, result.mean)
+        await self.core.compute(self._take, committed, result.mean, result.counted)
         self.needs_regroup = result.mean is None and not await self._catch_up(committed)
         if self.needs_regroup:
             log.warning("stage %d: no replica of it came to outer step %d within %.3g s; it keeps its weights",
@@ -210,13 +210,16 @@ class OuterSync:
         for peer, count in result.refused.items():
             s.refused[peer] = s.refused.get(peer, 0) + count
 
-    def _take(self, committed: int, mean: torch.Tensor | None) -> None:
-        """(compute thread) The outer step with the group's mean, or without one the weights as they are."""
+    def _take(self, committed: int, mean: torch.Tensor | None, counted: torch.Tensor | None = None) -> None:
+        """(compute thread) The outer step with the group's mean (with error feedback, the residual
+        becomes what the mean did not count of its pseudo-gradient), or without one the weights as they
+        are (the residual waits for the next round)."""
         with self._lock:
             if mean is None:
                 self.outer.reset()
             else:
                 self.outer.step(mean)
+                self.outer.feed_back(counted)
             self.anchor_step, self.source = committed, self.core.pipeline
             self.alone_at = committed if mean is None and self.active else None
 
@@ -235,7 +238,7 @@ class OuterSync:
     def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
         """The outer weights and momentum a checkpoint keeps."""
         with self._lock:
-            return {k: t.clone() for k, t in self.outer.tensors().items()}
+            return {k: t.clone() for k, t in {**self.outer.tensors(), **self.outer.own_tensors()}.items()}
 
     def restore(self, tensors: dict[str, torch.Tensor], step: int) -> None:
         """(compute thread) From a checkpoint of `step`: its outer weights (none: the weights as they
@@ -243,8 +246,10 @@ class OuterSync:
         with self._lock:
             if "anchor" in tensors:
                 self.outer.load(tensors)
+                self.outer.load_own(tensors)
             else:
                 self.outer.reset()
+                self.outer.forget_residual()
             every = self.swarm.outer_every
             self.anchor_step = step if self.due(step) else step // every * every
 
@@ -286,6 +291,7 @@ class OuterSync:
         """(holding the lock) A peer's outer weights and momentum become this replica's, of its step (a
         replica's own, not a group's, if the peer's were: their source comes with them)."""
         self.outer.load(dict(zip(list(self.outer.tensors()), tensors)))
+        self.outer.forget_residual()
         self.anchor_step = served.step
         self.alone_at = served.step if served.alone else None
         self.source = served.source if served.alone and served.source is not None else self.core.pipeline

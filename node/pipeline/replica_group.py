@@ -61,8 +61,9 @@ class ReplicaGroup:
         for k in range(self.run.stages):
             outers = [group[k] for group in self.outer]
             result = butterfly_mean([o.pseudo_gradient() for o in outers], swarm.outer_bits, swarm.outer_norm_ratio)
-            for outer, mean in zip(outers, result.means):
+            for outer, mean, counted in zip(outers, result.means, result.counted):
                 outer.step(mean)
+                outer.feed_back(counted)
             self.averaging_bytes += sum(result.bytes_sent)
             self.refused += sum(len(r) for r in result.refused)
             first = torch.cat([a.reshape(-1) for a in outers[0].anchor])

@@ -74,6 +74,11 @@ class GroupMean:
     refused: list[set[int]]  # per part: the senders its reducer left out
     kept: list[set[int]]     # per part: the senders that refused its reducer's average and kept their own
     bytes_sent: list[int]
+    # what the mean counted of each replica's vector: its parts as their reducers decoded them, and for the
+    # part it reduced its own values less the rounding of that part's mean times the senders in it (the
+    # mean moved by what its compression lost); where nothing was counted (refused, or the mean not taken)
+    # the vector itself. vector - counted is what error feedback carries into the next round
+    counted: list[torch.Tensor]
 
 
 def butterfly_mean(vectors: list[torch.Tensor], bits: int, ratio: float) -> GroupMean:
@@ -82,6 +87,7 @@ def butterfly_mean(vectors: list[torch.Tensor], bits: int, ratio: float) -> Grou
     n = vectors[0].numel()
     bounds = [n * j // p for j in range(p + 1)]
     means = [v.clone() for v in vectors]
+    counted = [v.clone() for v in vectors]
     sent = [0] * p
     refused, kept = [], []
     for j in range(p):
@@ -96,13 +102,18 @@ def butterfly_mean(vectors: list[torch.Tensor], bits: int, ratio: float) -> Grou
                 sent[i] += wire_bytes(hi - lo, bits)
         ok = admitted([float(r.norm()) for r in received], ratio)
         refused[j] = {i for i in range(p) if not ok[i]}
-        mean = _crossed(torch.stack([r for r, keep in zip(received, ok) if keep]).mean(dim=0), bits)
+        exact = torch.stack([r for r, keep in zip(received, ok) if keep]).mean(dim=0)
+        mean = _crossed(exact, bits)
         for i in range(p):
             if i != j:
                 sent[j] += wire_bytes(hi - lo, bits)
             own = vectors[i][lo:hi]
             if accepted(own, mean, ratio):
                 means[i][lo:hi] = own + (mean - own)  # as hivemind adds it: the difference to its own part
+                if ok[i] and i != j:
+                    counted[i][lo:hi] = received[i]
+                elif ok[i]:  # the reducer's own part went in raw; the rounding of the mean it sent is its to carry
+                    counted[i][lo:hi] = own - sum(ok) * (exact - mean)
             else:
                 kept[j].add(i)
-    return GroupMean(means, refused, kept, sent)
+    return GroupMean(means, refused, kept, sent, counted)
