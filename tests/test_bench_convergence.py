@@ -199,13 +199,17 @@ def test_a_swarm_with_a_shorter_schedule_is_compared_with_its_reference_and_time
 
     base = [RunSpec("none/none", "none", {}, "none", {}, seed, "llama-tiny", 3, 20, 32, 8, 2) for seed in (0, 1)]
     args = SimpleNamespace(pipelines="4", outer_every="2", outer_bits=4, outer_lr=1.0, outer_momentum=0.0,
-                           swarm_steps=10)
+                           swarm_steps=10, outer_feedback="off")
     specs = pipeline_specs(base, args)
     assert [(s.pair, s.steps) for s in specs if s.seed == 0] == [
         ("none/none", 20), ("none/none 1×4 batch 10 steps", 10), ("none/none 4 pipelines H=2 10 steps", 10)]
     assert next(s for s in specs if s.swarm).messages_per_step == 2 and specs[1].messages_per_step == 8
     with pytest.raises(ValueError, match="--swarm-steps"):
         pipeline_specs(base, SimpleNamespace(**{**vars(args), "swarm_steps": -1}))
+    # error feedback is in a run's [swarm] only when on: runs cached without it keep their keys
+    assert "outer_feedback" not in next(s for s in specs if s.swarm).swarm
+    fed = next(s for s in pipeline_specs(base, SimpleNamespace(**{**vars(args), "outer_feedback": "on"})) if s.swarm)
+    assert fed.swarm["outer_feedback"] is True and fed.run_config().swarm.outer_feedback
 
     def result(pair, seed, evals, steps, **kw):
         return RunResult(pair, seed, tokens_per_step=1000, losses=[1.0] * steps, evals=[list(e) for e in evals],

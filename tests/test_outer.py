@@ -36,10 +36,36 @@ def test_blockwise_codes_within_half_a_step_of_each_block(count, bits, scale, se
         assert float((y[start:start + blockwise.BLOCK] - block).abs().max()) <= step / 2 + 1e-12 * scale
 
 
+@settings(max_examples=40, deadline=None)
+@given(count=st.integers(0, 300), scale=st.sampled_from([1e-8, 1e-3, 1.0, 1e4]), seed=st.integers(0, 2**16),
+       heavy=st.booleans())
+def test_two_bit_codes_take_the_level_nearest_each_value_or_the_outermost(count, scale, seed, heavy):
+    """Levels at -1.5, -0.5, 0.5, 1.5 x the block's RMS (rounded up to bf16): a value within 2 x it is
+    at most half a level step (one scale) / 2 off; a larger one is clipped to the outer level."""
+    x = torch.randn(count, generator=torch.Generator().manual_seed(seed)) * scale
+    if heavy:
+        x = x ** 3 / scale ** 2  # heavy tails: some values far beyond the RMS
+    data = blockwise.quantize(x, 2)
+    assert len(data) == blockwise.encoded_size(count, 2) == 12 + 2 * -(-count // 64) + -(-count // 4)
+    y = blockwise.dequantize(data, count)
+    blocks = -(-count // blockwise.BLOCK)
+    scales = (torch.frombuffer(bytearray(data[12:12 + 2 * blocks]), dtype=torch.int16).to(torch.int32) << 16
+              ).view(torch.float32) if blocks else []
+    for start, step in zip(range(0, count, blockwise.BLOCK), scales):
+        block, got, step = x[start:start + blockwise.BLOCK], y[start:start + blockwise.BLOCK], float(step)
+        rms = float(block.double().square().mean().sqrt())
+        assert rms <= step <= rms * (1 + 2**-7) + 1e-30  # the RMS rounded up to bfloat16
+        inside = block.abs() <= 2 * step
+        if bool(inside.any()):
+            assert float((got - block)[inside].abs().max()) <= step / 2 * (1 + 1e-6)
+        assert torch.equal(got[~inside], torch.sign(block[~inside]) * 1.5 * step)
+
+
 def test_blockwise_sizes_and_refusals():
     x = torch.linspace(-1, 1, 1000)
     assert 8 * len(blockwise.quantize(x, 8)) / 1000 == pytest.approx(8.25, abs=0.11)  # 8 bits + 16 per 64, + a header
     assert 8 * len(blockwise.quantize(x, 4)) / 1000 == pytest.approx(4.25, abs=0.11)
+    assert 8 * len(blockwise.quantize(x, 2)) / 1000 == pytest.approx(2.25, abs=0.11)
     with pytest.raises(blockwise.BlockwiseError, match="not finite"):
         blockwise.quantize(torch.tensor([1.0, float("nan")]), 8)
     with pytest.raises(blockwise.BlockwiseError, match="not 3"):
@@ -115,13 +141,13 @@ def test_a_reducer_refuses_what_is_far_above_its_groups_median_even_in_a_group_o
     assert admitted([float("nan")] * 2, ratio=10) == [False, False]
 
 
-@pytest.mark.parametrize("bits", [32, 16, 8, 4])
+@pytest.mark.parametrize("bits", [32, 16, 8, 4, 2])
 def test_the_butterfly_mean_of_honest_replicas(bits):
     torch.manual_seed(1)
     vectors = [torch.randn(1000) * 1e-3 for _ in range(3)]
     result = butterfly_mean(vectors, bits, ratio=10)
     exact = torch.stack(vectors).mean(0)
-    tolerance = {32: 1e-9, 16: 2e-6, 8: 5e-5, 4: 1e-3}[bits]
+    tolerance = {32: 1e-9, 16: 2e-6, 8: 5e-5, 4: 1e-3, 2: 2e-3}[bits]
     for mean in result.means:
         assert float((mean - exact).abs().max()) < tolerance
     assert result.refused == [set(), set(), set()]

@@ -10,7 +10,7 @@ from .knob import knob, parse_switch
 __all__ = ["SwarmConfig", "AUTO_PIPELINES", "OUTER_BITS", "parse_pipelines"]
 
 AUTO_PIPELINES = 0          # --pipelines auto: as many as the nodes allow (up to max_pipelines)
-OUTER_BITS = (4, 8, 16, 32)  # bits of a pseudo-gradient value on the wire: blockwise 4 or 8, float16, float32
+OUTER_BITS = (2, 4, 8, 16, 32)  # bits of a pseudo-gradient value on the wire: blockwise 2, 4 or 8, float16, float32
 
 
 def parse_pipelines(value) -> int:
@@ -43,8 +43,8 @@ class SwarmConfig:
                             metavar="STEPS")
     outer_lr: float = knob(1.0, "the outer step's learning rate (1 without momentum: the replicas' mean weights)")
     outer_momentum: float = knob(0.0, "the outer step's Nesterov momentum (DiLoCo's is 0.9 with outer lr 0.7); 0: none")
-    outer_bits: int = knob(4, "bits of a pseudo-gradient value on the wire: 4 or 8 (a float16 scale per block of 64), "
-                           "16 (float16) or 32", choices=OUTER_BITS)
+    outer_bits: int = knob(4, "bits of a pseudo-gradient value on the wire: 2, 4 or 8 (a bfloat16 scale per block of "
+                           "64; 2 bits want --outer-feedback on), 16 (float16) or 32", choices=OUTER_BITS)
     outer_feedback: bool = knob(False, "error feedback: what the compressed means of a replica's pseudo-gradients "
                                 "have not yet counted is added to its next one (SparseLoCo's)", metavar="on|off",
                                 parse=parse_switch)

@@ -20,7 +20,7 @@ log = logging.getLogger("tahnode.averaging")
 __all__ = ["AveragingRound", "StageAverager", "AveragingError", "UnsupportedBits", "BadVector", "NoStateTemplate",
            "AveragerNotRunning", "BITS"]
 
-BITS = (4, 8, 16, 32)        # 4/8: tahnode.codecs.blockwise; 16: float16; 32: float32 as is
+BITS = (2, 4, 8, 16, 32)     # 2/4/8: tahnode.codecs.blockwise; 16: float16; 32: float32 as is
 
 State = Callable[[], "tuple[dict, list[torch.Tensor]]"]
 
@@ -62,7 +62,7 @@ class AveragingRound:
 class StageAverager:
     """This replica's side of its stage's averaging. One group per round: only replicas at the same round
     meet (the round is the group key); a group forms as soon as the expected replicas are in, else at the
-    deadline with those that came (two at least). Parts travel blockwise-quantized (4/8 bits), float16 or
+    deadline with those that came (two at least). Parts travel blockwise-quantized (2/4/8 bits), float16 or
     raw, and what comes back is checked as group_mean.butterfly_mean checks it. hivemind is imported only
     when one is made; `average` and `load_state` never block the event loop (its blocking calls run in
     threads)."""

@@ -1,4 +1,4 @@
-"""The pseudo-gradient codecs as hivemind runs them: tahnode.codecs.blockwise (4 and 8 bits) as a
+"""The pseudo-gradient codecs as hivemind runs them: tahnode.codecs.blockwise (2, 4 and 8 bits) as a
 hivemind codec, registered where hivemind decodes parts, and the decoding of an untrusted part."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ __all__ = ["BlockwiseCompression", "compression_for", "decoded"]
 
 
 class BlockwiseCompression(CompressionBase):
-    """tahnode.codecs.blockwise as a hivemind codec: 4 or 8 bits, a bf16 scale per 64 values. Whatever
+    """tahnode.codecs.blockwise as a hivemind codec: 2, 4 or 8 bits, a bf16 scale per 64 values. Whatever
     does not decode to exactly the float32 tensor its message describes is refused (BlockwiseError)."""
 
     compression_type = runtime_pb2.CompressionType.BLOCKWISE_8BIT
@@ -41,7 +41,7 @@ class BlockwiseCompression(CompressionBase):
 
 # hivemind decodes a part by its message's compression enum, through this table. tahnode registers its
 # blockwise codec under BLOCKWISE_8BIT (hivemind's own needs bitsandbytes, absent here) before the
-# averager forks; the bit width travels in the encoding's header, so one entry decodes 4 and 8 bits.
+# averager forks; the bit width travels in the encoding's header, so one entry decodes 2, 4 and 8 bits.
 _BASE_COMPRESSION_TYPES["BLOCKWISE_8BIT"] = BlockwiseCompression(8)
 
 

@@ -9,7 +9,7 @@ import math
 import re
 import statistics
 
-from ..config.swarm import SwarmConfig
+from ..config.swarm import OUTER_BITS, SwarmConfig
 from .bench_report import markdown_table
 from .convergence_report import standard_error, steps_to_reach, summarize
 from .convergence_runs import RunResult, RunSpec
@@ -34,8 +34,11 @@ def add_pipeline_args(ap) -> None:
     run = SwarmConfig()
     g.add_argument("--outer-every", default=str(run.outer_every), metavar="H,...",
                    help=f"steps between outer steps, for each H (default {run.outer_every}, the run's)")
-    g.add_argument("--outer-bits", type=int, default=run.outer_bits,
+    g.add_argument("--outer-bits", type=int, default=run.outer_bits, choices=OUTER_BITS,
                    help=f"bits of a pseudo-gradient value on the wire (default {run.outer_bits}, the run's)")
+    feedback = "on" if run.outer_feedback else "off"
+    g.add_argument("--outer-feedback", choices=["on", "off"], default=feedback,
+                   help=f"error feedback of the pseudo-gradients' rounding (default {feedback}, the run's)")
     g.add_argument("--outer-lr", type=float, default=1.0, help="the outer step's learning rate (default 1)")
     g.add_argument("--outer-momentum", type=float, default=0.0, help="the outer step's Nesterov momentum (default 0)")
     g.add_argument("--swarm-steps", type=int, default=0, metavar="N",
@@ -73,6 +76,8 @@ def pipeline_specs(base: list[RunSpec], args) -> list[RunSpec]:
             for h in everies:
                 swarm = {"pipelines": p, "outer_every": h, "outer_bits": args.outer_bits, "outer_lr": args.outer_lr,
                          "outer_momentum": args.outer_momentum}
+                if args.outer_feedback == "on":  # only then: the runs cached before feedback keep their keys
+                    swarm["outer_feedback"] = True
                 label = f"{spec.pair} {p} pipelines H={h}{shorter}"
                 out.append(dataclasses.replace(spec, pair=label, steps=steps, swarm=swarm))
     return out
@@ -81,7 +86,8 @@ def pipeline_specs(base: list[RunSpec], args) -> list[RunSpec]:
 def _outer_label(r: RunSpec) -> str:
     s = r.swarm
     momentum = f", Nesterov {s['outer_momentum']:g}" if s.get("outer_momentum") else ""
-    return f"every {s['outer_every']} steps, {s['outer_bits']}-bit, lr {s['outer_lr']:g}{momentum}"
+    feedback = ", error feedback" if s.get("outer_feedback") else ""
+    return f"every {s['outer_every']} steps, {s['outer_bits']}-bit{feedback}, lr {s['outer_lr']:g}{momentum}"
 
 
 def _wall_share(run: RunResult, spec: RunSpec, single: RunResult, rate_mbps: float) -> float:
