@@ -1,9 +1,9 @@
 """Pipelines in data parallel with real daemons, started as users start them (`tahnode coordinator
 --pipelines auto`, `tahnode join --stage auto`) on 127.0.0.1: four volunteers train as two
-pipelines whose replicas average through hivemind every few steps; two late volunteers form a
-third pipeline that starts from the others' latest outer step; every pipeline's ledger has each of
-its steps once, their samples never overlap, and at the end the replicas of each stage hold the
-same weights (to the pseudo-gradient codec's error)."""
+pipelines whose replicas average through hivemind every few steps (at 2 bits, with error feedback);
+two late volunteers form a third pipeline that starts from the others' latest outer step; every
+pipeline's ledger has each of its steps once, their samples never overlap, and at the end the
+replicas of each stage hold the same weights (to the pseudo-gradient codec's error)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ STEPS, EVERY = 160, 4
 RUN = ["--stages", "2", "--steps", str(STEPS), "--checkpoint-every", "8", "--micro-batches", "2", "--batch-size", "4",
        "--seq-len", "64", "--codec", "none", "--backward-codec", "none", "--pipelines", "auto", "--standbys", "0",
        "--outer-every", str(EVERY), "--outer-timeout", "20", "--settle", "1", "--probe-wait", "2", "--min-chain-share",
-       "0"]
+       "0", "--outer-bits", "2", "--outer-feedback", "on"]  # the default 4 bits: tests/test_pipelines_faults.py
 
 
 def pipelines_of(state: dict) -> dict[int, list[str]]:
