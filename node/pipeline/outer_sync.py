@@ -236,7 +236,7 @@ class OuterSync:
 
     # -- checkpoints --------------------------------------------------------------------------------
     def checkpoint_tensors(self) -> dict[str, torch.Tensor]:
-        """The outer weights and momentum a checkpoint keeps."""
+        """The outer weights, momentum and error-feedback residual a checkpoint keeps."""
         with self._lock:
             return {k: t.clone() for k, t in {**self.outer.tensors(), **self.outer.own_tensors()}.items()}
 

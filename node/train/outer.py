@@ -84,7 +84,8 @@ class OuterOptimizer:
             self.residual.zero_()
 
     def tensors(self) -> dict[str, torch.Tensor]:
-        """What a checkpoint keeps of it: the outer weights (flat) and the momentum, if any."""
+        """What the replicas share of it (a checkpoint keeps it, a newcomer is served it): the outer
+        weights (flat) and the momentum, if any."""
         out = {"anchor": torch.cat([a.reshape(-1) for a in self.anchor])}
         if self.momentum is not None:
             out["momentum"] = self.momentum.clone()
