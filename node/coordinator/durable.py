@@ -7,15 +7,28 @@ the others rejoin by themselves."""
 
 from __future__ import annotations
 
+import secrets
 import sqlite3
 from array import array
 from pathlib import Path
 
 from ..proto import tahnode_pb2 as pb
 
-__all__ = ["SwarmDB", "MAX_IDENTITIES"]
+__all__ = ["SwarmDB", "MAX_IDENTITIES", "run_identity"]
 
 MAX_IDENTITIES = 65536  # node id -> key bindings kept (the oldest of gone nodes dropped past it)
+
+
+def run_identity(folder: Path) -> str:
+    """The run's id: random when the run starts, kept in its store folder so that a restarted
+    coordinator goes on with the same run (every seal and frame of the swarm names it)."""
+    path = folder / "run-id"
+    if path.exists():
+        return path.read_text().strip()
+    folder.mkdir(parents=True, exist_ok=True)
+    run_id = secrets.token_hex(8)
+    path.write_text(run_id + "\n")
+    return run_id
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS ledger (pipeline INTEGER NOT NULL, step INTEGER NOT NULL, loss REAL, seconds REAL NOT NULL,

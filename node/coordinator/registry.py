@@ -6,7 +6,6 @@ from __future__ import annotations
 import hashlib
 import logging
 import math
-import secrets
 import time
 from pathlib import Path
 
@@ -18,7 +17,7 @@ from ..net.identity import NodeKey
 from ..pipeline.checkpoint import CheckpointStore
 from ..proto import tahnode_pb2 as pb
 from .bans import BanPolicy, Bans, ban_marks
-from .durable import SwarmDB
+from .durable import SwarmDB, run_identity
 from .health import LossHistory, LossWatch
 from .reports import check_names, kept_stats
 from .roster import Roster
@@ -26,7 +25,7 @@ from .state import STANDBY, Census, NodeRecord, NodeStatus
 
 log = logging.getLogger("tahnode.coordinator")
 
-__all__ = ["SwarmRegistry", "run_identity", "LOSS_HISTORY"]
+__all__ = ["SwarmRegistry", "LOSS_HISTORY"]
 
 LOSS_HISTORY = 2000  # recent steps whose losses stay in memory (the whole ledger is in SQLite)
 LEDGER_SLACK = 200  # steps a stage may run ahead of the ledger (the loss stage's reports come with its heartbeats)
@@ -34,18 +33,6 @@ SEEN_COUNTERS_FILE = "seen-counters.json"  # each sender's highest seal counter,
 MAX_LINKS_PER_NODE = 16  # links a node's heartbeat may report (it sends on two, and probes a few)
 DEAD_RECORD_S = 600.0    # a node that left, failed or was banned is forgotten this long after it was last heard
 HEARTBEATS_PER_S = 300  # the heartbeat rate the coordinator aims at: beyond this many nodes, they beat less often
-
-
-def run_identity(folder: Path) -> str:
-    """The run's id: random when the run starts, kept in its store folder so that a restarted
-    coordinator goes on with the same run (every seal and frame of the swarm names it)."""
-    path = folder / "run-id"
-    if path.exists():
-        return path.read_text().strip()
-    folder.mkdir(parents=True, exist_ok=True)
-    run_id = secrets.token_hex(8)
-    path.write_text(run_id + "\n")
-    return run_id
 
 
 class SwarmRegistry:
@@ -78,7 +65,6 @@ class SwarmRegistry:
         for pipeline, stage, node_id, address, device, cert in self.db.holders():  # presumed alive until timed out
             self.nodes[node_id] = NodeRecord(node_id, address, stage, device, status=NodeStatus.ACTIVE, tls_cert=cert,
                                              pipeline=pipeline)
-        self.restored = set(self.nodes)  # their time to report counts from serving()
         if self.histories or self.nodes:
             held = ", ".join(f"{n.node_id} stage {n.stage} of pipeline {n.pipeline}"
                              for n in self.nodes.values()) or "none"
@@ -88,14 +74,11 @@ class SwarmRegistry:
                        f"{self._epoch}; holders kept: {held}")
 
     def serving(self) -> None:
-        """The control plane answers from now: the holders kept from before a restart have two heartbeat
-        timeouts from now to report (their channels back off while the coordinator was down: under load a
-        restart once took 14 s to serve, and every holder was declared failed before it could report)."""
-        for node_id in self.restored:
-            node = self.nodes.get(node_id)
-            if node is not None and node.status.live:
-                node.last_seen = max(node.last_seen, time.monotonic() + self.timeout)
-        self.restored.clear()
+        """(Once, as the control plane starts to answer.) The holders kept from before a restart have two heartbeat
+        timeouts from now to report: their channels back off while the coordinator is down, and a restart under
+        load once took 14 s to serve (every holder was declared failed before it could report)."""
+        for node in self.live():
+            node.last_seen = max(node.last_seen, time.monotonic() + self.timeout)
 
     def ledger(self, pipeline: int = 0) -> dict[int, pb.LossPoint]:
         """Every committed step of a pipeline: its loss, samples and wall time on its loss stage (from disk)."""
