@@ -26,6 +26,7 @@ from hivemind.utils import MPFuture
 from hivemind.utils.asyncio import amap_in_executor, as_aiter, azip, enter_asynchronously
 from hivemind.utils.timed_storage import get_dht_time
 
+from ..train.group_mean import reducer_counted
 from .averaging_checks import CheckedContainer, CheckedReducer
 from .averaging_rules import (CHUNK_TIMEOUT_S, CONTROL_TIMEOUT_S, GRACE_S, MIN_MATCHMAKING_S,
                               REQUEST_TIMEOUT_S, STATE_KEY, Ledger)
@@ -88,9 +89,9 @@ class CheckedRunner(AllReduceRunner):
             result = await self.tensor_part_reducer.accumulate_part(sender_index, part_index, part, weight=self.weight)
             self.ledger.mark_dropped(result.dropped)
             coded = decoded(self._mean_message(part_index, result.mean)) if result.mean is not None else None
-            if coded is not None and result.own_in:  # its own part went in raw: the mean's rounding is its to carry
-                self.tensor_part_container.count(peer_index, part_index,
-                                                 part - result.senders * (result.mean - coded.reshape(part.shape)))
+            if coded is not None and result.own_in:
+                self.tensor_part_container.count(peer_index, part_index, reducer_counted(
+                    part, result.mean, coded.reshape(part.shape), result.senders))
             self.tensor_part_container.register_processed_part(peer_index, part_index, coded)
 
     async def _generate_input_for_peer(self, peer_index: int) -> AsyncIterator[averaging_pb2.AveragingData]:

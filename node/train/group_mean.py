@@ -16,7 +16,8 @@ import torch
 
 from ..codecs import blockwise
 
-__all__ = ["admitted", "accepted", "lower_median", "compress", "GroupMean", "butterfly_mean", "wire_bytes"]
+__all__ = ["admitted", "accepted", "lower_median", "compress", "GroupMean", "butterfly_mean", "wire_bytes",
+           "reducer_counted"]
 
 
 def lower_median(values: list[float]) -> float:
@@ -49,6 +50,12 @@ def compress(x: torch.Tensor, bits: int) -> torch.Tensor:
     if bits == 16:
         return x.to(torch.float16).to(torch.float32)
     return blockwise.dequantize(blockwise.quantize(x, bits), x.numel())
+
+
+def reducer_counted(own: torch.Tensor, exact: torch.Tensor, coded: torch.Tensor, senders: int) -> torch.Tensor:
+    """What a mean counted of the part its reducer averaged: its own values went in raw, and the
+    rounding of the mean it sent back (exact - coded, over `senders` parts) is its to carry."""
+    return own - senders * (exact - coded)
 
 
 def _crossed(x: torch.Tensor, bits: int) -> torch.Tensor:
@@ -112,8 +119,8 @@ def butterfly_mean(vectors: list[torch.Tensor], bits: int, ratio: float) -> Grou
                 means[i][lo:hi] = own + (mean - own)  # as hivemind adds it: the difference to its own part
                 if ok[i] and i != j:
                     counted[i][lo:hi] = received[i]
-                elif ok[i]:  # the reducer's own part went in raw; the rounding of the mean it sent is its to carry
-                    counted[i][lo:hi] = own - sum(ok) * (exact - mean)
+                elif ok[i]:
+                    counted[i][lo:hi] = reducer_counted(own, exact, mean, sum(ok))
             else:
                 kept[j].add(i)
     return GroupMean(means, refused, kept, sent, counted)
