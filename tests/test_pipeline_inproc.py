@@ -185,6 +185,48 @@ def test_a_lost_micro_batch_stalls_the_step_until_stage_0_replays_it(dataset):
     assert swarm.losses() == pytest.approx(train_local(run, dataset), abs=1e-5)
 
 
+def test_a_replay_request_waits_for_a_backward_peer_being_replaced(dataset):
+    """Stage 2 refuses a micro-batch of step 2 (the real one lost on the way) while its backward link
+    names no peer (its neighbour being replaced): the request to replay is sent once the link names
+    one again, not lost, so stage 0 replays the step long before its stall watchdog (300 s)."""
+    run = build_run(5, **NONE)
+    swarm, events = Swarm(run, dataset), []
+    original = swarm.transports[1].send
+
+    def peer_back() -> None:
+        events.append("peer back")
+        swarm.transports[2].set_peer(BACKWARD, "n1", "n1")
+
+    async def send_replacing_one(direction, envelope, generation):
+        env = envelope.envelope() if isinstance(envelope, Body) else envelope
+        if (direction == FORWARD and env.WhichOneof("body") == "micro_batch" and env.micro_batch.step == 2
+                and not events):
+            events.append("refused")
+            swarm.transports[2].set_peer(BACKWARD, "", "")
+            swarm.transports[2].inbox.put_nowait(Inbound(FORWARD, "n1", 99, None))
+            swarm.transports[2].inbox.put_nowait(
+                Inbound(FORWARD, "n1", 99, pb.Envelope(micro_batch=bad_micro_batch("nan", run, 2))))
+            asyncio.get_running_loop().call_later(0.5, peer_back)
+            return True
+        return await original(direction, envelope, generation)
+
+    swarm.transports[1].send = send_replacing_one
+
+    async def main() -> None:
+        await swarm.start()
+        try:
+            await asyncio.wait_for(asyncio.gather(*(w.run(5) for w in swarm.workers)), 60)
+        finally:
+            await swarm.close()
+
+    asyncio.run(main())
+    assert events == ["refused", "peer back"]
+    assert swarm.workers[2].stats.refused_micro_batches == 1
+    assert swarm.workers[0].stats.replays == 1
+    assert swarm.steps() == list(range(5))
+    assert swarm.losses() == pytest.approx(train_local(run, dataset), abs=1e-5)
+
+
 def test_aqsgd_cache_starts_afresh_on_a_new_stream_at_both_ends(dataset):
     """AQ-SGD keeps a per-sample cache on both ends of a link; after the link breaks, the sender's
     new generation and the receiver's new stream both start empty, so decoding stays in step."""

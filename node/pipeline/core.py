@@ -30,6 +30,7 @@ log = logging.getLogger("tahnode.pipeline")
 __all__ = ["StageCore", "PEER_WAIT_S", "initial_model"]
 
 PEER_WAIT_S = 10.0  # how long a micro-batch waits for its link's peer to be named (a few heartbeats)
+TELL_WAIT_S = 120.0  # how long a replay request waits for a backward peer (stage 0's stall watchdog: 300 s)
 
 
 def initial_model(run: RunConfig, stage: int, init_from: str = "") -> StageModel:
@@ -146,7 +147,32 @@ class StageCore:
         elif tell:
             ack = pb.SyncAck(step=self.state.step, attempt=self.state.attempt, abort=True, reason=reason,
                              diverged=diverged)
-            asyncio.get_running_loop().create_task(self.send(BACKWARD, sync_ack=ack))
+            self.tell_first(ack)
+
+    def tell_first(self, ack: pb.SyncAck, relayed: bool = False) -> None:
+        """Send a replay request (an abort SyncAck) on towards stage 0, in the background; this stage's
+        own (not `relayed`) only while the step it names is still the one in flight here."""
+        asyncio.get_running_loop().create_task(self._deliver_abort(ack, relayed))
+
+    async def _deliver_abort(self, ack: pb.SyncAck, relayed: bool) -> None:
+        """A backward link that names no peer yet (a neighbour being replaced), or whose stream failed
+        under the request, is waited for and the request sent again: a lost request would leave stage 0
+        waiting for its stall watchdog."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + TELL_WAIT_S
+        while not self.shutdown.is_set() and (relayed or self.in_flight(ack.step, ack.attempt)):
+            left = deadline - loop.time()
+            if left <= 0:
+                log.warning("stage %d gave up telling stage 0 to replay step %d: no backward peer for %.0f s",
+                            self.stage, ack.step, TELL_WAIT_S)
+                return
+            if await self.t.wait_for_peer(BACKWARD, min(left, PEER_WAIT_S)):
+                if await self.t.send(BACKWARD, pb.Envelope(sync_ack=ack), self.t.generation(BACKWARD)):
+                    return
+                await asyncio.sleep(0.1)  # the link's generation moved on under the request: again, on the new one
+
+    def in_flight(self, step: int, attempt: int) -> bool:
+        return (self.state.step, self.state.attempt) == (step, attempt)
 
     def restart_step(self, step: int, attempt: int) -> None:
         """Drop the partial work of the current step and compute (step, attempt) from its start."""

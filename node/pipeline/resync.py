@@ -82,6 +82,10 @@ class Resync:
         if not ack.abort:
             ack.min_committed = min(ack.min_committed, core.committed)
             ack.max_committed = max(ack.max_committed, core.committed)
-        if not core.first:
+        if core.first:
+            return ack
+        if ack.abort:
+            core.tell_first(ack, relayed=True)  # a replay request is passed on even across a link being re-pointed
+        else:
             await core.send(BACKWARD, sync_ack=ack)
         return ack
