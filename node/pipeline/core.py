@@ -118,11 +118,11 @@ class StageCore:
         return await asyncio.get_running_loop().run_in_executor(self.pool, fn, *args)
 
     async def send(self, direction: Direction, gen: int | None = None,
-                   envelope: pb.Envelope | Body | PendingBody | None = None, **body) -> None:
+                   envelope: pb.Envelope | Body | PendingBody | None = None, **body) -> bool:
         """Send `envelope` (or an envelope's body), or an envelope with `body`; with the link's
-        current generation unless `gen` is given."""
-        await self.t.send(direction, envelope if envelope is not None else pb.Envelope(**body),
-                          self.t.generation(direction) if gen is None else gen)
+        current generation unless `gen` is given. False if the link dropped it (tahnode.net.transport)."""
+        return await self.t.send(direction, envelope if envelope is not None else pb.Envelope(**body),
+                                 self.t.generation(direction) if gen is None else gen)
 
     async def send_micro_batch(self, direction: Direction, gen: int, envelope: Body | PendingBody, index: int) -> None:
         """Send micro-batch `index` onward. A link that points at no peer yet (an assignment a heartbeat
@@ -167,7 +167,7 @@ class StageCore:
                             self.stage, ack.step, TELL_WAIT_S)
                 return
             if await self.t.wait_for_peer(BACKWARD, min(left, PEER_WAIT_S)):
-                if await self.t.send(BACKWARD, pb.Envelope(sync_ack=ack), self.t.generation(BACKWARD)):
+                if await self.send(BACKWARD, sync_ack=ack):
                     return
                 await asyncio.sleep(0.1)  # the link's generation moved on under the request: again, on the new one
 
