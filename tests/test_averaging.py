@@ -231,12 +231,12 @@ def test_a_hostile_replica_never_poisons_the_honest_ones(dhts, liar, monkeypatch
     xs = vectors(3, seed=3)
     kind = {"huge": StageAverager, "nan": NaNReplica, "one value": OneValueReplica}[liar]
     sent = xs[2] * (1e30 / float(xs[2].norm())) if liar == "huge" else xs[2]
-    for attempt in range(2):
+    for _ in range(2):
         with replicas(dhts, [StageAverager, StageAverager, kind]) as avs:
             results = run_round(avs, [xs[0], xs[1], sent], [3] * 3, expected=3, timeout=5.0)
             liar_id = avs[2].peer_id
         # a liar that never took part (once on CI: silent for the whole round, dropped by both, refused by
-        # neither; its matchmaking gave up under load) tests nothing here: a fresh group tries once more
+        # neither; most likely its matchmaking gave up under load) tests nothing here: a fresh group tries again
         if not any(r.dropped and liar_id not in r.refused for r in results[:2]):
             break
     assert not any(r.dropped and liar_id not in r.refused for r in results[:2]), f"the liar never took part: {results}"
