@@ -45,7 +45,7 @@ def test_limits_are_the_smaller_of_link_and_compute_per_stages_pair_and_transpor
 
 
 def test_pipelines_rows_take_the_smaller_limit_and_their_speed_up_over_one_pipeline():
-    from tahnode.tools.bench_pipelines import PipelineRow, pipeline_limits
+    from tahnode.tools.bench_pipelines import PipelineRow, compute_shares, pipeline_limits
 
     rows = [PipelineRow(0, 1, 3, 8, tokens_per_s=2000), PipelineRow(0, 2, 3, 8, tokens_per_s=3000),
             PipelineRow(10, 1, 3, 8, tokens_per_s=450, link_limit=500),
@@ -56,7 +56,24 @@ def test_pipelines_rows_take_the_smaller_limit_and_their_speed_up_over_one_pipel
         ("compute", 2000, 1.0, 0.0), ("compute", 3000, 1.0, 1.5), ("link", 500, 0.9, 0.0), ("link", 1000, 0.88, 1.96),
         ("compute", 3000, 0.9, 0.0)]  # no 1-pipeline row at 50 Mbit/s: no speed-up
     assert rows[3].cells()[:6] == ["10", "2", "3", "every 8", "880", "1.96×"]
+    assert compute_shares(rows) == {10: 0.225}  # 450 of 2000; no 1-pipeline row at 50 Mbit/s
+    assert compute_shares(rows[2:]) == {}       # no unshaped row: nothing to compare with
 
+
+
+def test_the_pipelines_report_says_what_share_of_the_machine_one_pipeline_needs_at_each_rate(tmp_path):
+    from tahnode.tools.bench_pipelines import PipelineBench, PipelineRow, pipeline_limits, report
+
+    rows = [PipelineRow(0, 1, 3, 4, tokens_per_s=69527), PipelineRow(0, 2, 3, 4, tokens_per_s=60905),
+            PipelineRow(50, 1, 3, 4, tokens_per_s=22227, link_limit=22848),
+            PipelineRow(50, 2, 3, 4, tokens_per_s=39444, link_limit=45735)]
+    pipeline_limits(rows)
+    doc = tmp_path / "log.md"
+    report(rows, PipelineBench(), doc, tmp_path / "plots", "t", "tahnode bench swarm --pipelines 1,2")
+    text = doc.read_text()
+    assert "One pipeline at 50 Mbit/s trains 32% of what it trains unshaped." in text
+    assert "| 50 | 2 | 3 | every 4 | 39,444 | 1.77× |" in text
+    assert (tmp_path / "plots" / "t-pipelines.png").stat().st_size > 0
 
 def test_convergence_compares_each_seed_with_the_reference_of_the_same_seed():
     def run(pair, seed, final, first=5.0):

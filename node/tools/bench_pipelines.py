@@ -19,7 +19,7 @@ from .bench_report import markdown_table, pyplot_for, save_figure, write_section
 from .swarm_cells import DEFAULT_PAIRS, CodecPair
 from .swarm import LocalSwarm, SwarmError, SwarmSpec
 
-__all__ = ["PipelineRow", "PipelineBench", "pipeline_limits", "run_pipelines", "COLUMNS"]
+__all__ = ["PipelineRow", "PipelineBench", "pipeline_limits", "compute_shares", "run_pipelines", "COLUMNS"]
 
 COLUMNS = ("link Mbit/s", "pipelines", "stages", "outer step", "tokens/s", "vs 1 pipeline", "limit tokens/s", "limit",
            "share of limit", "busiest data direction bytes/step", "averaging bytes/step", "outer step s", "final loss")
@@ -151,6 +151,14 @@ def pipeline_limits(rows: list[PipelineRow]) -> None:
             r.speedup = r.tokens_per_s / single[r.rate_mbps]
 
 
+def compute_shares(rows: list[PipelineRow]) -> dict[float, float]:
+    """Each link rate -> one pipeline's tokens/s there over one pipeline's unshaped (what the machine
+    computes): the share of the shared machine's CPU one pipeline needs at that rate. Issue 44's bar
+    for two pipelines at 50 Mbit/s holds for a model and batch where it is at most one half."""
+    alone = {r.rate_mbps: r.tokens_per_s for r in rows if r.pipelines == 1 and r.tokens_per_s > 0}
+    return {rate: tps / alone[0] for rate, tps in sorted(alone.items()) if rate and alone.get(0)}
+
+
 def plot(rows: list[PipelineRow], out: Path) -> Path:
     """tokens/s against pipelines, one line per link rate, the limits dashed."""
     plt = pyplot_for(out)
@@ -186,7 +194,9 @@ def report(rows: list[PipelineRow], cfg: PipelineBench, doc: Path, plots: Path, 
         f"warm-up steps, then {cfg.steps} measured steps (tokens over their whole wall time, outer steps included); "
         f"each step cut into {cfg.pipeline_micro_batches} micro-batches (pipelines that tune their cuts apart wait for "
         "each other at every outer step). Every directed link is a tc class at the rate; the link limit counts a "
-        "node's averaging bytes on top of its busiest data direction.",
+        "node's averaging bytes on top of its busiest data direction." + "".join(
+            f" One pipeline at {rate:g} Mbit/s trains {100 * share:.0f}% of what it trains unshaped." for rate, share
+            in compute_shares(rows).items()),
         "", f"Command: `{command}`"], [plot(rows, plots / f"{name}-pipelines.png")])
     return text
 
