@@ -60,7 +60,6 @@ def test_pipelines_rows_take_the_smaller_limit_and_their_speed_up_over_one_pipel
     assert compute_shares(rows[2:]) == {}       # no unshaped row: nothing to compare with
 
 
-
 def test_the_pipelines_report_says_what_share_of_the_machine_one_pipeline_needs_at_each_rate(tmp_path):
     from tahnode.tools.bench_pipelines import PipelineBench, PipelineRow, pipeline_limits, report
 
@@ -74,6 +73,7 @@ def test_the_pipelines_report_says_what_share_of_the_machine_one_pipeline_needs_
     assert "One pipeline at 50 Mbit/s trains 32% of what it trains unshaped." in text
     assert "| 50 | 2 | 3 | every 4 | 39,444 | 1.77× |" in text
     assert (tmp_path / "plots" / "t-pipelines.png").stat().st_size > 0
+
 
 def test_convergence_compares_each_seed_with_the_reference_of_the_same_seed():
     def run(pair, seed, final, first=5.0):
