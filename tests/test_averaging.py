@@ -19,7 +19,7 @@ from hivemind.proto import runtime_pb2  # noqa: E402
 
 from tahnode.codecs.blockwise import BlockwiseError, quantize  # noqa: E402
 from tahnode.net import averaging_codec, averaging_parts as parts  # noqa: E402
-from tahnode.net.averaging import BadVector, StageAverager, UnsupportedBits  # noqa: E402
+from tahnode.net.averaging import AveragerNotAnswering, BadVector, StageAverager, UnsupportedBits  # noqa: E402
 from tahnode.net.averaging_rules import GRACE_S, usable  # noqa: E402
 from tahnode.train.group_mean import butterfly_mean, wire_bytes  # noqa: E402
 
@@ -375,3 +375,27 @@ def test_wrong_bits_and_vectors_are_refused(dhts):
     for vector in (torch.zeros(SIZE - 1), torch.full((SIZE,), float("nan")), torch.zeros(SIZE, dtype=torch.float64)):
         with pytest.raises(BadVector):
             asyncio.run(averager.average(vector, 0, 2, 1.0))
+
+
+def test_an_averager_process_that_stops_answering_fails_the_round_not_the_daemon(dhts, monkeypatch):
+    """CI once saw a replica's averager process end mid-run (a crash inside it): the next control
+    message timed out, and the TimeoutError ended the daemon. The round fails as averaging does
+    (an AveragingError: the replica trains on alone), and a message its pipe cannot take is logged."""
+    def no_answer(*args, **kwargs):
+        raise TimeoutError()  # what MPFuture.result raises when the process never answers
+
+    def broken_pipe(*args, **kwargs):
+        raise BrokenPipeError(32, "Broken pipe")
+
+    with replicas(dhts, [StageAverager], states=[lambda: ({}, [torch.zeros(3)])]) as (averager,):
+        asyncio.run(averager._ready())
+        monkeypatch.setattr(averager._averager, "run_round", lambda *args: ["a", "b"])
+        monkeypatch.setattr(averager._averager, "ask", no_answer)
+        with pytest.raises(AveragerNotAnswering):
+            asyncio.run(averager.average(torch.zeros(SIZE), 0, 2, 1.0))
+        monkeypatch.setattr(averager._averager, "fetch_state", broken_pipe)
+        with pytest.raises(AveragerNotAnswering):
+            asyncio.run(averager.load_state(1.0))
+        monkeypatch.setattr(averager._averager, "tell", broken_pipe)
+        averager.set_target(3)
+        averager.set_members(["a"])

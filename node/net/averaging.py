@@ -18,7 +18,7 @@ from .p2p_host import STARTUP_TIMEOUT_S, require_hivemind
 log = logging.getLogger("tahnode.averaging")
 
 __all__ = ["AveragingRound", "StageAverager", "AveragingError", "UnsupportedBits", "BadVector", "NoStateTemplate",
-           "AveragerNotRunning", "BITS"]
+           "AveragerNotRunning", "AveragerNotAnswering", "BITS"]
 
 BITS = (2, 4, 8, 16, 32)     # 2/4/8: tahnode.codecs.blockwise; 16: float16; 32: float32 as is
 
@@ -43,6 +43,11 @@ class NoStateTemplate(AveragingError):
 
 class AveragerNotRunning(AveragingError):
     """The averager's process was not started (StageAverager.start), or did not come up."""
+
+
+class AveragerNotAnswering(AveragingError):
+    """The averager's process did not answer a control message in time, or its pipe broke: it ended
+    (a crash in its own process), or the machine is too loaded for it to answer."""
 
 
 @dataclass
@@ -117,9 +122,9 @@ class StageAverager:
         await self._ready()
         if expected < 2:
             return AveragingRound(None, 0, seconds=time.monotonic() - started)
-        group = await asyncio.to_thread(self._averager.run_round, vector.cpu(), format(round % 256, "08b"),
+        group = await self._in_averager(self._averager.run_round, vector.cpu(), format(round % 256, "08b"),
                                         expected, timeout)
-        tally = await asyncio.to_thread(self._averager.ask, "_take_ledger")
+        tally = await self._in_averager(self._averager.ask, "_take_ledger")
         mean = None
         if group is not None and tally.partial:  # its values of some parts are its own: not the group's mean
             log.warning("averaging %s round %d: a part's average never came back; the round counts as missed",
@@ -139,6 +144,14 @@ class StageAverager:
         return AveragingRound(mean, len(group) if group is not None else 0, tally.refused, tally.sent, tally.received,
                               time.monotonic() - started, dropped, counted)
 
+    async def _in_averager(self, call: Callable, *args):
+        """`call(*args)` (a message to the averager's process and its answer) in a thread; a process
+        that does not answer is this replica's averaging failing, never the daemon's end."""
+        try:
+            return await asyncio.to_thread(call, *args)
+        except (OSError, EOFError) as exc:  # TimeoutError (no answer in CONTROL_TIMEOUT_S) and BrokenPipeError
+            raise AveragerNotAnswering(f"the averager of {self.prefix} did not answer: {exc!r}") from None
+
     def _result(self) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The mean, and with error feedback what it counted of this replica's vector."""
         counted = getattr(self._averager, "counted", None)
@@ -151,7 +164,7 @@ class StageAverager:
         if self._state is None:
             raise NoStateTemplate(f"the averager of {self.prefix} has no state to check a peer's against")
         await self._ready()
-        loaded = await asyncio.to_thread(self._averager.fetch_state, timeout)
+        loaded = await self._in_averager(self._averager.fetch_state, timeout)
         if loaded is None:
             return None
         checked = checked_state(loaded, self._state()[1])
@@ -162,12 +175,18 @@ class StageAverager:
     def set_members(self, peer_ids: list[str]) -> None:
         """Allow only these peers in this prefix's groups (empty: anyone); takes effect in the averager's
         process, before any later round."""
-        self._averager.tell("_set_members", list(peer_ids))
+        self._tell("_set_members", list(peer_ids))
 
     def set_target(self, expected: int) -> None:
         """The group a round (under way, or later) waits for: `expected` replicas, two at least (the
         coordinator's count of pipelines changed: a round begun before would form without the new one)."""
-        self._averager.tell("_set_target", max(2, expected))
+        self._tell("_set_target", max(2, expected))
+
+    def _tell(self, method: str, *args) -> None:
+        try:
+            self._averager.tell(method, *args)
+        except OSError as exc:  # its process ended: the next round finds it not running
+            log.warning("averaging %s: its averager's process did not take %s: %r", self.prefix, method, exc)
 
     def shutdown(self) -> None:
         if self._averager.is_alive():
