@@ -1,5 +1,5 @@
 """`tahnode bench convergence` end to end on a few steps: runs in worker processes, a result file per
-(pair, seed) that a second invocation reuses, the table (gaps to the reference of the same seed,
+(pair, seed) that a second invocation reuses at any --jobs, the table (gaps to the reference of the same seed,
 bits, error per crossing, tokens and link time to the reference's loss) and the plot in the doc;
 and the arithmetic of the summary on made-up runs."""
 
@@ -41,6 +41,7 @@ def test_the_bench_trains_reports_and_resumes(tmp_path, monkeypatch, capsys):
     assert len(list(work.glob("*.json"))) == 4
     before = {p.name: p.stat().st_mtime_ns for p in work.glob("*.json")}
     assert bench_convergence.main(argv) == 0  # nothing trained again
+    assert bench_convergence.main([*argv, "--jobs", "1"]) == 0  # nor with every core for each run (another key)
     assert {p.name: p.stat().st_mtime_ns for p in work.glob("*.json")} == before
 
 

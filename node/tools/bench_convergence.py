@@ -142,7 +142,7 @@ def run_all(specs: list[RunSpec], workdir: Path, jobs: int) -> list[RunResult]:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     workdir.mkdir(parents=True, exist_ok=True)
-    todo = [s for s in specs if not (workdir / f"{s.key}.json").exists()]
+    todo = [s for s in specs if not s.result_file(workdir).exists()]
     if todo:
         train_samples_ready(todo[0])
         with worker_manager() as manager, Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
@@ -168,7 +168,7 @@ def run_all(specs: list[RunSpec], workdir: Path, jobs: int) -> list[RunResult]:
                 tasks[key] = (task, done)
                 _collect(futures, workdir, bar, tasks)
             _collect(futures, workdir, bar, tasks)
-    return [RunResult.load(workdir / f"{s.key}.json") for s in specs if (workdir / f"{s.key}.json").exists()]
+    return [RunResult.load(s.result_file(workdir)) for s in specs if s.result_file(workdir).exists()]
 
 
 def train_samples_ready(spec: RunSpec) -> None:

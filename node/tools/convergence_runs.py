@@ -10,7 +10,7 @@ import hashlib
 import json
 import math
 import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from .bench_report import machine
@@ -59,6 +59,16 @@ class RunSpec:
         digest = hashlib.sha256(text.encode()).hexdigest()[:10]
         pair = "".join(ch if ch.isalnum() or ch in "=.-" else "_" for ch in self.pair)
         return f"{pair}-seed{self.seed}-{digest}"
+
+    def result_file(self, workdir: Path) -> Path:
+        """Where its result is kept: under its key, or under that of the same run trained at another torch
+        thread count (`--jobs` sets it: one thread a run beside others, every core for a run alone): that
+        changes how fast a run trains, not its settings. A run not trained yet goes under its own key."""
+        for threads in dict.fromkeys((self.threads, 0, 1)):
+            path = workdir / f"{replace(self, threads=threads).key}.json"
+            if path.exists():
+                return path
+        return workdir / f"{self.key}.json"
 
     @property
     def pipelines(self) -> int:
