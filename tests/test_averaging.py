@@ -381,7 +381,7 @@ def test_wrong_bits_and_vectors_are_refused(dhts):
             asyncio.run(averager.average(vector, 0, 2, 1.0))
 
 
-def test_an_averager_process_that_stops_answering_fails_the_round_not_the_daemon(dhts, monkeypatch):
+def test_an_averager_process_that_stops_answering_fails_the_round_not_the_daemon(dhts, monkeypatch, caplog):
     """CI once saw a replica's averager process end mid-run (a crash inside it): the next control
     message timed out, and the TimeoutError ended the daemon. The round fails as averaging does
     (an AveragingError: the replica trains on alone), and a message its pipe cannot take is logged."""
@@ -401,5 +401,8 @@ def test_an_averager_process_that_stops_answering_fails_the_round_not_the_daemon
         with pytest.raises(AveragerNotAnswering):
             asyncio.run(averager.load_state(1.0))
         monkeypatch.setattr(averager._averager, "tell", broken_pipe)
-        averager.set_target(3)
-        averager.set_members(["a"])
+        with caplog.at_level("WARNING", logger="tahnode.averaging"):
+            averager.set_target(3)
+            averager.set_members(["a"])
+    told = [r.getMessage() for r in caplog.records if "did not take" in r.getMessage()]
+    assert len(told) == 2 and "_set_target" in told[0] and "_set_members" in told[1]

@@ -168,7 +168,7 @@ def run_all(specs: list[RunSpec], workdir: Path, jobs: int) -> list[RunResult]:
                 tasks[key] = (task, done)
                 _collect(futures, workdir, bar, tasks)
             _collect(futures, workdir, bar, tasks)
-    return [RunResult.load(s.result_file(workdir)) for s in specs if s.result_file(workdir).exists()]
+    return [RunResult.load(path) for s in specs if (path := s.result_file(workdir)).exists()]
 
 
 def train_samples_ready(spec: RunSpec) -> None:
