@@ -145,3 +145,62 @@ def test_a_section_written_again_replaces_itself_and_keeps_the_rest(tmp_path):
     assert (text.index("second table") < text.index("a note after the section") < text.index("## NAT")
             < text.index("nat table"))
     assert "![a](plots/a.png)" in text and "Machine: " in text
+
+
+def _stat(pid) -> list[str] | None:
+    """/proc/PID/stat's fields after the command's name (state, parent, ...), or None: no such process."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+
+def _state(pid: int) -> str | None:
+    fields = _stat(pid)
+    return fields[0] if fields else None
+
+
+def _children(pid: int) -> list[int]:
+    """The live processes whose parent is `pid`."""
+    return [int(entry) for entry in os.listdir("/proc") if entry.isdigit()
+            and (fields := _stat(entry)) and fields[0] != "Z" and int(fields[1]) == pid]
+
+
+@pytest.mark.root_network
+def test_a_bench_stopped_by_sigterm_takes_its_swarm_down(tmp_path):
+    """`timeout`, `kill` or a service manager sends SIGTERM: the bench unwinds as on Ctrl-C, stops its
+    coordinator and daemons (each in a session of its own) and removes its namespaces, and exits 130.
+    Before, SIGTERM ended the bench at once and left the swarm running, its namespaces in place."""
+    import signal
+    import time
+
+    from tahnode.tools import netns
+
+    shaper = "tc" if root_reason() is None else "userspace"
+    prefix = f"ts{os.getpid() % 1000}-"
+    args = [sys.executable, "-m", "tahnode.cli", "bench", "swarm", "--rates", "20", "--rtts", "0", "--stages", "3",
+            "--pairs", "none/none", "--steps", "50", "--warmup", "1", "--tokens-per-step", "4096", "--seq-len", "64",
+            "--shaper", shaper, "--doc", str(tmp_path / "b.md"), "--plots", str(tmp_path / "plots"),
+            "--workdir", str(tmp_path / "work"), "--prefix", prefix, "--device", "cpu"]
+    bench = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                             env={**os.environ, "TAHNODE_CACHE": str(tmp_path / "cache")})
+    try:
+        deadline = time.monotonic() + 300
+        while len(started := _children(bench.pid)) < 4:  # the coordinator and three daemons
+            assert bench.poll() is None and time.monotonic() < deadline, "the bench never started its swarm"
+            time.sleep(0.5)
+        time.sleep(3)
+        bench.send_signal(signal.SIGTERM)
+        out, _ = bench.communicate(timeout=120)
+    finally:
+        if bench.poll() is None:
+            bench.kill()
+    assert bench.returncode == 130, out[-3000:]
+    assert "interrupted" in out
+    deadline = time.monotonic() + 15
+    while left := [pid for pid in started if _state(pid) not in (None, "Z")]:
+        assert time.monotonic() < deadline, f"the swarm's processes outlived the bench: {left}"
+        time.sleep(0.5)
+    if shaper == "tc":
+        assert netns.namespaces(prefix) == []

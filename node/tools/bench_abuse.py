@@ -26,6 +26,7 @@ from .abuse_frames import PAD_TO, StageDaemon, send_frames
 from .bench_coordinator import BenchError, CoordinatorProcess, Spread
 from .bench_probes import POLL_S, fetch, memory_mb, process_tree
 from .bench_report import markdown_table, write_section
+from .interrupt import interruptible
 from .workers import worker_pool
 
 __all__ = ["main", "PhaseRow"]
@@ -235,6 +236,7 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+@interruptible("tahnode bench abuse")
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:

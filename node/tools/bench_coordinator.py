@@ -26,6 +26,7 @@ from ..config.token import new_token_file
 from ..net.loop import use_fast_event_loop
 from .bench_probes import POLL_S, cpu_seconds, fetch, memory_mb, poll_endpoints, poller_pool, process_tree
 from .bench_report import markdown_table, write_section
+from .interrupt import interruptible
 from .sim_volunteers import SimVolunteers
 from .swarm import free_port
 
@@ -339,6 +340,7 @@ async def run_all(nodes: list[int], args) -> list[CoordinatorRow]:
     return [await Bench(n, args).run() for n in nodes]
 
 
+@interruptible("tahnode bench coordinator")
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)

@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from .bench_report import markdown_table, write_section
+from .interrupt import interruptible
 from .natns import NatSwarm, NatTopology, create_nat
 from .netns import NetnsError, remove
 
@@ -75,6 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+@interruptible("tahnode bench nat")
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     rows: list[NatLink] = []

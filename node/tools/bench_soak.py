@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from .bench_report import pyplot_for, markdown_table, write_section
+from .interrupt import interruptible
 from .swarm import LocalSwarm, Shaper, SwarmError, SwarmSpec
 
 __all__ = ["Sample", "ProcessSeries", "main"]
@@ -139,6 +140,7 @@ def report(series: list[ProcessSeries], state: dict, args, command: str) -> str:
     return text
 
 
+@interruptible("tahnode bench soak")
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.minutes <= args.warmup_minutes:

@@ -22,6 +22,7 @@ from ..config.swarm import SwarmConfig
 from . import netns
 from .bench_pipelines import main as pipelines_main
 from .bench_report import markdown_table, plot_losses, plot_throughput, write_section
+from .interrupt import interruptible
 from .swarm import LocalSwarm, Shaper, SwarmError, SwarmSpec
 from .swarm_cells import COLUMNS, DEFAULT_PAIRS, MAIN_PAIRS, BenchConfig, Cell, CodecPair, Row
 from .swarm_convergence import report_convergence
@@ -192,6 +193,7 @@ def report_matrix(rows: list[Row], cfg: BenchConfig, args, command: str) -> str:
     return text
 
 
+@interruptible("tahnode bench swarm")
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     command = ("tahnode bench swarm " + " ".join(sys.argv[3:] if argv is None else argv)).strip()

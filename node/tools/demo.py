@@ -19,6 +19,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from ..config import RunConfig
 from ..config.token import new_token_file
+from .interrupt import stops_as_interrupt
 from .swarm import fetch, free_port, share_of_cores
 
 WARM_STEPS = 2  # steps that compile kernels and fill caches; the codec share counts after them
@@ -123,10 +124,7 @@ class Swarm:
         return "\n".join(text[-lines:])
 
 
-def _interrupt(signum, frame) -> None:
-    raise KeyboardInterrupt
-
-
+@stops_as_interrupt()
 def main(args, run: RunConfig) -> int:
     console = Console(stderr=True, highlight=False)
     workdir = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="tahnode-demo-"))
@@ -138,8 +136,6 @@ def main(args, run: RunConfig) -> int:
     swarm = Swarm(workdir)
     started = time.monotonic()
     # the daemons run in sessions of their own: `kill`, a closed terminal or `timeout` must stop them too
-    for sig in (signal.SIGTERM, signal.SIGHUP):
-        signal.signal(sig, _interrupt)
     try:
         swarm.start("coordinator",
                     ["coordinator", "--listen", f"127.0.0.1:{grpc_port}", "--http", f"127.0.0.1:{http_port}",
