@@ -124,7 +124,7 @@ class Swarm:
         return "\n".join(text[-lines:])
 
 
-@stops_as_interrupt()
+@stops_as_interrupt()  # the daemons run in sessions of their own: `kill`, `timeout` or a closed terminal stops them
 def main(args, run: RunConfig) -> int:
     console = Console(stderr=True, highlight=False)
     workdir = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="tahnode-demo-"))
@@ -135,7 +135,6 @@ def main(args, run: RunConfig) -> int:
     token = new_token_file(workdir / "token")  # a fresh secret for every demo swarm
     swarm = Swarm(workdir)
     started = time.monotonic()
-    # the daemons run in sessions of their own: `kill`, a closed terminal or `timeout` must stop them too
     try:
         swarm.start("coordinator",
                     ["coordinator", "--listen", f"127.0.0.1:{grpc_port}", "--http", f"127.0.0.1:{http_port}",
