@@ -13,7 +13,7 @@ import urllib.request
 from pathlib import Path
 
 from tahnode.tools.demo import stages_reported
-from tahnode.tools.swarm import fetch, free_port
+from tahnode.tools.swarm import fetch, free_ports
 
 TAHNODE = [sys.executable, "-m", "tahnode.cli"]
 
@@ -22,8 +22,7 @@ class Swarm:
     def __init__(self, workdir: Path, token: str = "test-token", cache: Path | None = None):
         self.workdir = workdir
         self.token = token
-        self.grpc_port = free_port()
-        self.http_port = free_port()
+        self.grpc_port, self.http_port = free_ports(2)
         self.procs: dict[str, subprocess.Popen] = {}
         self.env = {**os.environ, "PYTHONUNBUFFERED": "1", "TAHNODE_CACHE": str(cache or workdir / "cache"),
                     "TAHNODE_TOKEN": token}

@@ -288,8 +288,7 @@ def _processes_with(marker: str) -> list[int]:
 def test_demo_stops_every_process_on_ctrl_c_and_sigterm(tmp_path, cache, sig):
     """The daemons run in sessions of their own; Ctrl-C (SIGINT) or SIGTERM to `tahnode demo` stops
     them all, each stage saving its checkpoint, and the demo exits with 130."""
-    from swarm import free_port
-    from tahnode.tools.swarm import fetch
+    from tahnode.tools.swarm import fetch, free_port
 
     port = free_port()
     env = {**os.environ, "TAHNODE_CACHE": str(cache)}

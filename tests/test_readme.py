@@ -7,12 +7,13 @@ from __future__ import annotations
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from tahnode.tools.swarm import free_ports
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -23,17 +24,11 @@ def readme_block(title: str) -> str:
     return re.search(r"```\n(.*?)```", section, re.S).group(1)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow
 def test_the_hugging_face_block_runs_as_a_script(tmp_path):
     script = readme_block("Start from a Hugging Face model")
     assert "--lr 1e-5" in script  # fine-tuning at a fine-tuning learning rate
-    grpc, http = free_port(), free_port()
+    grpc, http = free_ports(2)
     script = script.replace("127.0.0.1:7000", f"127.0.0.1:{grpc}").replace("127.0.0.1:8080", f"127.0.0.1:{http}")
     script = script.replace(".venv/bin/python", sys.executable)
     (tmp_path / "block.sh").write_text("set -e\n" + script)

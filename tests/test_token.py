@@ -11,7 +11,7 @@ import time
 
 import pytest
 from tahnode.config.token import TokenMissing, TokenOrigin, coordinator_token, resolve_token
-from tahnode.tools.swarm import free_port
+from tahnode.tools.swarm import free_ports
 
 
 def test_the_token_comes_from_the_file_the_flag_or_the_environment(tmp_path):
@@ -56,8 +56,9 @@ def test_join_without_a_token_refuses_to_start():
 
 def test_the_coordinator_prints_the_token_it_made_and_the_join_command(tmp_path):
     store = tmp_path / "store"
-    proc = subprocess.Popen([sys.executable, "-m", "tahnode.cli", "coordinator", "--listen", f"127.0.0.1:{free_port()}",
-                             "--http", f"127.0.0.1:{free_port()}", "--store", str(store), "--stages", "2"],
+    grpc_port, http_port = free_ports(2)
+    proc = subprocess.Popen([sys.executable, "-m", "tahnode.cli", "coordinator", "--listen", f"127.0.0.1:{grpc_port}",
+                             "--http", f"127.0.0.1:{http_port}", "--store", str(store), "--stages", "2"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=_env_without_token())
     try:
         deadline, lines = time.monotonic() + 120, []

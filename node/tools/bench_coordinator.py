@@ -28,7 +28,7 @@ from .bench_probes import POLL_S, cpu_seconds, fetch, memory_mb, poll_endpoints,
 from .bench_report import markdown_table, write_section
 from .interrupt import interruptible
 from .sim_volunteers import SimVolunteers
-from .swarm import free_port
+from .swarm import free_ports
 
 __all__ = ["CoordinatorRow", "Spread", "CoordinatorProcess", "BenchError", "main"]
 
@@ -98,7 +98,8 @@ class CoordinatorProcess:
 
     def __init__(self, workdir: Path, stages: int):
         self.workdir, self.stages = workdir, stages
-        self.address, self.http = f"127.0.0.1:{free_port()}", f"http://127.0.0.1:{free_port()}"
+        grpc_port, http_port = free_ports(2)
+        self.address, self.http = f"127.0.0.1:{grpc_port}", f"http://127.0.0.1:{http_port}"
         self.token = new_token_file(workdir / "token").read_text().strip()
         self.log = workdir / "coordinator.log"
         self.proc: subprocess.Popen | None = None

@@ -20,7 +20,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from ..config import RunConfig
 from ..config.token import new_token_file
 from .interrupt import stops_as_interrupt
-from .swarm import fetch, free_port, share_of_cores
+from .swarm import fetch, free_ports, share_of_cores
 
 WARM_STEPS = 2  # steps that compile kernels and fill caches; the codec share counts after them
 LAST_REPORTS_S = 15.0  # how long the summary waits, once the loss stage finished, for the other stages' last reports
@@ -130,8 +130,9 @@ def main(args, run: RunConfig) -> int:
     workdir = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="tahnode-demo-"))
     workdir.mkdir(parents=True, exist_ok=True)
     (workdir / "run.toml").write_text(run.to_toml())
-    http_port = args.http_port if args.http_port and port_free(args.http_port) else free_port()
-    grpc_port = free_port()
+    grpc_port, http_port = free_ports(2)
+    if args.http_port and args.http_port != grpc_port and port_free(args.http_port):
+        http_port = args.http_port
     token = new_token_file(workdir / "token")  # a fresh secret for every demo swarm
     swarm = Swarm(workdir)
     started = time.monotonic()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import shutil
 import signal
 import socket
@@ -60,10 +61,51 @@ def share_of_cores(processes: int) -> int:
     return max(1, (os.cpu_count() or 1) // processes)
 
 
+FIRST_CHOSEN_PORT = 10000  # free_port draws from here to below the kernel's ephemeral range
+
+
+def ephemeral_ports() -> tuple[int, int]:
+    """The kernel's range for sockets bound to port 0 and for outgoing connections (Linux's default elsewhere)."""
+    try:
+        low, high = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    except (OSError, ValueError):
+        return 32768, 60999
+    return low, high
+
+
+def free_ports(count: int) -> list[int]:
+    """`count` distinct ports free on 127.0.0.1 now, for processes about to listen on them: drawn at
+    random below the ephemeral range, so that no socket bound to port 0 meanwhile (a daemon's `--listen
+    127.0.0.1:0`, an outgoing connection) can take one before its process binds it (a test once asked a
+    coordinator's status page and was answered by a gRPC server); from that range if it leaves no room."""
+    low, _ = ephemeral_ports()
+    draw = random.SystemRandom()
+    held: list[socket.socket] = []  # bound until all are drawn: never the same port twice
+    try:
+        while len(held) < count:
+            held.append(_bound_port(draw, low))
+        return [s.getsockname()[1] for s in held]
+    finally:
+        for s in held:
+            s.close()
+
+
+def _bound_port(draw: random.Random, low: int) -> socket.socket:
+    for _ in range(200 if low - FIRST_CHOSEN_PORT >= 100 else 0):
+        s = socket.socket()
+        try:
+            s.bind(("127.0.0.1", draw.randrange(FIRST_CHOSEN_PORT, low)))
+            return s
+        except OSError:  # taken
+            s.close()
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    return s
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """One port as free_ports gives them."""
+    return free_ports(1)[0]
 
 
 @dataclass
@@ -155,7 +197,8 @@ class LocalSwarm:
             self.coordinator, listen_http = f"{coord}:{COORD_PORT}", f"0.0.0.0:{HTTP_PORT}"
             self.http = f"http://{self.topo.host_link_addresses[1]}:{HTTP_PORT}"
         else:
-            self.coordinator, port = f"127.0.0.1:{free_port()}", free_port()
+            grpc_port, port = free_ports(2)
+            self.coordinator = f"127.0.0.1:{grpc_port}"
             listen_http, self.http = f"127.0.0.1:{port}", f"http://127.0.0.1:{port}"
         token = ["--token-file", str(token_file_of(spec.workdir))]
         self._start("coord", ["coordinator", "--listen", self.coordinator, "--http", listen_http, *token,
