@@ -266,7 +266,12 @@ class OuterSync:
         """Return to the stage's latest outer step: a replica's in another pipeline if it is newer
         than this one's, else this one's own (the steps since are trained again); the committed
         step the stage is at then."""
-        peer = await self.averager.load_state(self.swarm.outer_timeout_s) if self.active else None
+        peer = None
+        if self.active:
+            try:
+                peer = await self.averager.load_state(self.swarm.outer_timeout_s)
+            except AveragingError as exc:  # its averager's process ended: the stage regroups on its own weights
+                log.error("stage %d: regroups on its own outer weights, no replica's: %s", self.core.stage, exc)
         return await self.core.compute(self._regroup, peer)
 
     def _regroup(self, peer: tuple[dict, list[torch.Tensor]] | None) -> int:
