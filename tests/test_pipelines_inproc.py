@@ -316,8 +316,8 @@ def test_at_the_last_boundary_a_replica_waits_for_one_that_outranks_it(dataset, 
 def test_an_averager_that_fails_leaves_its_replica_training_on_its_own_weights(dataset):
     """A replica whose averager raises (its process ended, or its own pseudo-gradient is not finite)
     keeps its weights at the outer step, and regroups on them; the others go ahead without it at the
-    deadline. Before, a regroup's load_state raised on (CI: the averager's process had crashed) and
-    ended the daemon."""
+    deadline. Before, the error of a regroup's load_state (a fresh-check: the averager's process had
+    crashed) ended the daemon."""
     from tahnode.net.averaging import AveragerNotRunning
 
     class Broken(LocalAverager):
