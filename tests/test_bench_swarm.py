@@ -12,6 +12,7 @@ import sys
 
 import pytest
 
+from tahnode.tools.bench_probes import stat_fields
 from tahnode.tools.bench_report import write_section
 from tahnode.tools.bench_swarm import COLUMNS, CodecPair, Row, with_limits
 from tahnode.tools.swarm_convergence import convergence_cells, mean_curves
@@ -147,24 +148,15 @@ def test_a_section_written_again_replaces_itself_and_keeps_the_rest(tmp_path):
     assert "![a](plots/a.png)" in text and "Machine: " in text
 
 
-def _stat(pid) -> list[str] | None:
-    """/proc/PID/stat's fields after the command's name (state, parent, ...), or None: no such process."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return None
-
-
 def _state(pid: int) -> str | None:
-    fields = _stat(pid)
+    fields = stat_fields(pid)
     return fields[0] if fields else None
 
 
 def _children(pid: int) -> list[int]:
     """The live processes whose parent is `pid`."""
     return [int(entry) for entry in os.listdir("/proc") if entry.isdigit()
-            and (fields := _stat(entry)) and fields[0] != "Z" and int(fields[1]) == pid]
+            and (fields := stat_fields(entry)) and fields[0] != "Z" and int(fields[1]) == pid]
 
 
 @pytest.mark.root_network
