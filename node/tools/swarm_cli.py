@@ -25,7 +25,8 @@ def add_parser(sub) -> None:
     up = ssub.add_parser("up", help="start a coordinator and N nodes on shaped links (returns once they joined)",
                          description="Start a coordinator and N `--stage N` nodes (or `--stage auto` when there are "
                          "more nodes than stages) as background processes with shaped links. With --shaper tc (root): "
-                         "one network namespace per process, every directed link between two nodes its own tc tbf; "
+                         "one network namespace per process, every directed link between two nodes its own tc tbf, in "
+                         "packets of up to 64 KB as a network card with offloads hands them over (MTU 65000); "
                          "with --shaper userspace: 127.0.0.1, each process paces its own links. This kernel has no "
                          "netem, so --rtt is always emulated in user space: every message and reply between two "
                          "processes, data and control, waits RTT/2 each way (TCP's own "
