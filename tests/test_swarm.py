@@ -191,10 +191,7 @@ def test_shaped_links_carry_large_segments_at_the_asked_rate():
         assert int(server.communicate(timeout=30)[0]) == size
         mbps = size * 8 / float(sent.stdout) / 1e6
         assert 30 <= mbps <= 52, f"{mbps:.1f} Mbit/s on a 50 Mbit/s link"  # at most the rate; a dropping tbf: far less
-        stats = subprocess.run(["tc", "-n", ns["h1"], "-s", "class", "show", "dev", "eth0"], capture_output=True,
-                               text=True).stdout.split()
-        at = stats.index("1:2")  # h1's class towards h2, then " Sent N bytes M pkt"
-        sent_bytes, packets = int(stats[stats.index("Sent", at) + 1]), int(stats[stats.index("Sent", at) + 3])
+        sent_bytes, packets = netns.class_counters(topo, "h1")["h2"]
         assert sent_bytes >= size and sent_bytes / packets > 8000, f"{sent_bytes / packets:.0f} bytes a packet"
     finally:
         if server is not None:

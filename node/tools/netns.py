@@ -11,7 +11,7 @@ import subprocess
 from dataclasses import dataclass, field
 
 __all__ = ["NetnsError", "Host", "Topology", "check_root", "create", "free_host_link", "remove", "namespaces",
-           "pids_in", "class_bytes"]
+           "pids_in", "class_bytes", "class_counters"]
 
 SUBNET = "10.77.0"
 HOST_LINKS = "10.78"                   # the root namespace's veths: the first free /30 in 10.78.0.0/16
@@ -146,9 +146,9 @@ def _shape(topo: Topology, src: Host) -> None:
              "match", "u16", "0x0000", "0xff80", "at", "2", "flowid", f"{inner}1")  # IP total length < 128
 
 
-def class_bytes(topo: Topology, src: str) -> dict[str, int]:
-    """Bytes sent so far from host `src` to each shaped destination (tc's class counters: whole
-    IP packets, headers included)."""
+def class_counters(topo: Topology, src: str) -> dict[str, tuple[int, int]]:
+    """Bytes and packets sent so far from host `src` to each shaped destination (tc's class counters:
+    whole IP packets, headers included): dst -> (bytes, packets)."""
     ns = topo.host(src).namespace(topo.prefix)
     dst_of = {classid: dst for dst, (classid, _) in _classes(topo, src).items()}
     out, current = {}, None
@@ -158,9 +158,14 @@ def class_bytes(topo: Topology, src: str) -> dict[str, int]:
         if words[:2] == ["class", "htb"]:
             current = dst_of.get(words[2])
         elif words[:1] == ["Sent"] and current:
-            out[current] = int(words[1])
+            out[current] = (int(words[1]), int(words[3]))
             current = None
     return out
+
+
+def class_bytes(topo: Topology, src: str) -> dict[str, int]:
+    """Bytes sent so far from host `src` to each shaped destination (headers included)."""
+    return {dst: sent for dst, (sent, _) in class_counters(topo, src).items()}
 
 
 def create(topo: Topology) -> None:
