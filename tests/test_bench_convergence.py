@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 
@@ -15,6 +16,7 @@ from tahnode.tools.bench_report import machine
 from tahnode.tools.convergence_report import standard_error, spread, steps_to_reach, summarize, table
 from tahnode.tools.convergence_runs import RunResult
 
+ROOT = Path(__file__).resolve().parents[1]
 ARGS = ["--steps", "3", "--seeds", "2", "--seq-len", "32", "--tokens-per-message", "256", "--data-mb", "1",
         "--eval-every", "2", "--eval-samples", "16", "--jobs", "2"]
 
@@ -166,12 +168,26 @@ def test_the_bench_trains_on_its_reference_schedule_unless_a_config_names_anothe
     is taken whole, and the two never share a result file."""
     parse = bench_convergence.build_parser().parse_args
     default = bench_convergence.plan(parse(["--pairs", "none/none", "--seeds", "1"]))[0].run_config().train
-    assert (default.lr, default.warmup_steps) == (3e-3, 60)
+    assert (default.lr, default.warmup_steps, default.micro_batches) == (3e-3, 60, 4)
     toml = tmp_path / "mine.toml"
     toml.write_text("[train]\nlr = 1e-3\n")
     mine = bench_convergence.plan(parse(["--pairs", "none/none", "--seeds", "1", "--config", str(toml)]))[0]
     assert (mine.run_config().train.lr, mine.run_config().train.warmup_steps) == (1e-3, 10)  # the run default
     assert mine.key != bench_convergence.plan(parse(["--pairs", "none/none", "--seeds", "1"]))[0].key
+
+
+def test_runs_at_two_messages_a_step_keep_their_result_files(monkeypatch):
+    """The GPU's 125M runs in docs/runs/gpu-125m, trained at 2 messages a step before the bench's reference
+    took 4, resume with --messages-per-step 2 (as .ci/gpu-checks asks); the default trains runs of its own."""
+    argv = ["--device", "cuda", "--model", "llama-125m", "--stages", "4", "--seq-len", "512", "--tokens-per-message",
+            "8192", "--steps", "600", "--seeds", "2", "--config", "docs/runs/gpu-125m/run.toml", "--jobs", "4",
+            "--pairs", "none/none;tahquant:group_size=128,qmax=12@start=0.12,end=0,qmax=31/pertoken"]
+    monkeypatch.chdir(ROOT)  # the runs were keyed with the TOML's path from the repository's root
+    parse, work = bench_convergence.build_parser().parse_args, ROOT / "docs/runs/gpu-125m"
+    before = bench_convergence.plan(parse([*argv, "--messages-per-step", "2"]))
+    assert len(before) == 4 and all(spec.result_file(work).exists() for spec in before)
+    assert "--messages-per-step 2" in (ROOT / ".ci/gpu-checks").read_text()
+    assert not any(spec.result_file(work).exists() for spec in bench_convergence.plan(parse(argv)))
 
 
 def test_pairs_split_on_semicolons_else_commas_and_one_pair_keeps_its_commas():

@@ -36,11 +36,15 @@ DEFAULT_PAIRS = ("none/none;none/pertoken;tahquant-paper/naive;tahquant-paper/no
 
 # The bench's reference [train] where --config names none: the run defaults' learning rate after 60 warm-up steps
 # instead of 10. At the run defaults none/none's held-out loss moved by up to 20% across seeds and one seed could not
-# tell choices a few points apart; with these, 3.4% over 6 seeds on the stdlib corpus and 3.0% over 3 on English
-# prose (docs/benchmarks-log.md, "a steadier reference"). The same as docs/runs/steady-reference.toml.
+# tell choices a few points apart; with these, 3.4% over 6 seeds on the stdlib corpus at 2 messages a step
+# (docs/benchmarks-log.md, "a steadier reference"). The same as docs/runs/steady-reference.toml.
 REFERENCE_TRAIN = {"lr": 3e-3, "warmup_steps": 60}
-# Per seed, the default pair's gap moved with a standard deviation of 0.86 points on that reference: 4 seeds
-# give its mean a standard error of about 0.43 (issue 41's bar: 0.5).
+# ... and its batch: 4 messages of 32 x 128 tokens a step (16,384 tokens), as each message was. At 2 a step
+# none/none's seeds still ended 3.4% apart (issue 41's bar: 3%); at 4, 2.3% over the same 6 seeds
+# (docs/benchmarks-log.md, "a steadier reference, twice the batch").
+REFERENCE_MESSAGES_PER_STEP = 4
+# Per seed, the default pair's gap moved with a standard deviation of 0.61 points on the stdlib corpus at that
+# reference (0.86 at 2 messages a step): 4 seeds give its mean a standard error of about 0.3 (issue 41's bar: 0.5).
 DEFAULT_SEEDS = 4
 
 
@@ -62,12 +66,14 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--seq-len", type=int, default=128, help="tokens per sample (default 128)")
     ap.add_argument("--tokens-per-message", type=int, default=4096, help="tokens in one micro-batch, i.e. in one "
                     "message between stages (default 4096: 32 samples of 128)")
-    ap.add_argument("--messages-per-step", type=int, default=2, help="micro-batches per optimizer step (default 2)")
+    ap.add_argument("--messages-per-step", type=int, default=REFERENCE_MESSAGES_PER_STEP,
+                    help="micro-batches per optimizer step (default %(default)s: the bench's reference; "
+                    "2 before 2026-11-29)")
     ap.add_argument("--config", default="", help="a TOML file whose [train] table sets lr, warmup_steps, min_lr, ... "
                     "(default: the bench's reference, the built-in [train] defaults with "
                     + ", ".join(f"{k} = {v:g}" for k, v in REFERENCE_TRAIN.items())
-                    + ": none/none's held-out loss varies about 3%% across seeds there, against up to 20%% at the "
-                    "run defaults)")
+                    + ": with --messages-per-step's default, none/none's held-out loss varies about 2%% across seeds "
+                    "there, against up to 20%% at the run defaults)")
     ap.add_argument("--data", default="",
                     help="a token file from `tahnode data prepare` (default: the built-in corpus)")
     ap.add_argument("--data-mb", type=float, default=16.0, help="size of the built-in corpus in MB (default 16)")
