@@ -39,7 +39,7 @@ DEFAULT_PAIRS = ("none/none;none/pertoken;tahquant-paper/naive;tahquant-paper/no
 # tell choices a few points apart; with these, 3.4% over 6 seeds on the stdlib corpus at 2 messages a step
 # (docs/benchmarks-log.md, "a steadier reference"). The same as docs/runs/steady-reference.toml.
 REFERENCE_TRAIN = {"lr": 3e-3, "warmup_steps": 60}
-# ... and its batch: 4 messages of 32 x 128 tokens a step (16,384 tokens), as each message was. At 2 a step
+# ... and its batch: 4 messages a step (16,384 tokens), each of 32 x 128 tokens as before. At 2 a step
 # none/none's seeds still ended 3.4% apart (issue 41's bar: 3%); at 4, 2.3% over the same 6 seeds
 # (docs/benchmarks-log.md, "a steadier reference, twice the batch").
 REFERENCE_MESSAGES_PER_STEP = 4
