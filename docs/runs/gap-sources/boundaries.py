@@ -1,29 +1,30 @@
 """Train the bench's reference 300 steps, then its held-out loss with the default forward codec's round trip
 (tahquant's reference at qmax 12, 8, 4) at boundary 0, boundary 1 or both, in evaluation only."""
-import torch
-
 from reference import reference
 from tahnode.kernels import tahquant_rice_ref as rice
-from tahnode.train.model import StageModel
 
-replica, dataset, heldout = reference()
+replica, heldout = reference()
 for step in range(300):
     replica.train_step(step)
+trained = list(replica.models)
 
 
-@torch.no_grad()
+def rounded(model, params):
+    """`model`, its output sent through the codec's round trip."""
+    def forward(x):
+        y = model(x)
+        return rice.decode(rice.encode(y, params), tuple(y.shape), params, y.dtype)
+    return forward
+
+
 def heldout_loss(noisy: set, qmax: int) -> float:
-    total = 0.0
-    for start in range(0, len(heldout), 32):
-        tokens, labels = dataset.batch(heldout[start:start + 32])
-        x = tokens
-        for k, model in enumerate(replica.models):
-            x = model(x)
-            if k in noisy:
-                params = rice.RiceParams(128, qmax)
-                x = rice.decode(rice.encode(x, params), tuple(x.shape), params, x.dtype)
-        total += float(StageModel.loss(x, labels)) * len(tokens)
-    return total / len(heldout)
+    """PipelineReplica.evaluate with boundaries `noisy` rounded at qmax."""
+    params = rice.RiceParams(128, qmax)
+    replica.models = [rounded(m, params) if k in noisy else m for k, m in enumerate(trained)]
+    try:
+        return replica.evaluate(heldout, 32)
+    finally:
+        replica.models = trained
 
 
 clean = heldout_loss(set(), 12)

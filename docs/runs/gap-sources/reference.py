@@ -9,7 +9,7 @@ from tahnode.train.data import open_dataset
 
 
 def reference(seed: int = 0):
-    """(replica, dataset, held-out sample ids) of the bench's none/none run of `seed`, one torch thread."""
+    """(replica, held-out sample ids) of the bench's none/none run of `seed`, one torch thread."""
     torch.set_num_threads(1)
     spec = RunSpec(pair="none/none", forward="none", forward_params={}, backward="none", backward_params={},
                    seed=seed, model="llama-tiny", stages=3, steps=300, seq_len=128, samples_per_message=32,
@@ -17,4 +17,4 @@ def reference(seed: int = 0):
     run = spec.run_config()
     dataset = open_dataset(run)
     train_samples, heldout = _heldout(dataset, spec.eval_samples)
-    return PipelineReplica(run, dataset, "cpu", "", train_samples), dataset, heldout
+    return PipelineReplica(run, dataset, "cpu", "", train_samples), heldout

@@ -7,7 +7,7 @@ from tahnode.kernels import symtiles_ref as tiles
 from tahnode.kernels import tahquant_rice_ref as rice
 
 G = 128
-replica, _, _ = reference()
+replica, _ = reference()
 caught, cross = [], replica._cross_forward
 
 
@@ -43,11 +43,10 @@ def bits_and_error(y, s, qmax):
 
 
 for step, sender, x in caught:
-    bits = 8 * rice.encode(x, rice.RiceParams(G, 12)).numel() / x.numel()
     for stochastic in (False, True):
         e = round_trip(x, 12, stochastic) - x
         shared = float(e.mean(0).pow(2).sum() * len(e) / e.pow(2).sum(1).mean())
-        print(f"step {step} boundary {sender} {'stochastic' if stochastic else 'nearest'}: bits {bits:.3f} "
+        print(f"step {step} boundary {sender} {'stochastic' if stochastic else 'nearest'}: "
               f"error {float(e.norm() / x.norm()):.4f} slope {float((e * x).sum() / (x * x).sum()):+.5f} "
               f"shared {shared:.2f}")
     y = tiles.rotate(x, G)
