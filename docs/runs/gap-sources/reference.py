@@ -18,3 +18,20 @@ def reference(seed: int = 0):
     dataset = open_dataset(run)
     train_samples, heldout = _heldout(dataset, spec.eval_samples)
     return PipelineReplica(run, dataset, "cpu", "", train_samples), heldout
+
+
+def boundary_activations(replica, at=(100, 199)):
+    """Train `replica` through the last step of `at`; [(step, sender stage, its activations as (tokens, C)
+    float32)] of every message sent forward in the steps of `at`."""
+    caught, cross = [], replica._cross_forward
+
+    def keep(sender, out, ids, step):
+        if step in at:
+            caught.append((step, sender, out.detach().reshape(-1, out.shape[-1]).float()))
+        return cross(sender, out, ids, step)
+
+    replica._cross_forward = keep
+    for step in range(max(at) + 1):
+        replica.train_step(step)
+    replica._cross_forward = cross
+    return caught
