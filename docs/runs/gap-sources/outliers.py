@@ -2,11 +2,10 @@
 (bf16 and a 7-bit index each) and the rest on the grid of the (m+1)-th largest: error against bits per element."""
 import torch
 
-from reference import boundary_activations, reference
+from reference import G, bits_and_error, boundary_activations, reference
 from tahnode.kernels import symtiles_ref as tiles
-from tahnode.kernels import tahquant_rice_ref as rice
 
-G, SIDE_BITS = 128, 16 + 7
+SIDE_BITS = 16 + 7  # a value sent apart: bf16 and its 7-bit index in the tile
 caught = boundary_activations(reference()[0])
 
 
@@ -14,14 +13,9 @@ def side_channel(y, m, qmax):
     """(bits per element, relative error per token, RMS over tokens) of y (N, C) rotated, m outliers a tile."""
     n, c = y.shape
     t = y.reshape(n, c // G, G)
-    idx = t.abs().topk(m, dim=-1).indices
-    outliers = torch.zeros_like(t).scatter(-1, idx, t.gather(-1, idx).bfloat16().float())
-    rest = t.scatter(-1, idx, 0.0).reshape(n, c)
-    s = tiles.tile_scales(rest, G, qmax)
-    q = tiles.quantize(rest, s, G, qmax)
-    yq = tiles.dequantize(q, s, G, qmax) + outliers.reshape(n, c)
-    error = ((yq - y).norm(dim=1) / y.norm(dim=1)).pow(2).mean().sqrt()
-    return 8 * rice.pack(s, q, qmax).numel() / y.numel() + m * SIDE_BITS / G, float(error)
+    apart = torch.zeros_like(t, dtype=torch.bool).scatter(-1, t.abs().topk(m, dim=-1).indices, True).reshape(n, c)
+    bits, error = bits_and_error(y, tiles.tile_scales(y.masked_fill(apart, 0.0), G, qmax), qmax, apart)
+    return bits + m * SIDE_BITS / G, error
 
 
 firsts = {(step, sender): x for step, sender, x in reversed(caught)}  # each step's first message at each boundary

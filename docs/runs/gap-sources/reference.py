@@ -2,10 +2,14 @@
 after 60 warm-up steps, stdlib) as a PipelineReplica, for the scripts beside it (benchmarks-log.md, issue 41)."""
 import torch
 
+from tahnode.kernels import symtiles_ref as tiles
+from tahnode.kernels import tahquant_rice_ref as rice
 from tahnode.pipeline.replica import PipelineReplica
 from tahnode.tools.bench_convergence import REFERENCE_MESSAGES_PER_STEP, REFERENCE_TRAIN
 from tahnode.tools.convergence_runs import RunSpec, _heldout
 from tahnode.train.data import open_dataset
+
+G = 128  # the default forward codec's tile
 
 
 def reference(seed: int = 0):
@@ -35,3 +39,15 @@ def boundary_activations(replica, at=(100, 199)):
         replica.train_step(step)
     replica._cross_forward = cross
     return caught
+
+
+def bits_and_error(y, s, qmax, sent_apart=None):
+    """(bits per element of the Rice-coded payload, relative error per token, RMS over the tokens) of y (N, C), rotated,
+    on the grid of the tiles' scales s; `sent_apart` (N, C) bool: values off the grid, sent as bf16 (bits not counted)."""
+    on_grid = y if sent_apart is None else y.masked_fill(sent_apart, 0.0)
+    q = tiles.quantize(on_grid, s, G, qmax)
+    yq = tiles.dequantize(q, s, G, qmax)
+    if sent_apart is not None:
+        yq = torch.where(sent_apart, y.bfloat16().float(), yq)
+    error = ((yq - y).norm(dim=1) / y.norm(dim=1)).pow(2).mean().sqrt()
+    return 8 * rice.pack(s, q, qmax).numel() / y.numel(), float(error)

@@ -2,11 +2,9 @@
 nearest (the codec) against stochastic rounding, and a token's step from its absmax against one from its RMS."""
 import torch
 
-from reference import boundary_activations, reference
+from reference import G, bits_and_error, boundary_activations, reference
 from tahnode.kernels import symtiles_ref as tiles
-from tahnode.kernels import tahquant_rice_ref as rice
 
-G = 128
 caught = boundary_activations(reference()[0])
 generator = torch.Generator().manual_seed(0)
 
@@ -21,13 +19,6 @@ def round_trip(x, qmax, stochastic):
     else:
         yq = tiles.dequantize(tiles.quantize(y, s, G, qmax), s, G, qmax)
     return tiles.unrotate(yq, G, x.shape[1])
-
-
-def bits_and_error(y, s, qmax):
-    q = tiles.quantize(y, s, G, qmax)
-    yq = tiles.dequantize(q, s, G, qmax)
-    error = ((yq - y).norm(dim=1) / y.norm(dim=1)).pow(2).mean().sqrt()
-    return 8 * rice.pack(s, q, qmax).numel() / y.numel(), float(error)
 
 
 for step, sender, x in caught:
