@@ -108,3 +108,23 @@ def test_a_fresh_store_starts_empty(tmp_path):
     reg = registry(tmp_path)
     assert reg.ledger() == {} and reg.epoch == 1 and len(reg.sealer.run) == 16
     assert registry(tmp_path / "other").sealer.run != reg.sealer.run
+
+
+def test_a_heartbeat_replayed_to_the_restarted_coordinator_at_once_is_refused(tmp_path):
+    """Issue 60: the coordinator saved the seal counters it had seen every 2 s, and let seals of the
+    last 5 s before its start through (clocks a little behind): a heartbeat recorded and sent again
+    right after a restart was accepted a second time. Its counter is on disk before it is accepted."""
+    from tahnode.net.errors import NotFresh
+
+    reg = registry(tmp_path)
+    n2 = Sealer(SwarmKey(TOKEN), "n2", identity=KEYS.setdefault("n2", NodeKey.generate()))
+    reg.join(n2.seal(pb.JoinRequest(node_id="n2", address="127.0.0.1:1", stage=2), COORDINATOR))
+    n2.run = reg.sealer.run
+    recorded = n2.seal(pb.HeartbeatRequest(node_id="n2", stats=pb.TrainingStats(
+        losses=[pb.LossPoint(step=0, loss=1.0, sample_ids=[0])])), COORDINATOR)
+    reg.heartbeat(recorded)
+    del reg  # kill -9 within a second of the heartbeat
+    again = registry(tmp_path)
+    with pytest.raises(NotFresh, match="replayed"):
+        again.heartbeat(recorded)
+    again.heartbeat(n2.seal(pb.HeartbeatRequest(node_id="n2"), COORDINATOR))  # its next one is welcome

@@ -87,5 +87,24 @@ def test_the_coordinator_says_so_in_its_log_events_state_and_metrics(tmp_path, c
     assert view["loss_alert"] == state["loss_alert"]
     assert b"tahnode_loss_alert 1.0" in _Metrics().render(view)
     beat(reg, "n2", [(60, healthy[60])])  # a rollback to step 60: the steps after it are trained again
-    assert reg.watch.alert is None
+    assert reg.watch.alert is not None  # but only losses back on their trend after the alert's step clear it
+    again = falling(130)
+    beat(reg, "n2", [(s, again[s]) for s in range(61, 130)])
+    assert reg.watch.alert is None and any("back on its trend" in e for e in reg.events)
     assert state_of(reg)["loss_alert"] is None
+
+
+def test_a_rollback_to_before_an_alert_clears_it_only_with_losses_after_it():
+    """Issue 60: a rewrite of the ledger fed the watch again from scratch, so a report that went back
+    before an open alert's step cleared it, earned or not. It stays open until the loss is back on its
+    trend on a step after the alert's."""
+    from tahnode.coordinator.health import LossHistory
+
+    history, base = LossHistory({}, 2000), falling(200)
+    for step in range(100):
+        history.add(step, base[step])
+    raised = [history.add(100 + k, 4.0)[0] for k in range(10)]
+    alert = next(a for a in raised if a is not None)
+    assert history.add(60, base[60]) == (None, False) and history.watch.alert is alert  # the rollback
+    assert not any(history.add(s, base[s])[1] for s in range(61, alert.step + 1)) and history.watch.alert is alert
+    assert history.add(alert.step + 1, base[alert.step + 1]) == (None, True) and history.watch.alert is None

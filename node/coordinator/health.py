@@ -3,7 +3,8 @@ its events and on the status page, when the loss leaves its trend or stops being
 
 The trend is the mean of the last `window` losses; the alert is raised when it climbs `rise` above
 the lowest trend seen so far (a run that diverged with 8k-token gradient messages went from 1.46 to
-3.13 over 90 steps), and cleared once it is back within `recover` of it."""
+3.13 over 90 steps), and cleared once it is back within `recover` of it on a step after the alert's
+(a rollback to before it clears nothing)."""
 
 from __future__ import annotations
 
@@ -68,7 +69,7 @@ class LossWatch:
             return None, False
         trend = sum(self.recent) / len(self.recent)
         if self.alert is not None:
-            if trend <= self.best * (1 + self.recover):
+            if step > self.alert.step and trend <= self.best * (1 + self.recover):
                 self.alert = None
                 self.best = min(self.best, trend)
                 return None, True
@@ -86,13 +87,18 @@ class LossHistory:
 
     def __init__(self, points: dict[int, float], keep: int):
         self.points, self.keep = dict(points), keep
+        self.furthest = max(self.points, default=-1)  # the furthest step recorded, a rollback or not since
         self.watch = LossWatch()
         self._rewatch()
 
     def _rewatch(self) -> None:
+        """The watch fed again with the steps kept (after a rollback); an alert open before stays open:
+        only losses back on their trend after its step clear it, never a rollback to before it."""
+        alert = self.watch.alert
         self.watch.reset()
         for step, loss in sorted(self.points.items()):
             self.watch.observe(step, loss)
+        self.watch.alert = alert or self.watch.alert
 
     def watch_only(self, step: int, loss: float) -> tuple[LossAlert | None, bool]:
         """What the watch makes of a step that is not recorded (a loss that is not a number)."""
@@ -104,6 +110,7 @@ class LossHistory:
             self.points = {s: v for s, v in self.points.items() if s < step}
             self._rewatch()
         self.points[step] = loss
+        self.furthest = max(self.furthest, step)
         while len(self.points) > self.keep:
             del self.points[min(self.points)]
         return self.watch.observe(step, loss)

@@ -12,7 +12,7 @@ import struct
 import blake3
 
 from ..proto import tahnode_pb2 as pb
-from .freshness import RefusalReason, ReplayGuard, SealCounter, SealRefused
+from .freshness import TOKEN_ONLY, RefusalReason, ReplayGuard, SealCounter, SealRefused
 from .identity import KEY_BYTES, NodeKey, verify_signature
 from .wire_frame import OutgoingFrame
 
@@ -100,9 +100,6 @@ class SwarmKey:
             return hmac.compare_digest(frame.mac, self.frame_mac(frame, data, frame.mac_kind))
         except BadMac:
             return False
-
-
-TOKEN_ONLY = "\x00token-only:"  # the replay guard's name for a sender of messages no node key signed (pings, probes)
 
 
 class Sealer:
