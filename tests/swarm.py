@@ -40,9 +40,12 @@ class Swarm:
         return proc
 
     def start_coordinator(self, *run_flags: str, listen: str | None = None, http: str | None = None) -> None:
+        """Every daemon runs on 127.0.0.1, so the replicas of a stage share one host: no --max-per-host limit
+        (a test may give it among `run_flags`, which come later and win)."""
         self.spawn("coordinator",
                    ["coordinator", "--listen", listen or self.coordinator, "--http",
-                    http or f"127.0.0.1:{self.http_port}", "--store", str(self.workdir / "store"), *run_flags])
+                    http or f"127.0.0.1:{self.http_port}", "--store", str(self.workdir / "store"),
+                    "--max-per-host", "0", *run_flags])
 
     def join(self, name: str, stage: int | str, *extra: str, prefix: list[str] | None = None,
              coordinator: str | None = None, env: dict | None = None) -> subprocess.Popen:

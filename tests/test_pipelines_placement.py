@@ -100,7 +100,7 @@ def test_late_newcomers_complete_a_new_pipeline(tmp_path):
     for v in late:
         r.nodes[v] = NodeRecord(v, f"sim:{v}", -1, "sim", status=NodeStatus.JOINING, layer_ms=swarm.layer_ms[v],
                                 movable=True)
-    r.last_join = time.monotonic() - 60
+    r.census.last_join = time.monotonic() - 60
     r.epoch += 1
     asyncio.run(settle(placement, 2.0))
     assert sorted(placement.chains()) == [0, 1] and statuses(r) == {"active": 6, "standby": 1}

@@ -76,7 +76,7 @@ def registry_with(tmp_path, swarm: TrueSwarm, stages: int, pipelines: int | str 
     for v in swarm.ids:
         r.nodes[v] = NodeRecord(v, f"sim:{v}", -1, "sim", status=NodeStatus.JOINING, layer_ms=swarm.layer_ms[v],
                                 movable=True)
-    r.last_join = time.monotonic() - 60
+    r.census.last_join = time.monotonic() - 60
     return r
 
 

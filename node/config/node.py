@@ -90,9 +90,10 @@ class PlacementSettings:
     exact_limit: int = 12                # nodes handed to the search at most (the best-ranked ones): searched exactly
     budget_s: float = 2.0                # time budget of one assignment search (off the event loop)
     tick_s: float = 1.0                  # the placement loop's period (failure sweep, placement, rebalancing)
+    reform_s: float = 20.0               # a new pipeline refused for its speed is tried (and measured) again after this
 
     def __post_init__(self):
-        for name in ("settle_s", "probe_wait_s", "rebalance_s"):
+        for name in ("settle_s", "probe_wait_s", "rebalance_s", "reform_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"placement: {name} must be >= 0 seconds, got {getattr(self, name)}")
         if not 0 <= self.hysteresis < 1:

@@ -25,7 +25,9 @@ from .assignment import DEFAULT_MBPS, AssignmentProblem, AssignmentResult, assig
 from .links import EstimatedMbps, LinkBook
 from .probing import Measure, Prober
 from .registry import SwarmRegistry
+from .remeasure import MeasureCompute, Remeasure
 from .state import NodeRecord, NodeStatus
+from .sybils import SybilLimits
 
 __all__ = ["Placement", "chain_links", "Formed"]
 
@@ -48,10 +50,14 @@ def chain_links(chain: list[str]) -> list[tuple[str, str]]:
 class Placement:
     """The LinkBook, the Prober filling it, and the rounds that place and rebalance nodes."""
 
-    def __init__(self, registry: SwarmRegistry, settings: PlacementSettings, measure: Measure):
+    def __init__(self, registry: SwarmRegistry, settings: PlacementSettings, measure: Measure,
+                 measure_compute: MeasureCompute | None = None):
         self.r, self.s = registry, settings
         self.book = LinkBook(DEFAULT_MBPS)
         self.prober = Prober(registry, self.book, measure, settings)
+        self.again = Remeasure(registry, self.prober, measure_compute)  # a chain too slow is measured again first
+        self.refused_at: float | None = None  # when a new pipeline was last refused for its speed (tried again later)
+        self.said: tuple[int, set[str]] = (-1, set())  # what the limits refused, said once per membership epoch
         self.due_since: float | None = None   # when the waiting nodes were first enough and settled
         self.last_change = time.monotonic()   # of the chain, by placement or rebalancing
         self.proposal: AssignmentResult | None = None  # the last rebalancing plan, applied or not
@@ -62,7 +68,7 @@ class Placement:
     async def run(self, stop: asyncio.Event) -> None:
         """Probe in the background; each second sweep failures, take in traffic figures, place
         and rebalance (once the run finished, only sweep); until `stop` is set."""
-        probing = asyncio.ensure_future(self.prober.run())
+        probing = asyncio.gather(self.prober.run(), self.again.run())
         try:
             while not stop.is_set():
                 await self.tick()
@@ -111,9 +117,28 @@ class Placement:
     def can_fill(self, pipeline: int, waiting: list[NodeRecord]) -> bool:
         """Whether `waiting` nodes can take every open stage of `pipeline`: a node that joined for a
         stage (--stage N) and stands by takes only that stage, a --stage auto node any."""
-        open_stages = set(self.r.roster.open_stages(pipeline))
-        pinned = {n.chosen for n in waiting if n.chosen >= 0} & open_stages
-        return len(open_stages - pinned) <= sum(1 for n in waiting if n.chosen < 0)
+        open_stages, limits = set(self.r.roster.open_stages(pipeline)), self.limits()
+        pinned = {n.chosen for n in waiting if n.chosen in open_stages and not limits.refusal(n, n.chosen, pipeline)}
+        left = open_stages - pinned
+        free = [n for n in waiting if n.chosen < 0 and any(not limits.refusal(n, k, pipeline) for k in left)]
+        return len(left) <= len(free)
+
+    def limits(self) -> SybilLimits:
+        """How many replicas of a stage one operator and one host may hold (tahnode.coordinator.sybils)."""
+        return SybilLimits(self.r.roster, self.r.identities, self.r.run.swarm.max_per_host)
+
+    def say_once(self, text: str) -> None:
+        """An event, unless said already since the membership last changed."""
+        if self.said[0] != self.r.epoch:
+            self.said = (self.r.epoch, set())
+        if text not in self.said[1]:
+            self.said[1].add(text)
+            self.r.event(text)
+
+    def form_due(self) -> bool:
+        """Not tried since the membership changed, or refused for its speed `reform_s` ago (measured again first)."""
+        return self.formed_epoch != self.r.epoch or (
+            self.refused_at is not None and time.monotonic() - self.refused_at >= self.s.reform_s)
 
     def may_form(self, waiting: int) -> bool:
         """Whether `waiting` nodes may form another pipeline: below --pipelines N (or max_pipelines), a
@@ -131,7 +156,7 @@ class Placement:
         `probe_wait_s` spent on them)."""
         waiting = self.r.waiting()
         fillable = any(self.can_fill(p, waiting) for p in self.open_pipelines())
-        forming = self.may_form(len(waiting)) and self.formed_epoch != self.r.epoch
+        forming = self.may_form(len(waiting)) and self.form_due()
         ready = (any(n.status is NodeStatus.JOINING for n in waiting) or fillable or forming
                  or bool(self.open_pipelines() and self.chains())) and self._settled(waiting)
         if not ready:
@@ -149,7 +174,7 @@ class Placement:
 
     def _settled(self, waiting: list[NodeRecord]) -> bool:
         now = time.monotonic()
-        if now - self.r.last_join < self.s.settle_s:
+        if now - self.r.census.last_join < self.s.settle_s:
             return False
         return all(n.layer_ms > 0 or now - n.joined_at > COMPUTE_REPORT_S for n in waiting)
 
@@ -163,17 +188,20 @@ class Placement:
             if not self.can_fill(p, self.r.waiting()):
                 continue
             try:
-                result = await self.solve(self.problem(movable=False, pipeline=p))
+                problem = self.problem(movable=False, pipeline=p)
+                result, why = await self.limits().vet(problem, await self.solve(problem), p, self.solve, self.r.nodes)
             except ValueError as exc:
-                self.r.event(f"cannot fill pipeline {p} yet: {exc}")
-                continue
+                result, why = None, str(exc)
             if self.r.epoch != epoch:
                 return  # someone joined, left or failed meanwhile: plan again
+            if result is None:
+                self.say_once(f"cannot fill pipeline {p} yet: {why}")
+                continue
             self.apply(result, p)
             epoch = self.r.epoch
         self.dissolve()
         outcome = Formed.YES
-        while outcome is Formed.YES and self.may_form(len(self.r.waiting())) and self.formed_epoch != self.r.epoch:
+        while outcome is Formed.YES and self.may_form(len(self.r.waiting())) and self.form_due():
             outcome = await self.form()
         newcomers = [n for n in self.r.waiting() if n.status is NodeStatus.JOINING]
         if newcomers and outcome is not Formed.PROBING:
@@ -191,24 +219,29 @@ class Placement:
         for p in self.open_pipelines():
             lost = p in self.r.roster.formed  # not one whose pinned nodes are still joining
             if lost and complete and not self.can_fill(p, self.r.waiting()):
+                limits, left = self.limits(), self.r.roster.open_stages(p)  # a standby the limits keep out: why
+                why = next((w for n in self.r.waiting() for k in left if (w := limits.refusal(n, k, p))), "")
                 holders = [self.r.roster.holder(k, p) for k in range(self.r.run.stages)]
                 moved = [n.node_id for n in holders if n is not None and self.r.stand_by(n)]
                 self.r.epoch += 1
                 self.r.roster.formed.discard(p)
-                self.r.event(f"pipeline {p} dissolved: it lost a stage and no standby can take it; "
-                             f"{', '.join(moved)} stand by")
+                self.r.event(f"pipeline {p} dissolved: it lost a stage and no standby can take it"
+                             f"{f' ({why})' if why else ''}; {', '.join(moved)} stand by")
 
     async def form(self) -> "Formed":
         """Form one new pipeline from the waiting nodes, if its chain (searched on what the probes
         know) reaches min_chain_share of the fastest pipeline's speed; its links are probed in full
         first while probe_wait_s lasts."""
-        epoch = self.r.epoch
+        epoch, self.refused_at = self.r.epoch, None
         problem = self.problem(movable=False, pipeline=None)
         try:
-            result = await self.solve(problem)
+            result, why = await self.limits().vet(problem, await self.solve(problem), None, self.solve, self.r.nodes)
         except ValueError as exc:
-            self.r.event(f"cannot form a pipeline yet: {exc}")
+            result, why = None, str(exc)
+        if result is None:
+            self.say_once(f"cannot form a pipeline yet: {why}")
             self.formed_epoch = epoch
+            self.again.done()
             return Formed.NO
         unprobed = [p for p in chain_links(result.chain) if not self.book.fully_probed(*p)]
         waited = time.monotonic() - (self.due_since or 0.0)
@@ -218,14 +251,19 @@ class Placement:
         pipeline = self.r.roster.free_pipeline()
         if self.r.epoch != epoch or pipeline is None:
             return Formed.NO
-        measured = dataclasses.replace(problem, mbps=self.book.estimates(best=True))
+        measured = dataclasses.replace(problem, mbps=self.book.estimates(best=True))  # all judged by their best
         best = min((chain_bottleneck(measured, chain)[0] for chain in self.chains().values()), default=math.inf)
-        if result.bottleneck_s * self.r.run.swarm.min_chain_share > best:
-            self.formed_epoch = epoch
+        takes = chain_bottleneck(measured, result.chain)[0]
+        if takes * self.r.run.swarm.min_chain_share > best:
+            if self.again.pending(result.chain, chain_links(result.chain)):
+                return Formed.PROBING
+            self.formed_epoch, self.refused_at = epoch, time.monotonic()
             self.r.event(f"no new pipeline: the best chain of the waiting nodes, {' -> '.join(result.chain)}, takes "
-                         f"{result.bottleneck_s * 1e3:.3g} ms per micro-batch, slower than "
-                         f"{self.r.run.swarm.min_chain_share:g} of the fastest pipeline's speed ({best * 1e3:.3g} ms)")
+                         f"{takes * 1e3:.3g} ms per micro-batch (measured again), slower than "
+                         f"{self.r.run.swarm.min_chain_share:g} of the fastest pipeline's speed ({best * 1e3:.3g} ms); "
+                         f"tried again in {self.s.reform_s:g} s")
             return Formed.NO
+        self.again.done()
         self.apply(result, pipeline)
         return Formed.YES
 
@@ -282,9 +320,10 @@ class Placement:
         holders = {} if pipeline is None else {
             h.node_id: k for k in range(run.stages)
             if (h := self.r.roster.holder(k, pipeline)) and not (movable and h.movable)}
-        if not movable:  # a standby that joined for a stage fills that stage, or none
+        limits = self.limits()
+        if not movable:  # a standby that joined for a stage fills that stage (where the limits allow it), or none
             for n in sorted((n for n in self.r.waiting() if n.chosen >= 0), key=lambda n: n.node_id):
-                if n.chosen not in holders.values():
+                if n.chosen not in holders.values() and not limits.refusal(n, n.chosen, pipeline):
                     holders[n.node_id] = n.chosen
         free = [n for n in self.r.live() if n.node_id not in holders and n.chosen < 0
                 and (n.status.waiting or (movable and n.pipeline == pipeline))]
@@ -295,6 +334,7 @@ class Placement:
         auto = self.shortlist(free, run.stages - len(holders), max(fw, bw), layers, estimates)
         return AssignmentProblem(
             nodes=sorted(list(holders) + auto), num_stages=run.stages, pinned=holders, auto=sorted(auto),
+            compute_ms=limits.forbidden([self.r.nodes[n] for n in auto], pipeline),
             mbps=estimates, activation_bytes=fw, gradient_bytes=bw, layer_ms=layer_ms, stage_layers=layers,
             exact_limit=self.s.exact_limit, budget_s=self.s.budget_s, ring=run.ring)
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
@@ -42,7 +43,9 @@ class Prober:
         self.r, self.book, self.measure, self.s = registry, book, measure, settings
         self.busy: set[str] = set()
         self.running: set[tuple[str, str]] = set()
-        self.wanted: dict[tuple[str, str], None] = {}  # full probes placement asked for, in order
+        # full probes placement asked for, in order; True: again, though the pair was probed in full before
+        self.wanted: dict[tuple[str, str], bool] = {}
+        self.probed_at: dict[tuple[str, str], float] = {}  # when a full probe of a pair last ended (done or failed)
         self.attempts: dict[tuple[str, str], int] = {}
         self.failures: dict[str, int] = {}  # failed probes a node took part in
         self.probe_bytes = 0             # payload asked for by capacity probes (full ones size themselves)
@@ -51,11 +54,14 @@ class Prober:
         self._rng = random.Random(0)
 
     # -- what to probe ------------------------------------------------------------------------
-    def want(self, pairs) -> None:
-        """Ask for full probes of these (src, dst) pairs (those not fully probed yet)."""
+    def want(self, pairs, again: bool = False) -> None:
+        """Ask for full probes of these (src, dst) pairs (those not fully probed yet; with `again`,
+        each once more, unless it is under way or asked for again already)."""
         for pair in pairs:
-            if not self.book.fully_probed(*pair) and self.attempts.get(pair, 0) < PAIR_ATTEMPTS:
-                self.wanted[pair] = None
+            if again and pair not in self.running and not self.wanted.get(pair):
+                self.wanted[pair], self.attempts[pair] = True, 0
+            elif not self.book.fully_probed(*pair) and self.attempts.get(pair, 0) < PAIR_ATTEMPTS:
+                self.wanted.setdefault(pair, False)
         self._wake.set()
 
     def may_probe(self, pairs) -> bool:
@@ -86,7 +92,7 @@ class Prober:
             if room <= len(jobs):
                 break
             src, dst = pair
-            if src not in live or dst not in live or self.book.fully_probed(src, dst):
+            if src not in live or dst not in live or (self.book.fully_probed(src, dst) and not self.wanted[pair]):
                 del self.wanted[pair]
             elif src not in self.busy and dst not in self.busy:
                 del self.wanted[pair]
@@ -158,6 +164,8 @@ class Prober:
         finally:
             self.busy.difference_update((job.src, job.dst))
             self.running.discard((job.src, job.dst))
+            if job.kind is ProbeKind.FULL:
+                self.probed_at[(job.src, job.dst)] = time.monotonic()
             self._wake.set()
         self.book.record(job.src, job.dst, mbps, rtt, job.kind)
         if job.kind is ProbeKind.FULL:

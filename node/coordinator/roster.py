@@ -5,6 +5,8 @@ replicas of a stage find each other."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from ..config import RunConfig
 from ..net.errors import StageTaken
 from ..net.p2p_host import P2PAddress
@@ -97,22 +99,24 @@ class Roster:
             return
         node.averager, node.averager_peer = address, peer
 
-    def replica_offences(self, reporter: NodeRecord, by_peer) -> dict[str, int]:
-        """A node's refusals of pseudo-gradient parts, by the node id of the replica that sent them
-        (peers not among its stage's replicas are left out)."""
-        ids = {n.averager_peer: n.node_id for n in self.replicas(reporter.stage, reporter.pipeline) if n.averager_peer}
-        return {ids[peer]: count for peer, count in by_peer.items() if peer in ids}
-
-    def pinned_pipeline(self, stage: int, node_id: str) -> int:
-        """The pipeline a node that joins for `stage` takes it in: the first whose `stage` is open (or
-        its own), else a new one where --pipelines N asks for more than there are; StageTaken else."""
+    def pinned_pipeline(self, stage: int, node_id: str, refusal: Callable[[int], str] = lambda p: ""
+                        ) -> tuple[int | None, str]:
+        """The pipeline a node that joins for `stage` takes it in, with "": the first whose `stage` is
+        open (or its own) and where `refusal` (why the node may not hold it there, "" if it may) lets
+        it, else a new one where --pipelines N asks for more than there are; (None, why) where only
+        `refusal` stands in the way; StageTaken else."""
         existing = self.pipelines() or [0]
         asks_more = not self.run.swarm.auto and len(self.pipelines()) < self.run.swarm.pipelines
         extra = self.free_pipeline() if asks_more else None
+        why = ""
         for p in existing + ([extra] if extra is not None else []):
             held = self.holder(stage, p)
             if held is None or held.node_id == node_id:
-                return p
+                why = refusal(p)
+                if not why:
+                    return p, ""
+        if why:
+            return None, why
         held = self.holder(stage, existing[0])
         raise StageTaken(f"stage {stage} is held by node {held.node_id} ({held.address})"
                          + (f" and in every other of the {len(existing)} pipelines" if len(existing) > 1 else ""))

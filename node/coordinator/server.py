@@ -25,13 +25,14 @@ from ..net.discovery import COORDINATOR_KIND, LAYOUT_KIND, SwarmDirectory, repub
 from ..net.p2p_host import IDENTITY_FILE, P2PHost, close_process_host, use_swarm_key
 from ..net.grpc_transport import DIRECT
 from ..net.p2p_rpc import serve_service
-from ..net.probe import request_measure
+from ..net.probe import request_compute, request_measure
 from ..net.tls import TlsCertificate, add_port, is_loopback, wants_tls
 from ..net.unparsable import RefuseUnparsable
 from ..proto import tahnode_pb2_grpc as pb_grpc
 from .placement import Placement
 from .probing import Measure
 from .registry import SwarmRegistry
+from .remeasure import MeasureCompute
 from .service import CoordinatorServicer
 from .state import NodeRecord
 from .status_page import SwarmView, make_app
@@ -146,6 +147,14 @@ def measurer(registry: SwarmRegistry, pool: ChannelPool) -> Measure:
     return measure
 
 
+def compute_measurer(registry: SwarmRegistry, pool: ChannelPool) -> MeasureCompute:
+    async def measure(node: NodeRecord, timeout: float) -> float:
+        """Ask the node to measure its compute again (placement, before it refuses a chain for its speed)."""
+        return await request_compute(registry.sealer, registry.peer(node), pool, timeout)
+
+    return measure
+
+
 def say_tls(cfg: CoordinatorConfig, tls: TlsCertificate | None) -> None:
     """Tell the operator how nodes reach the control plane: the certificate they pin, or a warning
     where it is plain gRPC off loopback."""
@@ -175,7 +184,8 @@ async def serve(run: RunConfig, cfg: CoordinatorConfig) -> None:
     use_swarm_key(key)  # its p2p side relays for nodes behind NAT (when it announces), and reaches them through relays
     registry = SwarmRegistry(run, key, cfg.heartbeat_timeout, store_dir=cfg.store)
     channels = ChannelPool(DIRECT)
-    placement = Placement(registry, cfg.placement, measurer(registry, channels))
+    placement = Placement(registry, cfg.placement, measurer(registry, channels),
+                          compute_measurer(registry, channels))
     servicer = CoordinatorServicer(registry, node_tls=cfg.tls is not TlsMode.OFF)
     p2p = await start_p2p(cfg, servicer) if TransportKind.P2P in cfg.transports else None
     p2p_maddrs = (await p2p.address()).split(",") if p2p else []

@@ -18,6 +18,8 @@ class NodeStatus(Enum):
     """Where a node stands in the swarm."""
 
     JOINING = "joining"  # joined with --stage auto, not placed yet
+    # a new id from a host where another id is banned: admitted, placed once that ban ends (coordinator.admission)
+    NEWCOMER = "newcomer"
     ACTIVE = "active"    # holds a stage
     STANDBY = "standby"  # placed as a spare: takes over a failed stage
     FAILED = "failed"    # missed its heartbeats
@@ -31,7 +33,7 @@ class NodeStatus(Enum):
     @property
     def live(self) -> bool:
         """Still in the swarm (it heartbeats)."""
-        return self in (NodeStatus.JOINING, NodeStatus.ACTIVE, NodeStatus.STANDBY)
+        return self in (NodeStatus.JOINING, NodeStatus.ACTIVE, NodeStatus.STANDBY, NodeStatus.NEWCOMER)
 
     @property
     def waiting(self) -> bool:
@@ -61,6 +63,7 @@ class NodeRecord:
     tls_cert: bytes = b""                      # its data plane's TLS certificate (PEM); b"": plain gRPC
     movable: bool = False                      # joined with --stage auto: rebalancing may move it
     chosen: int = -1                           # the stage it joined for (--stage N): it takes no other; -1: auto
+    rejoins: int = 0                           # joins under this id and key after its first (restarts it survived)
 
 
 @dataclass
@@ -70,3 +73,4 @@ class Census:
 
     live: int = 0
     swept: float = 0.0  # when the last sweep ran (time.monotonic): a join sweeps only if a second has passed
+    last_join: float = 0.0  # when the last join was answered (time.monotonic): placement waits for joins to settle

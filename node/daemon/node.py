@@ -8,9 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import signal
-import socket
 import sys
 from pathlib import Path
 
@@ -40,6 +38,7 @@ from ..train.data import open_dataset
 from ..train.model import StageModel
 from .checkpoint_sync import CheckpointSync
 from .device import device_label, device_memory, measure_layer_ms, resolve_device
+from .folder import NodeFolder
 from .follower import AssignmentFollower
 from .heartbeats import Heartbeats
 from .membership import CoordinatorClient
@@ -99,20 +98,27 @@ class StageNode:
         self.assignment = pb.Assignment()
         self.run_cfg: RunConfig | None = None
         self.averaging: StageAveraging | None = None  # the stage's averager (pipelines in data parallel)
+        self.folder: NodeFolder | None = None  # its folder, locked while it runs
 
     @classmethod
     async def create(cls, cfg: NodeConfig, stop: asyncio.Event) -> StageNode:
         """Serve the data plane, join the coordinator, start heartbeats and measure this device."""
         key = SwarmKey(cfg.token)
-        node_id = cfg.node_id or f"{socket.gethostname()}-{os.getpid()}"
-        # the node's identity lives beside its checkpoints: the same directory, the same node to the coordinator
-        folder = state_dir(cfg, node_id)
+        # the node's identity lives beside its checkpoints: the same folder, the same node (id and key) to the
+        # coordinator; one daemon at a time (FolderInUse), its id the folder's (NodeIdMismatch)
+        locked = NodeFolder.open(cfg.checkpoint_dir, cfg.node_id)
+        node_id, folder = locked.node_id, locked.path
         use_swarm_key(key)  # for p2p relays, if it ever needs one
-        host = await start_host(cfg, folder) if needs_p2p(cfg) else None  # first: its DHT forks a process
+        try:
+            host = await start_host(cfg, folder) if needs_p2p(cfg) else None  # first: its DHT forks a process
+        except BaseException:
+            locked.close()
+            raise
         try:
             coordinator = await find_coordinator(cfg, host, key, folder / PINNED_COORDINATOR_FILE)
             device = resolve_device(cfg.device)
         except BaseException:
+            locked.close()
             if host is not None:
                 await host.close()
             raise
@@ -128,12 +134,15 @@ class StageNode:
                                  folder / PINNED_COORDINATOR_FILE)
         node = cls(cfg, stop, node_id, device, transport,
                    CoordinatorClient(coordinator.address, sealer, cfg.emulation, trust))
+        node.folder = locked
         try:
             address = await transport.start()
             join = pb.JoinRequest(node_id=node_id, address=address, stage=cfg.stage, device=device_label(device),
                                   memory_bytes=device_memory(device), tls_cert=tls.cert_pem if tls else b"",
                                   movable=cfg.stage == AUTO_STAGE)
             reply = await node.coord.join(join)
+            if reply.notice:  # why it waits (a newcomer; a limit of replicas per host or operator)
+                print(f"{node_id}: the coordinator says: {reply.notice}", flush=True)
             node.assignment = reply.assignment
             transport.peer_keys[COORDINATOR] = reply.coordinator_key  # measure requests must be signed by it
             node.run_cfg = RunConfig.from_json(node.assignment.run_config)
@@ -144,7 +153,8 @@ class StageNode:
             transport.set_envelope_cap(envelope_cap(node.run_cfg))
             node.beats = Heartbeats(node.coord, join, transport)
             node.beats.start()
-            node.beats.measured(await asyncio.to_thread(measure_layer_ms, node.run_cfg, device))
+            transport.compute_measurer = node.measure_compute  # the coordinator may ask again, before it judges a chain
+            await node.measure_compute()
             if host is not None and host.dht is not None:
                 node.publishing = asyncio.ensure_future(republish(SwarmDirectory(host.dht, key),
                                                                   node_entries(node_id, transport, cfg.transport),
@@ -153,6 +163,13 @@ class StageNode:
             await node._close()
             raise
         return node
+
+    async def measure_compute(self) -> float:
+        """One layer's forward and backward on one micro-batch here, in ms: as it joins, and when the coordinator
+        asks again; its heartbeats report the latest."""
+        layer_ms = await asyncio.to_thread(measure_layer_ms, self.run_cfg, self.device)
+        self.beats.measured(layer_ms)
+        return layer_ms
 
     async def _until_stop(self, awaitable, *also: asyncio.Event):
         """The awaitable's result, or None if `stop` (or the coordinator's ban, or an event of `also`)
@@ -322,6 +339,8 @@ class StageNode:
         await close_process_host()  # the node's own p2p daemon, or a dial-only one started to reach a p2p neighbour
         if self.worker is not None:
             self.worker.close()
+        if self.folder is not None:
+            self.folder.close()
 
 
 async def run_node(cfg: NodeConfig) -> int:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Awaitable, Callable
 
 import grpc
 
@@ -176,6 +177,10 @@ class StageServicer(pb_grpc.StageServiceServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE,
                                 "this node has not joined a coordinator yet: it measures nothing")
         await self._check(request, context, "measure request", signed_by=coordinator)
+        if request.compute:  # its own compute again, as at its join (placement, before it refuses a slow chain)
+            if self.t.compute_measurer is None:
+                await context.abort(grpc.StatusCode.UNAVAILABLE, "this node does not measure its compute yet")
+            return pb.MeasureReply(layer_ms=await self.t.compute_measurer())
         if self.t.measurer is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "this node does not measure links")
         mbps, rtt = await self.t.measurer(request.target_id, request.target_address, request.payload_bytes,
@@ -232,8 +237,9 @@ class GrpcLink(OutLink):
 class GrpcTransport(LinkedTransport):
     """Transport over gRPC; see tahnode.net.transport.Transport for the contract. `sealer` signs
     what this node sends and checks what it receives; `measurer` answers the coordinator's
-    requests to measure a link from this node (None: refused); `tls`: serve over TLS with this
-    certificate (None: plain gRPC)."""
+    requests to measure a link from this node (None: refused), `compute_measurer` (set once the
+    node knows its run) those to measure its compute; `tls`: serve over TLS with this certificate
+    (None: plain gRPC)."""
 
     Link = GrpcLink
 
@@ -245,6 +251,7 @@ class GrpcTransport(LinkedTransport):
         self.peer_wait_s = PEER_WAIT_S
         self.listen, self.advertise = listen, advertise
         self.measurer = measurer
+        self.compute_measurer: Callable[[], Awaitable[float]] | None = None  # -> one layer's ms on this device
         self.server: grpc.aio.Server | None = None
 
     async def start(self) -> str:

@@ -1,5 +1,6 @@
 """Link measurement over the data plane: throughput and RTT from this node to another (`measure`),
-and the coordinator's request that a node measure its link to a peer (`request_measure`)."""
+and the coordinator's requests that a node measure its link to a peer (`request_measure`) or its
+own compute (`request_compute`)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from .emulation import pacer_for
 from .grpc_transport import CHANNEL_OPTIONS
 from .channels import ChannelPool, open_channel
 
-__all__ = ["probe", "measure_link", "request_measure"]
+__all__ = ["probe", "measure_link", "request_measure", "request_compute"]
 
 
 async def probe(sealer: Sealer, address: str, peer: str, payload_bytes: int, chunk: int = 256 << 10,
@@ -66,3 +67,11 @@ async def request_measure(sealer: Sealer, node: pb.Peer, target: pb.Peer, pool: 
                                         target_cert=target.tls_cert, payload_bytes=payload_bytes), node.node_id)
     reply = await pb_grpc.StageServiceStub(pool.get(node.address, node.tls_cert)).Measure(req, timeout=timeout)
     return reply.mbps, reply.rtt_ms
+
+
+async def request_compute(sealer: Sealer, node: pb.Peer, pool: ChannelPool, timeout: float = 20.0) -> float:
+    """Ask `node` to measure its compute again, as it did when it joined: one layer's forward and
+    backward on one micro-batch, in ms (0: it measures none)."""
+    req = sealer.seal(pb.MeasureRequest(compute=True), node.node_id)
+    reply = await pb_grpc.StageServiceStub(pool.get(node.address, node.tls_cert)).Measure(req, timeout=timeout)
+    return reply.layer_ms

@@ -129,6 +129,8 @@ def main(args, run: RunConfig) -> int:
     console = Console(stderr=True, highlight=False)
     workdir = Path(args.workdir) if args.workdir else Path(tempfile.mkdtemp(prefix="tahnode-demo-"))
     workdir.mkdir(parents=True, exist_ok=True)
+    if getattr(args, "swarm_max_per_host", None) is None:  # every daemon on this machine: its replicas too
+        run.swarm.max_per_host = 0
     (workdir / "run.toml").write_text(run.to_toml())
     grpc_port, http_port = free_ports(2)
     if args.http_port and args.http_port != grpc_port and port_free(args.http_port):

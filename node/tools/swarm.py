@@ -201,9 +201,10 @@ class LocalSwarm:
             self.coordinator = f"127.0.0.1:{grpc_port}"
             listen_http, self.http = f"127.0.0.1:{port}", f"http://127.0.0.1:{port}"
         token = ["--token-file", str(token_file_of(spec.workdir))]
+        one_host = [] if self.topo else ["--max-per-host", "0"]  # on 127.0.0.1 every replica shares one host
         self._start("coord", ["coordinator", "--listen", self.coordinator, "--http", listen_http, *token,
                               "--stages", str(spec.stages), "--store", str(spec.workdir / "store"),
-                              "--heartbeat-timeout", f"{spec.heartbeat_timeout:g}", *spec.placement_flags,
+                              "--heartbeat-timeout", f"{spec.heartbeat_timeout:g}", *one_host, *spec.placement_flags,
                               *spec.run_flags])
         for k, name in enumerate(spec.names[:spec.nodes - spec.late]):
             self._start_node(k, name)
