@@ -1,7 +1,8 @@
 """A stage replica that misbehaves at its outer steps, for tests/test_pipelines_faults.py: the real
 `tahnode join` daemon, patched in-process on a script.
 
-- `liar`: from outer step 6 on, its pseudo-gradient is 1e30 everywhere (finite: it goes out).
+- `liar`: from outer step 6 on, its pseudo-gradient is 1e30 everywhere (finite: it goes out), and it keeps its
+  own weights at its outer steps.
 - `stall`: in its third outer step, once its group formed, it writes MARKER and stops before it sends
   a part (the test kills it with SIGKILL: a replica that dies in the middle of an all-reduce).
 
@@ -9,6 +10,7 @@ Run as `python tests/faulty_replica.py MODE MARKER -- JOIN FLAGS...`."""
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from pathlib import Path
@@ -17,15 +19,18 @@ import torch
 
 from tahnode import cli
 from tahnode.net import averaging_parts
+from tahnode.pipeline import outer_sync
 from tahnode.train import outer
 
 LIE_FROM, STALL_AT = 6, 3  # outer steps: the liar lies once the victim (its third) is dealt with
+STALL_ENV = "TAHNODE_TEST_STALL_MARKER"  # the stalling replica's marker file, for its averager's process
 
 
 def lie() -> None:
-    """Lie at every outer step from LIE_FROM on. Its own weights stay well without its help: every
-    reducer, its own among them, leaves the lie out of the mean (group_mean.admitted)."""
-    honest = outer.OuterOptimizer.pseudo_gradient
+    """Lie at every outer step from LIE_FROM on, and train on its own weights meanwhile (its outer steps take
+    no mean: a liar that would take its own lie's average would blow its pipeline up and lie no more). The
+    honest reducers clip its parts into their radius and refuse its averages (tahnode.train.clip_rule)."""
+    honest, take = outer.OuterOptimizer.pseudo_gradient, outer_sync.OuterSync._take
     calls = {"n": 0}
 
     def pseudo_gradient(self):
@@ -33,7 +38,11 @@ def lie() -> None:
         g = honest(self)
         return torch.full_like(g, 1e30) if calls["n"] >= LIE_FROM else g
 
+    def own_weights(self, committed, mean, counted=None):
+        return take(self, committed, None if calls["n"] >= LIE_FROM else mean, counted)
+
     outer.OuterOptimizer.pseudo_gradient = pseudo_gradient
+    outer_sync.OuterSync._take = own_weights
 
 
 def stall(marker: Path) -> None:
@@ -57,7 +66,14 @@ def stall(marker: Path) -> None:
 def main() -> int:
     mode, marker, args = sys.argv[1], Path(sys.argv[2]), sys.argv[sys.argv.index("--") + 1:]
     lie() if mode == "liar" else stall(marker)
+    os.environ[STALL_ENV] = str(marker) if mode == "stall" else ""  # for the averager's process (below)
     return cli.main(["join", *args])
+
+
+# hivemind's averager process is a child of multiprocessing's forkserver (tahnode.net.clean_start), not of
+# this one: it runs this script as "__mp_main__" before it starts, and patches itself here
+if __name__ == "__mp_main__" and os.environ.get(STALL_ENV):
+    stall(Path(os.environ[STALL_ENV]))
 
 
 if __name__ == "__main__":

@@ -115,22 +115,84 @@ def test_only_the_loss_stage_holder_reports_losses_and_only_numbers(servers):
 def test_the_loss_stage_holder_rewrites_no_further_back_than_a_rollback_goes(servers):
     """Issue 39, finding 8: the loss stage's own holder wiped the durable ledger (50 steps to 1) with
     one LossPoint(step=0), which also cleared an open divergence alert; and a NaN loss was dropped
-    before the alert could see it. A report may rewrite steps back to the oldest checkpoint every
-    stage has in the store, or its pipeline's last outer step, no further."""
+    before the alert could see it. Issue 60: a report could still rewrite steps back to the oldest
+    checkpoint the store keeps. A standby resumes its stage from the newest: a report may rewrite
+    steps back to the oldest of the stages' newest checkpoints (or its pipeline's last outer step), no
+    further, and clears no alert."""
     reg = servers.registry
     reg.join(servers.sealer("n-last", run="").seal(pb.JoinRequest(node_id="n-last", address="127.0.0.1:5",
                                                                   stage=reg.run.loss_stage), COORDINATOR))
     heartbeat(servers, "n-last", [pb.LossPoint(step=k, loss=5.0 - k / 50, sample_ids=[k]) for k in range(50)])
     for stage in range(reg.run.stages):  # the checkpoints the stages uploaded (their contents do not matter here)
-        for step in (40, 45):
+        for step in (40, 45) if stage else (40, 45, 48):
             reg.store.path(stage, reg.run.stages, step).write_bytes(b"")
-    assert reg.rollback_floor(0) == 40
+    assert reg.rollback_floor(0) == 45  # stage 0 has step 48 too, the others 45 at the newest
     heartbeat(servers, "n-last", [pb.LossPoint(step=0, loss=9.0, sample_ids=[1])])
     assert sorted(reg.ledger()) == list(range(50)) and reg.ledger()[0].loss == 5.0
     heartbeat(servers, "n-last", [pb.LossPoint(step=50, loss=math.nan)])
     assert any("ALERT" in e and "step 50" in e for e in reg.events), reg.events
-    heartbeat(servers, "n-last", [pb.LossPoint(step=42, loss=4.0, sample_ids=[1])])  # a rollback to a checkpoint
-    assert sorted(reg.ledger()) == list(range(43)) and reg.ledger()[42].loss == 4.0
+    heartbeat(servers, "n-last", [pb.LossPoint(step=42, loss=4.0, sample_ids=[1])])  # before the newest checkpoint
+    assert sorted(reg.ledger()) == list(range(50)) and reg.ledger()[42].loss == 5.0 - 42 / 50
+    heartbeat(servers, "n-last", [pb.LossPoint(step=45, loss=4.0, sample_ids=[1])])  # a rollback to a checkpoint
+    assert sorted(reg.ledger()) == list(range(46)) and reg.ledger()[45].loss == 4.0
+    assert reg.watch.alert is not None and reg.watch.alert.step == 50  # a rollback to before it clears no alert
+    heartbeat(servers, "n-last", [pb.LossPoint(step=41, loss=4.0, sample_ids=[1])])  # nor lowers the floor
+    assert sorted(reg.ledger()) == list(range(46)) and reg.rollback_floor(0) == 45
+
+
+def ledger_registry(tmp_path, **swarm):
+    """A registry of a llama-tiny run of 1000 steps (`swarm`: its [swarm] settings) whose loss stage is
+    held by "last", with 20 steps in its ledger and every stage's checkpoints of steps 8, 12 and 20."""
+    from tahnode.config import RunConfig
+    from tahnode.coordinator.registry import SwarmRegistry
+    from tahnode.net.auth import Sealer, SwarmKey
+    from tahnode.net.identity import NodeKey
+    from test_durable import KEYS, TOKEN
+    from test_loss_watch import beat
+
+    run = RunConfig.build("llama-tiny", None, **{"train.steps": 1000, **{f"swarm.{k}": v for k, v in swarm.items()}})
+    reg = SwarmRegistry(run, SwarmKey(TOKEN), heartbeat_timeout=3600, store_dir=tmp_path / "store")
+    joiner = Sealer(SwarmKey(TOKEN), "last", identity=KEYS.setdefault("last", NodeKey.generate()))
+    reg.join(joiner.seal(pb.JoinRequest(node_id="last", address="127.0.0.1:5", stage=run.loss_stage), COORDINATOR))
+    beat(reg, "last", [(k, 3.0) for k in range(20)])
+    for stage in range(run.stages):
+        for step in (8, 12, 20):
+            reg.store.path(stage, run.stages, step).write_bytes(b"")
+    return reg
+
+
+def test_a_lone_pipelines_loss_steps_only_go_up_but_for_a_rollback_to_its_newest_checkpoint(tmp_path):
+    """Issue 60: a report's steps go up, within it and from one report to the next, but for a rewrite of
+    steps the ledger has back to a checkpoint: the oldest of the stages' newest ones (one pipeline: the
+    last outer step does not count). Before, a report could go back anywhere down to the oldest
+    checkpoint kept, or 4 steps before the ledger's end, and from there 4 more the next time."""
+    from test_loss_watch import beat
+
+    reg = ledger_registry(tmp_path, pipelines=1)
+    assert reg.rollback_floor(0) == 20
+    beat(reg, "last", [(17, 9.0), (18, 9.0)])  # within an outer period, but no regroup in a lone pipeline
+    assert sorted(reg.ledger()) == list(range(20)) and reg.ledger()[17].loss == 3.0
+    beat(reg, "last", [(20, 2.0), (21, 2.0), (19, 9.0), (21, 9.0), (22, 2.0)])  # back and again within one report
+    assert sorted(reg.ledger()) == list(range(23))
+    assert [reg.ledger()[s].loss for s in (19, 21, 22)] == [3.0, 2.0, 2.0]
+    reg.store.path(2, reg.run.stages, 20).unlink()  # say stage 2 has 12 at the newest: a standby resumes it there
+    beat(reg, "last", [(12, 1.0), (13, 1.0)])
+    assert sorted(reg.ledger()) == list(range(14)) and reg.ledger()[12].loss == 1.0
+
+
+def test_pipelines_in_data_parallel_rewrite_one_outer_period_and_never_walk_the_ledger_down(tmp_path):
+    """A regroup takes a pipeline back to its last outer step, at most outer_every steps: a report may
+    rewrite that far back from the furthest step the ledger reached, not from where the last rewrite
+    left it (reports that each went back 4 steps walked the ledger down to 0 before)."""
+    from test_loss_watch import beat
+
+    reg = ledger_registry(tmp_path, pipelines=2, outer_every=4)
+    assert reg.rollback_floor(0) == 16
+    beat(reg, "last", [(16, 2.0), (17, 2.0)])  # a regroup to the last outer step
+    assert sorted(reg.ledger()) == list(range(18)) and reg.ledger()[16].loss == 2.0
+    beat(reg, "last", [(14, 9.0)])  # 4 steps back from where the last report left it
+    beat(reg, "last", [(0, 9.0)])
+    assert sorted(reg.ledger()) == list(range(18)) and reg.ledger()[14].loss == 3.0 and reg.rollback_floor(0) == 16
 
 
 def test_the_loss_stage_holder_alone_does_not_end_the_run(servers):
@@ -169,14 +231,16 @@ def test_a_heartbeats_stats_and_a_joins_names_are_kept_to_what_they_show(servers
     reg = servers.registry
     junk = {f"reason-{k}-" + "x" * 40: k for k in range(14_000)}
     stats = pb.TrainingStats(step=3, refused={**junk, "replayed": 2, "bad_micro_batch": 5}, offences=junk,
-                             outer={**junk, "steps": 1.0}, outer_offences=junk)
+                             outer={**junk, "steps": 1.0},
+                             outer_reports=[pb.OuterReport(peer=f"peer-{k}", excluded=True, evidence="e" * 300)
+                                            for k in range(2000)])
     msg = servers.sealer(NODE).seal(pb.HeartbeatRequest(node_id=NODE, stats=stats), COORDINATOR)
     assert msg.ByteSize() > 2_500_000
     send(servers, RPCS["Heartbeat"], [msg.SerializeToString()])
     kept = reg.nodes[NODE].stats
     assert dict(kept.refused) == {"replayed": 2, "bad_micro_batch": 5} and kept.step == 3
-    assert (len(kept.offences) <= 16 and len(kept.outer_offences) <= 16 and len(kept.outer) <= 16
-            and "steps" in kept.outer)
+    assert (len(kept.offences) <= 16 and len(kept.outer_reports) <= 16 and len(kept.outer) <= 16
+            and "steps" in kept.outer and all(len(r.evidence) <= 80 for r in kept.outer_reports))
     assert kept.ByteSize() < 4096
     for field in ("node_id", "device"):
         name = {"node_id": "x" * (1 << 20), "device": "cuda:0"}

@@ -1,19 +1,22 @@
 """Pipelines in data parallel on the in-process transport: two pipelines of three stages whose
 replicas average through an in-process stand-in for hivemind's averager (the same butterfly
-arithmetic, tahnode.train.group_mean) train exactly as the single-process replica group does; a
-pipeline that comes late takes the others' latest outer step (its ledger starts there) and trains
-in step with them from then on. The averager itself, over hivemind, is tested in test_averaging.py."""
+arithmetic, tahnode.train.group_mean) and learn the state to load from a stand-in for the
+coordinator's naming (tahnode.coordinator.digests' rule) train exactly as the single-process replica
+group does; a pipeline that comes late takes the others' latest outer step (its ledger starts there)
+and trains in step with them from then on. The averager itself, over hivemind, is tested in
+test_averaging.py; the naming, in test_digests.py."""
 
 from __future__ import annotations
 
 import asyncio
 import time
-from types import SimpleNamespace
 
 import pytest
 import torch
+from tahnode.net.averaging import AveragingRound
 from tahnode.net.inproc import InProcessNetwork
 from tahnode.net.transport import BACKWARD, FORWARD
+from tahnode.pipeline.outer_adopt import NamedState
 from tahnode.pipeline.replica_group import ReplicaGroup, outer_boundary
 from tahnode.pipeline.worker import StageWorker
 from tahnode.train.group_mean import butterfly_mean
@@ -25,8 +28,8 @@ class LocalGroup:
     stage came (in pipeline order, as ReplicaGroup averages), None for those alone at the deadline;
     a newcomer gets the newest outer weights of its stage."""
 
-    def __init__(self, bits: int, ratio: float):
-        self.bits, self.ratio = bits, ratio
+    def __init__(self, bits: int, clip: float):
+        self.bits, self.clip = bits, clip
         self.rounds: dict[tuple[int, int], dict[int, tuple[torch.Tensor, asyncio.Future]]] = {}
         self.syncs: dict[tuple[int, int], object] = {}  # (stage, pipeline) -> its OuterSync
         self.closed: set[tuple[int, int]] = set()  # (stage, round) already averaged
@@ -57,30 +60,47 @@ class LocalGroup:
     def _close(self, key: tuple[int, int], arrived: dict) -> None:
         self.closed.add(key)
         order = sorted(arrived)
-        result = butterfly_mean([arrived[p][0] for p in order], self.bits, self.ratio)
+        result = butterfly_mean([arrived[p][0] for p in order], self.bits, self.clip)
         for p, mean, sent, counted in zip(order, result.means, result.bytes_sent, result.counted):
             arrived[p][1].set_result((mean, len(order), sent, counted))
 
     @staticmethod
-    def _outcome(mean, group: int, sent: int, started: float, counted=None) -> SimpleNamespace:
-        return SimpleNamespace(mean=mean, group=group, refused={}, bytes_sent=sent, bytes_received=sent,
-                               seconds=time.perf_counter() - started, counted=counted)
+    def _outcome(mean, group: int, sent: int, started: float, counted=None) -> AveragingRound:
+        return AveragingRound(mean, group, bytes_sent=sent, bytes_received=sent, seconds=time.perf_counter() - started,
+                              counted=counted)
 
-    async def load_state(self, stage: int, pipeline: int):
-        others = [s for (k, p), s in self.syncs.items() if k == stage and p != pipeline]
-        newest = max(others, key=lambda s: s.anchor_step, default=None)
-        return newest.state() if newest is not None else None
+    async def load_state(self, stage: int, peer_id: str):
+        sync = self.syncs.get((stage, int(peer_id.split("s")[0][1:])))
+        return sync.state() if sync is not None else None
+
+    def name(self) -> None:
+        """As the coordinator names each stage's state: the newest step its replicas reported, the digest of
+        it the most of them reported (ties: the lowest pipeline's), its sources (the asker left out)."""
+        for (stage, pipeline), sync in self.syncs.items():
+            reports = {p: s.outer_state() for (k, p), s in self.syncs.items() if k == stage}
+            reports = {p: r for p, r in reports.items() if r is not None}
+            if not reports:
+                continue
+            step = max(r[0] for r in reports.values())
+            at_step = {p: r[1] for p, r in reports.items() if r[0] == step}
+            digest = max(set(at_step.values()), key=lambda d: (sum(v == d for v in at_step.values()),
+                                                                -min(p for p, v in at_step.items() if v == d)))
+            holders = sorted(p for p, v in at_step.items() if v == digest)
+            sync.named = NamedState(step, digest, tuple(f"p{p}s{stage}" for p in holders if p != pipeline),
+                                    len(at_step) == len(reports) == len([k for k, _ in self.syncs if k == stage]),
+                                    len(holders))
 
 
 class LocalAverager:
     def __init__(self, group: LocalGroup, stage: int, pipeline: int):
         self.group, self.stage, self.pipeline = group, stage, pipeline
+        self.peer_id = f"p{pipeline}s{stage}"
 
     async def average(self, vector, round, expected, timeout):
         return await self.group.average(self.stage, self.pipeline, vector, round, expected, timeout)
 
-    async def load_state(self, timeout):
-        return await self.group.load_state(self.stage, self.pipeline)
+    async def load_state(self, peer_id, timeout):
+        return await self.group.load_state(self.stage, peer_id)
 
 
 class MissesFirstRound(LocalAverager):
@@ -89,8 +109,7 @@ class MissesFirstRound(LocalAverager):
     async def average(self, vector, round, expected, timeout):
         if round == 1:
             await asyncio.sleep(timeout)
-            return SimpleNamespace(mean=None, group=0, refused={}, bytes_sent=0, bytes_received=0, seconds=timeout,
-                                   counted=None)
+            return AveragingRound(None, 0, seconds=timeout)
         return await super().average(vector, round, expected, timeout)
 
 
@@ -99,11 +118,14 @@ class Pipelines:
 
     def __init__(self, run, dataset, pipelines: int):
         self.run, self.net = run, InProcessNetwork()
-        self.group = LocalGroup(run.swarm.outer_bits, run.swarm.outer_norm_ratio)
+        self.group = LocalGroup(run.swarm.outer_bits, run.swarm.outer_clip)
         self.workers: dict[int, list[StageWorker]] = {}
         self.dataset, self.count = dataset, pipelines
+        self.naming: asyncio.Future | None = None
 
     async def start(self, p: int) -> list[StageWorker]:
+        if self.naming is None:
+            self.naming = asyncio.ensure_future(self.keep_naming())
         transports = [self.net.transport(f"p{p}n{k}") for k in range(self.run.stages)]
         workers = []
         for k, t in enumerate(transports):
@@ -120,10 +142,18 @@ class Pipelines:
         self.workers[p] = workers
         return workers
 
+    async def keep_naming(self) -> None:
+        """The coordinator's part: name each stage's state every 50 ms (its heartbeats come every second)."""
+        while True:
+            self.group.name()
+            await asyncio.sleep(0.05)
+
     def losses(self, p: int) -> dict[int, float]:
         return {r.step: r.loss for r in self.workers[p][self.run.loss_stage].stats.losses}
 
     async def close(self) -> None:
+        if self.naming is not None:
+            self.naming.cancel()
         for workers in self.workers.values():
             for w in workers:
                 await w.t.close()
@@ -324,7 +354,7 @@ def test_an_averager_that_fails_leaves_its_replica_training_on_its_own_weights(d
         async def average(self, vector, round, expected, timeout):
             raise AveragerNotRunning("the averager's process ended")
 
-        async def load_state(self, timeout):
+        async def load_state(self, peer_id, timeout):
             raise AveragerNotRunning("the averager's process ended")
 
     steps = 6
@@ -337,23 +367,37 @@ def test_an_averager_that_fails_leaves_its_replica_training_on_its_own_weights(d
     assert list(swarm.losses(0)) in ([0, 1, 2, 3], list(range(steps)))
 
 
-def test_a_peers_served_state_is_parsed_once_and_garbage_outranks_nothing():
-    """What a peer serves as its state's metadata (its step, `alone`, `source`) is a peer's word: it
-    is parsed into a ServedState where it enters, and anything but a whole step >= 0 is no state; a
-    source that is not a whole number >= 0 is none, and such a replica's own weights outrank no one's."""
-    from tahnode.pipeline.outer_sync import OuterSync, ServedState
+def test_a_served_state_is_taken_only_from_the_named_sources_and_only_if_it_hashes_to_the_named_digest(dataset):
+    """Issue 60, finding 1: a replica loaded whatever the highest-priority peer in the DHT served (an outsider's
+    weights at step 10^12 among them). Now a regroup asks the coordinator's named sources only, one at a time,
+    and takes a state only if it hashes to the named digest: a source that serves other bytes is refused and
+    counted against it, the next source's state is taken; nothing else is ever asked. The metadata is a peer's
+    word, parsed once (anything but a whole step >= 0 is no state)."""
+    from tahnode.pipeline.outer_adopt import ServedState
+    from tahnode.train.outer import state_digest
 
     for meta in ({}, {"step": "4"}, {"step": True}, {"step": 4.0}, {"step": -1}, {"step": None}):
         assert ServedState.parse(meta) is None, meta
-    assert ServedState.parse({"step": 4, "alone": False, "source": 0}) == ServedState(4, False, 0)
-    for source in (-1, True, 1.5, "0", None, [0]):
-        assert ServedState.parse({"step": 4, "alone": True, "source": source}) == ServedState(4, True, None), source
-    assert ServedState.parse({"step": 4, "alone": "no"}).alone  # only False says "a group's"
-    me = SimpleNamespace(anchor_step=4, alone_at=4, source=1)  # alone at step 4, of pipeline 1
-    outranks = [OuterSync.outranked_by(me, ServedState.parse(m)) for m in (
-        {"step": 4, "alone": True, "source": -1}, {"step": 4, "alone": True, "source": "0"}, {"step": 4, "alone": True},
-        {"step": 3, "alone": False}, {"step": 4, "alone": True, "source": 2})]
-    assert outranks == [False] * 5
-    assert (OuterSync.outranked_by(me, ServedState(4, True, 0))
-            and OuterSync.outranked_by(me, ServedState(4, False, None)))
-    assert OuterSync.outranked_by(me, ServedState(8, True, None))  # a newer step: any replica's
+    run = build_run(4, **NONE, **{"swarm.pipelines": 2, "swarm.outer_every": 4, "swarm.outer_timeout_s": 2.0})
+    worker = StageWorker(run, 1, InProcessNetwork().transport("n"), "cpu", None, pipeline=1)
+    sync = worker.outer
+    good = [t + 1.0 for t in sync.outer.tensors().values()]
+    asked = []
+
+    class Served:
+        peer_id = "me"
+
+        async def load_state(self, peer_id, timeout):
+            asked.append(peer_id)
+            if peer_id == "liar":  # the named step, other bytes
+                return {"step": 8}, [t * 0 + 1e3 for t in good]
+            return {"step": 8}, [t.clone() for t in good]
+
+    sync.use(Served())
+    sync.expected = 2
+    sync.named = NamedState(8, state_digest(8, good), ("liar", "honest"), True, 2)
+    assert asyncio.run(sync.regroup()) == 8
+    assert asked == ["liar", "honest"] and sync.stats.refused == {"liar": 1} and sync.stats.adopted == 1
+    assert torch.equal(sync.outer.tensors()["anchor"], good[0]) and sync.digest == state_digest(8, good)
+    sync.named = NamedState(12, b"x" * 32, ("liar",), True, 1)  # its source serves step 8: it stays where it is
+    assert asyncio.run(sync.regroup()) == 8 and sync.stats.refused == {"liar": 1}  # another step: no offence

@@ -39,6 +39,10 @@ class SwarmConfig:
     standbys: int = knob(1, "spare nodes kept back to take over a failed stage before another pipeline is formed")
     min_chain_share: float = knob(0.5, "a new pipeline must reach this share of the fastest pipeline's tokens/s (a "
                                   "slower one would set the pace of every outer step); its nodes stand by instead")
+    max_per_host: int = knob(1, "replicas of one stage that one host may hold (its joins as the coordinator saw them); "
+                             "above 0, a new pipeline is never formed wholly of one host's (or one public /24's) "
+                             "nodes either. 0: no limit, for test swarms of many pipelines on one machine",
+                             metavar="N")
     outer_every: int = knob(4, "the replicas of each stage average their pseudo-gradients every this many steps (H)",
                             metavar="STEPS")
     outer_lr: float = knob(1.0, "the outer step's learning rate (1 without momentum: the replicas' mean weights)")
@@ -50,8 +54,9 @@ class SwarmConfig:
                                 parse=parse_switch)
     outer_timeout_s: float = knob(30.0, "how long a replica waits for the others of its stage at an outer step; it "
                                   "goes ahead with those that came", flag="--outer-timeout", metavar="SECONDS")
-    outer_norm_ratio: float = knob(10.0, "a replica's pseudo-gradient whose norm is above this multiple of its group's "
-                                   "median is refused (an offence), as is one that is not finite")
+    outer_clip: float = knob(2.0, "a reducer clips each replica's part to this many times its own part's norm from "
+                             "it; one replica moves another's outer update by at most clip x (n-1)/n times that "
+                             "update's norm, in a group of n (docs/security.md)", metavar="C")
 
     @property
     def auto(self) -> bool:
@@ -70,6 +75,8 @@ class SwarmConfig:
                 raise ValueError(f"swarm.{name} must be >= 1, got {getattr(self, name)}")
         if self.standbys < 0:
             raise ValueError(f"swarm.standbys must be >= 0, got {self.standbys}")
+        if self.max_per_host < 0:
+            raise ValueError(f"swarm.max_per_host must be >= 0 (0: no limit), got {self.max_per_host}")
         if not 0 <= self.min_chain_share <= 1:
             raise ValueError(f"swarm.min_chain_share is a share of the fastest pipeline's speed, in [0, 1], "
                              f"got {self.min_chain_share}")
@@ -82,6 +89,6 @@ class SwarmConfig:
                              f"got {self.outer_bits}")
         if not self.outer_timeout_s > 0:
             raise ValueError(f"swarm.outer_timeout_s must be > 0 seconds, got {self.outer_timeout_s}")
-        if not self.outer_norm_ratio > 1:
-            raise ValueError(f"swarm.outer_norm_ratio must be > 1, got {self.outer_norm_ratio}")
+        if not 0 < self.outer_clip <= 4:
+            raise ValueError(f"swarm.outer_clip must be in (0, 4], got {self.outer_clip}")
         return self

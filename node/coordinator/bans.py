@@ -92,6 +92,11 @@ class Bans:
                 banned.append(sender)
         return banned
 
+    def ban(self, node_id: str) -> float:
+        """Ban `node_id` now for the policy's time (a verdict reached elsewhere); when it ends."""
+        self.until[node_id] = max(self.until.get(node_id, 0.0), self.clock() + self.policy.ban_s)
+        return self.until[node_id]
+
     def left(self, node_id: str) -> float:
         """Seconds the node's ban still lasts (0: not banned)."""
         end = self.until.get(node_id)

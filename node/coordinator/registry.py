@@ -17,9 +17,12 @@ from ..net.identity import NodeKey
 from ..pipeline.checkpoint import CheckpointStore
 from ..proto import tahnode_pb2 as pb
 from .bans import BanPolicy, Bans, ban_marks
+from .admission import admit, release_newcomers
 from .durable import SwarmDB, run_identity
 from .health import LossHistory, LossWatch
+from .ledger_order import in_order, rollback_floor
 from .reports import check_names, kept_stats
+from .replicas import ReplicaCouncil
 from .roster import Roster
 from .state import STANDBY, Census, NodeRecord, NodeStatus
 
@@ -52,11 +55,12 @@ class SwarmRegistry:
         self.bans = bans or Bans(BanPolicy())
         self.nodes: dict[str, NodeRecord] = {}
         self.roster = Roster(run, self.nodes)
+        self.council = ReplicaCouncil(run, self.roster, lambda node_id: self.identities.get(node_id, node_id.encode()),
+                                      self.ledger_next)
         self.db = SwarmDB(self.store.dir / "coordinator.sqlite")
         self._epoch = self.db.get("epoch", 1)
         for mark, until in self.db.bans().items():  # bans outlive a restart
             self.bans.until[mark] = until
-        self.last_join = 0.0
         # the ledger lives in the database; memory holds only the losses the status page draws
         self.histories = {p: LossHistory(self.db.losses(LOSS_HISTORY, p), LOSS_HISTORY) for p in self.db.pipelines()}
         self.identities: dict[str, bytes] = self.db.identities()  # node id -> the public key bound at its first join
@@ -171,13 +175,10 @@ class SwarmRegistry:
         return ckpt.step if ckpt else 0
 
     def rollback_floor(self, pipeline: int) -> int:
-        """The earliest step a loss report may rewrite in `pipeline`'s ledger: a rollback goes back to a checkpoint
-        every stage has (the oldest the store keeps of the stage that has the least), or to the pipeline's last outer
-        step (at most outer_every steps); never further (a report of step 0 wiped the ledger)."""
-        stored = [self.store.list(k, self.run.stages) for k in range(self.run.stages)]
-        confirmed = self.confirmed_step()
-        oldest = [min((c.step for c in found if c.step <= confirmed), default=0) for found in stored]
-        return min(min(oldest, default=0), max(0, self.ledger_next(pipeline) - self.run.swarm.outer_every))
+        """The earliest step a loss report may rewrite in `pipeline`'s ledger (ledger_order.rollback_floor), from
+        the furthest steps the ledgers reached."""
+        reached = {p: h.furthest + 1 for p, h in self.histories.items()}
+        return rollback_floor(self.run, self.store, max(reached.values(), default=0), reached.get(pipeline, 0))
 
     def confirmed_step(self) -> int:
         """The steps the furthest pipeline's ledger holds: a checkpoint of a step up to it is confirmed."""
@@ -196,6 +197,7 @@ class SwarmRegistry:
                 for n in self.roster.replicas(stage, node.pipeline):
                     if n.averager:
                         a.replicas.add(node_id=n.node_id, address=n.averager, stage=n.stage)
+                a.named_state.CopyFrom(self.council.named(node))
         if stage >= 0:
             for field, offset in (("prev", -1), ("next", 1)):  # around the ring for a tied model (RunConfig.ring)
                 other = self.run.neighbour(node.stage, offset)
@@ -225,6 +227,7 @@ class SwarmRegistry:
         if not req.node_id or not req.address:
             raise InvalidRequest("join needs a node id and an address")
         check_names(req)
+        new_id = req.node_id not in self.identities
         self.check(req, req.node_id, run_optional=True, bind=True)
         banned = self.bans.left_any(ban_marks(req.node_id, req.seal.public_key, req.address, seen))
         if banned:
@@ -234,24 +237,18 @@ class SwarmRegistry:
             raise InvalidRequest(f"stage {req.stage} does not exist: this swarm has stages 0..{self.run.stages - 1}")
         if time.monotonic() - self.census.swept >= 1.0:  # the coordinator sweeps every second anyway
             self.sweep()
-        stage = req.stage
-        pipeline = self.roster.pinned_pipeline(stage, req.node_id) if stage >= 0 else 0
-        rejoin = req.node_id in self.nodes
-        node = NodeRecord(req.node_id, req.address, stage, req.device, req.memory_bytes, req.compute_ms,
-                          status=NodeStatus.ACTIVE if stage >= 0 else NodeStatus.JOINING, tls_cert=req.tls_cert,
-                          movable=req.movable or stage < 0, pipeline=pipeline, seen=seen,
-                          chosen=-1 if req.movable or stage < 0 else stage)
-        if stage >= 0:
-            node.resume_step = self.resume_step(stage)
+        auto = req.movable or req.stage < 0
+        node = NodeRecord(req.node_id, req.address, STANDBY, req.device, req.memory_bytes, req.compute_ms,
+                          status=NodeStatus.JOINING, tls_cert=req.tls_cert, movable=auto, seen=seen,
+                          chosen=-1 if auto else req.stage)
+        where, notice = admit(self, node, self.nodes.get(req.node_id), req.stage, new_id)  # StageTaken, or where
         self.nodes[req.node_id] = node
         self.epoch += 1
-        self.last_join = time.monotonic()
-        where = f"stage {stage}" + (f" of pipeline {pipeline}" if pipeline else "") if stage >= 0 else \
-            "waiting for an assignment (--stage auto)"
-        self.event(f"{'rejoined' if rejoin else 'joined'}: {req.node_id} at {req.address} "
-                   f"({req.device or '?'}) -> {where}")
+        self.census.last_join = time.monotonic()
+        self.event(f"{'joined' if new_id else 'rejoined'}: {req.node_id} at {req.address} ({req.device or '?'}) -> "
+                   f"{where}")
         return pb.JoinReply(assignment=self.assignment(node, with_config=True), swarm="tahnode", run=self.sealer.run,
-                            coordinator_key=self.sealer.identity.public)
+                            coordinator_key=self.sealer.identity.public, notice=notice)
 
     def heartbeat(self, req: pb.HeartbeatRequest) -> pb.HeartbeatReply:
         self.check(req, req.node_id)
@@ -270,40 +267,43 @@ class SwarmRegistry:
         if req.averager:
             self.roster.bind_averager(node, req.averager)
         self._judge(node, req.stats.offences)
-        self._judge(node, self.roster.replica_offences(node, req.stats.outer_offences), "pseudo-gradients")
+        for verdict in self.council.heartbeat(node, req):
+            self._ban(self.nodes[verdict.accused], f"replicas of {len(verdict.accusers)} operators excluded it from "
+                      f"their groups and none vouches for it ({'; '.join(verdict.evidence)})")
         self._record(node, list(req.stats.losses))
+        self.db.record_skipped(self.council.skipped(node, list(req.stats.skipped)), node.pipeline)
         if req.stats.finished and node.status is NodeStatus.ACTIVE and req.stats.step >= self.run.train.steps:
             self.roster.said_finished(node, self.ledger_next(node.pipeline) >= self.run.train.steps)
         return pb.HeartbeatReply(assignment=self.assignment(node), known=True, run_finished=self.finished,
                                  heartbeat_s=self.heartbeat_period())
 
-    def _judge(self, reporter: NodeRecord, offences, what: str = "micro-batches") -> None:
+    def _judge(self, reporter: NodeRecord, offences) -> None:
         """Ban the neighbours of `reporter` whose micro-batches it keeps refusing (only a stage's
-        neighbours receive its micro-batches, so only their reports count); with `what`
-        "pseudo-gradients", the replicas of its stage whose pseudo-gradients it keeps refusing."""
+        neighbours receive its micro-batches, so only their reports count)."""
         if not offences or reporter.status is not NodeStatus.ACTIVE:
             return
-        if what == "micro-batches":
-            near = {self.run.neighbour(reporter.stage, -1), self.run.neighbour(reporter.stage, 1)} - {None}
-            senders = {n.node_id for n in self.nodes.values()
-                       if n.status is NodeStatus.ACTIVE and n.stage in near and n.pipeline == reporter.pipeline}
-        else:
-            senders = {n.node_id for n in self.roster.replicas(reporter.stage, reporter.pipeline)}
+        near = {self.run.neighbour(reporter.stage, -1), self.run.neighbour(reporter.stage, 1)} - {None}
+        senders = {n.node_id for n in self.nodes.values()
+                   if n.status is NodeStatus.ACTIVE and n.stage in near and n.pipeline == reporter.pipeline}
         for sender in self.bans.report(reporter.node_id, {s: c for s, c in offences.items() if s in senders}):
-            node = self.nodes[sender]
-            node.status = NodeStatus.BANNED
-            marks = ban_marks(sender, self.identities.get(sender, b""), node.address, node.seen)
-            self.bans.extend(marks, self.bans.until[sender])
-            self.db.ban({m: self.bans.until[m] for m in marks})
-            self.epoch += 1
-            self.event(f"banned: {sender} (stage {node.stage}) for {self.bans.policy.ban_s:.0f} s: {reporter.node_id} "
-                       f"refused {self.bans.policy.threshold} of its {what} within {self.bans.policy.window_s:.0f} s")
+            self._ban(self.nodes[sender], f"{reporter.node_id} refused {self.bans.policy.threshold} of its "
+                      f"micro-batches within {self.bans.policy.window_s:.0f} s")
+
+    def _ban(self, node: NodeRecord, why: str) -> None:
+        """Put `node` out for the ban policy's time: its id, key and address (bans.ban_marks)."""
+        until = self.bans.ban(node.node_id)
+        node.status = NodeStatus.BANNED
+        marks = ban_marks(node.node_id, self.identities.get(node.node_id, b""), node.address, node.seen)
+        self.bans.extend(marks, until)
+        self.db.ban({m: self.bans.until[m] for m in marks})
+        self.council.forget(node.node_id)
+        self.epoch += 1
+        self.event(f"banned: {node.node_id} (stage {node.stage}) for {self.bans.policy.ban_s:.0f} s: {why}")
 
     def _record(self, reporter: NodeRecord, points: list[pb.LossPoint]) -> None:
         """Committed steps into its pipeline's ledger, in memory and on disk, from the node that
-        computes the loss now (a standby, a former holder or another stage has none to report), each
-        step within the run and its loss a number. A step at or before one already recorded means a
-        rollback: the steps from there on are trained again and replace the old."""
+        computes the loss now (a standby, a former holder or another stage has none to report), those that
+        ledger_order.in_order keeps; a loss that is not a number is never stored, but the alert hears of it."""
         if not points:
             return
         if reporter.status is not NodeStatus.ACTIVE or reporter.stage != self.run.loss_stage:
@@ -311,27 +311,22 @@ class SwarmRegistry:
                         reporter.node_id, self.run.loss_stage)
             return
         history = self.history(reporter.pipeline)
-        for point in points:  # a loss that is not a number is never stored, but the alert hears of it
-            if 0 <= point.step < self.run.train.steps and not math.isfinite(point.loss):
-                raised, _ = history.watch_only(point.step, point.loss)
-                if raised is not None:
-                    self.event(f"ALERT: {raised.message(self.run.codec.label)}", logging.WARNING)
-        rewrites = any(p.step < self.ledger_next(reporter.pipeline) for p in points)
-        floor = self.rollback_floor(reporter.pipeline) if rewrites else 0  # the store is read for a rollback only
-        kept = [p for p in points if floor <= p.step < self.run.train.steps and math.isfinite(p.loss)]
+        ahead = self.ledger_next(reporter.pipeline)  # a report's step below it rewrites the ledger (a rollback)
+        kept, floor = in_order(points, self.run.train.steps, ahead, lambda: self.rollback_floor(reporter.pipeline))
         if len(kept) < len(points):
-            log.warning("ignored %d losses from %s: a step outside the run's %d, before step %d (the furthest a "
-                        "rollback goes back), or a loss that is not a number", len(points) - len(kept),
-                        reporter.node_id, self.run.train.steps, floor)
-        points = kept
-        for point in points:
-            raised, cleared = history.add(point.step, point.loss)
+            log.warning("ignored %d losses from %s: a step outside the run's %d, not above the one before it in the "
+                        "report, or a rewrite before step %d (the furthest a rollback goes back)",
+                        len(points) - len(kept), reporter.node_id, self.run.train.steps, floor)
+        for point in kept:
+            raised, cleared = (history.add(point.step, point.loss) if math.isfinite(point.loss)
+                               else history.watch_only(point.step, point.loss))
             if raised is not None:
                 self.event(f"ALERT: {raised.message(self.run.codec.label)}", logging.WARNING)
             elif cleared:
                 self.event(f"the loss is back on its trend at step {point.step}")
-        if points:
-            self.db.record(points, reporter.pipeline)
+        stored = [p for p in kept if math.isfinite(p.loss)]
+        if stored:
+            self.db.record(stored, reporter.pipeline)
 
     def leave(self, req: pb.LeaveRequest) -> pb.LeaveReply:
         self.check(req, req.node_id)
@@ -374,6 +369,7 @@ class SwarmRegistry:
         gone = [n.node_id for n in self.nodes.values() if not n.status.live and now - n.last_seen > DEAD_RECORD_S]
         for node_id in gone:
             del self.nodes[node_id]
+            self.council.forget(node_id)
         for node_id in self.db.forget_oldest(self.identities, keep=self.nodes):
             del self.identities[node_id]
         if gone:
@@ -382,9 +378,11 @@ class SwarmRegistry:
                     n.links.pop(node_id, None)
 
     def sweep(self) -> None:
-        """Declare nodes that missed their heartbeats for `timeout` seconds failed, and forget the
-        long gone (the coordinator runs it every second, and before a join)."""
+        """Declare nodes that missed their heartbeats for `timeout` seconds failed, forget the long
+        gone, and let newcomers be placed once no id of their host is banned (the coordinator runs
+        it every second, and before a join)."""
         self.prune()
+        release_newcomers(self)
         now = self.census.swept = time.monotonic()
         self.census.live = sum(n.status.live for n in self.nodes.values())
         for node in self.nodes.values():

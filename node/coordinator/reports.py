@@ -15,6 +15,7 @@ MAX_DEVICE = 64         # of a device string ("cuda:0", "cpu", a GPU's name)
 MAX_ADDRESS = 512       # of an address (host:port, or a p2p multiaddress with its peer id)
 MAX_OFFENDERS = 16      # senders a node's offence counts name (only its neighbours and replicas are judged)
 MAX_OUTER_FIGURES = 16  # figures of its outer steps (tahnode.pipeline.outer_sync.OuterSync.report)
+MAX_AVERAGER_PEER = 128  # characters of an averager's peer id in a report
 REASONS = frozenset(r.value for r in RefusalReason) | {BAD_MICRO_BATCH}
 
 
@@ -25,13 +26,16 @@ def kept_stats(stats: pb.TrainingStats) -> pb.TrainingStats:
     kept = pb.TrainingStats()
     kept.CopyFrom(stats)
     kept.ClearField("losses")
-    for name in ("refused", "offences", "outer", "outer_offences"):
+    for name in ("refused", "offences", "outer", "outer_reports"):
         kept.ClearField(name)
     kept.refused.update({k: v for k, v in stats.refused.items() if k in REASONS})
     for source, target, most in ((stats.offences, kept.offences, MAX_OFFENDERS),
-                                 (stats.outer_offences, kept.outer_offences, MAX_OFFENDERS),
                                  (stats.outer, kept.outer, MAX_OUTER_FIGURES)):
         target.update({k: source[k] for k in sorted(source, key=lambda k: (len(k), k))[:most] if len(k) <= MAX_ID})
+    for report in stats.outer_reports[:MAX_OFFENDERS]:  # the coordinator keeps the evidence itself, cut to size
+        if len(report.peer) <= MAX_AVERAGER_PEER:
+            kept.outer_reports.add(peer=report.peer, suspect=report.suspect, stalled=report.stalled,
+                                   clean=report.clean, excluded=report.excluded, evidence=report.evidence[:80])
     return kept
 
 

@@ -60,10 +60,17 @@ class Heartbeats:
         if self.worker is not None:
             req.stats.MergeFrom(self.worker.stats.report(self.worker.committed, self.worker.codecs.cache_bytes()))
             if self.worker.outer is not None:
-                req.stats.outer.update(self.worker.outer.report())
-                req.stats.outer_offences.update(self.worker.outer.stats.refused)
+                outer = self.worker.outer
+                req.stats.outer.update(outer.report())
+                state = outer.outer_state()
+                if state is not None:
+                    req.outer_state.step, req.outer_state.digest = state
+                for peer, record in sorted(outer.standing.records.items()):
+                    req.stats.outer_reports.add(peer=peer, suspect=record.suspect, stalled=record.stalled,
+                                                clean=record.clean, excluded=record.excluded,
+                                                evidence=str(record.last or ""))
             req.stats.peak_rss_bytes = peak_rss_bytes()
-            sent = len(req.stats.losses)
+            sent = len(req.stats.losses) + len(req.stats.skipped)
             counters = (self.t.counters(FORWARD), self.t.counters(BACKWARD))
             req.stats.wire_bytes = sum(c.bytes for c in counters)  # whole envelopes: labels and ids too
             for c in counters:

@@ -1,18 +1,20 @@
 """The parts of hivemind's butterfly all-reduce that tahnode checks, in the averager's own process: the
-reducer that averages only the parts group_mean.admitted() lets in (each sender counting 1), and the
-container that refuses an average failing group_mean.accepted() and, with error feedback, keeps what
-the group's mean counted of this replica's vector."""
+reducer that averages a part by the clip rule (tahnode.train.clip_rule: centred on its own part, every
+sender counting 1, what it saw of each sender kept as evidence), and the container that takes a
+reducer's average only where the rule allows and, with error feedback, keeps what the group's mean
+counted of this replica's vector."""
 
 from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from hivemind.averaging.allreduce import AllreduceException
 from hivemind.averaging.partition import BannedException, TensorPartContainer, TensorPartReducer
 
-from ..train.group_mean import accepted, admitted
+from ..train.clip_rule import SenderView, centred_clip, takes
 from .averaging_rules import usable
 
 __all__ = ["PartMean", "CheckedReducer", "CheckedContainer"]
@@ -22,18 +24,21 @@ __all__ = ["PartMean", "CheckedReducer", "CheckedContainer"]
 class PartMean:
     """A reducer's result for one part."""
 
-    mean: torch.Tensor | None  # the average of the admitted parts (None: none admitted)
+    mean: torch.Tensor | None  # the clipped average of the usable parts (None: its own part missing)
     dropped: int               # senders it left out as silent
-    senders: int = 0           # parts in the average
+    senders: int = 0           # usable parts in the average, its own included
     own_in: bool = False       # this replica's own part among them
 
 
 class CheckedReducer(TensorPartReducer):
     """hivemind's reducer, but it keeps every sender's part k (None: wrong shape or not finite) and
-    averages part k once all are in, over those admitted() lets in, each counting 1 (PartMean)."""
+    averages part k once all are in by the clip rule, centred on its own part (`own`: its sender index),
+    each sender counting 1 whatever weight it claims. `observe(k, view)` receives what it saw of
+    sender k's part (tahnode.train.clip_rule.SenderView); `silent(k)` each sender a part lacks."""
 
-    def __init__(self, part_shapes, num_senders: int, *, own: int, ratio: float, refuse):
-        self.own, self.ratio, self.refuse, self.parts = own, ratio, refuse, {}
+    def __init__(self, part_shapes, num_senders: int, *, own: int, clip: float,
+                 observe: Callable[[int, SenderView], None], silent: Callable[[int], None]):
+        self.own, self.clip, self.observe, self.silent, self.parts = own, clip, observe, silent, {}
         super().__init__(part_shapes, num_senders)
 
     def reset_accumulators(self):
@@ -68,30 +73,34 @@ class CheckedReducer(TensorPartReducer):
 
     def _mean(self) -> PartMean:
         senders = sorted(self.parts)
+        for k in set(range(self.num_senders)) - set(senders):
+            self.silent(k)
         dropped = self.num_senders - len(senders)
-        parts = [self.parts[s] for s in senders]
-        norms = [float(p.double().norm()) if p is not None else float("nan") for p in parts]
-        ok = admitted(norms, self.ratio)
-        for sender, keep in zip(senders, ok):
-            if not keep and sender != self.own:  # its own part left out is no peer's offence
-                self.refuse(sender)
-        kept = [p for p, keep in zip(parts, ok) if keep and p is not None]
-        own_in = any(keep and sender == self.own for sender, keep in zip(senders, ok))
-        return PartMean(torch.stack(kept).mean(dim=0) if kept else None, dropped, len(kept), own_in)
+        if self.own not in senders or self.parts[self.own] is None:  # no part of its own to trust: no average
+            return PartMean(None, dropped)
+        result = centred_clip([self.parts[s] for s in senders], senders.index(self.own), self.clip)
+        for sender, view in zip(senders, result.views):
+            if view is not None:
+                self.observe(sender, view)
+        usable_count = sum(self.parts[s] is not None for s in senders)
+        return PartMean(result.mean, dropped, usable_count, True)
 
 
 class CheckedContainer(TensorPartContainer):
     """hivemind's part container, but what comes back for a part is its group's average (the same bytes
-    for every replica, so that they stay equal), and an average that is non-finite, of another shape,
-    or too large (accepted()) is refused: the part stays as it was.
+    for every replica, so that they stay equal to the bit: it is taken as it is, never added as a
+    difference), and an average that the clip rule does not let this replica take (not finite, of another
+    shape, or too far from its own part: clip_rule.takes) is refused: the part stays as it was.
 
     With `counted` (error feedback) it also keeps what the group's mean counted of this replica's vector
     (group_mean.GroupMean.counted): a part as its reducer decoded it, or for the part it reduced its own
-    values less the mean's rounding times the senders; a part whose mean it did not take, its own values."""
+    values less the mean's rounding times the senders; a part whose mean it did not take, its own values.
+    (A part its reducer clipped counts as sent: the residual then misses what the clip took off.)"""
 
-    def __init__(self, tensors, *args, ratio: float, refuse, on_partial, counted: torch.Tensor | None = None,
-                 **kwargs):
-        self.ratio, self.refuse, self.on_partial, self.counted = ratio, refuse, on_partial, counted
+    def __init__(self, tensors, *args, group: int, bits: int, clip: float, refuse, on_partial,
+                 counted: torch.Tensor | None = None, **kwargs):
+        self.group, self.bits, self.clip = group, bits, clip
+        self.refuse, self.on_partial, self.counted = refuse, on_partial, counted
         super().__init__(tensors, *args, **kwargs)
         self.base = tensors[0].detach().view(-1)
         if counted is not None:
@@ -115,19 +124,20 @@ class CheckedContainer(TensorPartContainer):
 
     def register_failed_reducer(self, peer_index: int):
         """As hivemind's (this replica's own values for the parts that reducer never averaged), and
-        told (`on_partial`): the round's result is not the group's, and the replicas would drift apart."""
-        self.on_partial()
+        told (`on_partial`, with the reducer): the round's result is not the group's, and the replicas
+        would drift apart."""
+        self.on_partial(peer_index)
         for part_index in range(self._outputs_registered_by_peer[peer_index], self.num_parts_by_peer[peer_index]):
             own = self._input_parts_by_peer[peer_index][part_index][0]
             self._uncount(peer_index, part_index)
-            TensorPartContainer.register_processed_part(self, peer_index, part_index, torch.zeros_like(own))
+            TensorPartContainer.register_processed_part(self, peer_index, part_index, own.clone())
             self.failed_size += own.numel()
 
     def register_processed_part(self, peer_index: int, part_index: int, part: torch.Tensor):
         own = self._input_parts_by_peer[peer_index][part_index][0]
         mean = usable(part, own.shape)
-        if mean is None or not accepted(own, mean, self.ratio):
+        if not takes(own, mean, self.group, self.bits, self.clip):
             self.refuse(peer_index)
             self._uncount(peer_index, part_index)
-            mean = own
-        super().register_processed_part(peer_index, part_index, mean - own)
+            mean = own.clone()
+        super().register_processed_part(peer_index, part_index, mean)

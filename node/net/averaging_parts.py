@@ -1,10 +1,10 @@
 """hivemind's DecentralizedAverager as tahnode runs it (tahnode.net.averaging): pseudo-gradients travel
 blockwise-quantized, the reducer and the part container are the checked ones (tahnode.net.averaging_checks:
-every sender counting 1, refused parts and averages, what the mean counted for error feedback), only
-members join, and the refusals and the bytes are tallied per round.
+the clip rule, every sender counting 1, refused averages, what the mean counted for error feedback), only
+members join a group, download a state or are asked for one, and what each peer did is tallied per round.
 
 Everything here but the parent-side calls (run_round, fetch_state, get_current_state, ask, tell) runs in the
-averager's own process, forked by hivemind."""
+averager's own process, started clean (tahnode.net.clean_start)."""
 
 from __future__ import annotations
 
@@ -31,6 +31,8 @@ from .averaging_checks import CheckedContainer, CheckedReducer
 from .averaging_rules import (CHUNK_TIMEOUT_S, CONTROL_TIMEOUT_S, GRACE_S, MIN_MATCHMAKING_S,
                               REQUEST_TIMEOUT_S, STATE_KEY, Ledger)
 from .averaging_codec import compression_for, decoded  # noqa: F401  (compression_for: StageAverager's)
+from .clean_start import CleanAverager, ProcessEnded
+from .averaging_state import fetch_state, serve_state
 
 log = logging.getLogger("tahnode.averaging")
 
@@ -48,23 +50,27 @@ class _CountingStub:
 class CheckedRunner(AllReduceRunner):
     """hivemind's butterfly all-reduce with the checked container and reducer, members only, bytes counted."""
 
-    def __init__(self, *, ledger: Ledger, ratio: float, tensors, peer_fractions, compression, part_size_bytes: int,
-                 tensor_infos=None, counted: torch.Tensor | None = None, **kwargs):
+    def __init__(self, *, ledger: Ledger, clip: float, bits: int, tensors, peer_fractions, compression,
+                 part_size_bytes: int, tensor_infos=None, counted: torch.Tensor | None = None, **kwargs):
         container = dict(compression=compression, part_size_bytes=part_size_bytes, tensor_infos=tensor_infos)
         super().__init__(tensors=tensors, peer_fractions=peer_fractions, **container, **kwargs)
         self.ledger = ledger
+        ledger.tally.group = [str(peer) for peer in self.ordered_peer_ids]
         # hivemind built its own container and reducer above: the checked kinds take their place (the
-        # discarded reducer is marked finished, so that it does not warn of the parts it never got)
+        # discarded reducer is marked finished, so that it does not warn of the parts it never got). Averages
+        # come back as they are (no differences): the replicas take the same bytes and stay equal to the bit
         self.tensor_part_reducer.finished.set()
-        self.tensor_part_container = CheckedContainer(tensors, peer_fractions, return_deltas=True, ratio=ratio,
-                                                      refuse=lambda k: self._refuse(self.ordered_peer_ids[k]),
-                                                      on_partial=ledger.mark_partial, counted=counted, **container)
+        self.tensor_part_container = CheckedContainer(
+            tensors, peer_fractions, return_deltas=False, group=len(self.ordered_peer_ids), bits=bits, clip=clip,
+            refuse=lambda k: self._refuse(self.ordered_peer_ids[k]),
+            on_partial=lambda k: ledger.mark_partial(self.ordered_peer_ids[k]), counted=counted, **container)
         index = self.ordered_peer_ids.index(self.peer_id)
         self.parts_for_local_averaging = self.tensor_part_container.get_raw_input_parts(index)
         own = self.sender_peer_ids.index(self.peer_id) if self.peer_id in self.sender_peer_ids else -1
-        self.tensor_part_reducer = CheckedReducer(tuple(p.shape for p in self.parts_for_local_averaging),
-                                                  len(self.sender_peer_ids), own=own, ratio=ratio,
-                                                  refuse=lambda k: self._refuse(self.sender_peer_ids[k]))
+        self.tensor_part_reducer = CheckedReducer(
+            tuple(p.shape for p in self.parts_for_local_averaging), len(self.sender_peer_ids), own=own, clip=clip,
+            observe=lambda k, view: ledger.observe(self.sender_peer_ids[k], view),
+            silent=lambda k: ledger.mark_silent(self.sender_peer_ids[k]))
         reduces = self.tensor_part_container.num_parts_by_peer[index] > 0
         self.streams_left = len(self.sender_peer_ids) - (own >= 0) if reduces else 0
         self.served = asyncio.Event()  # every other sender's stream to this reducer ended
@@ -107,7 +113,7 @@ class CheckedRunner(AllReduceRunner):
 
     async def rpc_aggregate_part(self, stream: AsyncIterator[averaging_pb2.AveragingData], context: P2PContext
                                  ) -> AsyncIterator[averaging_pb2.AveragingData]:
-        if not self.ledger.admits(context.remote_id):
+        if not self.ledger.groups_with(context.remote_id):
             self._refuse(context.remote_id)
             yield averaging_pb2.AveragingData(code=averaging_pb2.PROTOCOL_VIOLATION)
             return
@@ -123,7 +129,7 @@ class CheckedRunner(AllReduceRunner):
     async def _accumulate_parts_streaming(self, stream: AsyncIterator[averaging_pb2.AveragingData], sender_index: int):
         """A sender's parts, each answered with the average in this replica's codec (encoded once: the
         same bytes for every sender) and, as its `weight`, how many of the group's replicas the average
-        left out; with nothing admitted, an error (the sender keeps its own part)."""
+        left out; without an average (its own part missing), an error (the sender keeps its own part)."""
         loop, part_index = asyncio.get_running_loop(), 0
         prefetch = self.tensor_part_container.prefetch
         try:
@@ -148,8 +154,8 @@ class CheckedRunner(AllReduceRunner):
                 await self._ban_sender(self.sender_peer_ids[sender_index])
 
     def _mean_message(self, part_index: int, mean: torch.Tensor) -> runtime_pb2.Tensor:
-        """Part `part_index`'s average in this replica's codec, made once (admitted parts are finite,
-        and so is their mean)."""
+        """Part `part_index`'s average in this replica's codec, made once (usable parts are finite, and so
+        is their clipped average)."""
         if part_index not in self.means:
             self.means[part_index] = self.tensor_part_container.compression.compress(
                 mean, CompressionInfo.from_tensor(mean))
@@ -164,30 +170,34 @@ class MemberMatchmaking(Matchmaking):
         self.ledger = ledger
 
     async def _request_join_group(self, leader):
-        if not self.ledger.admits(leader):
+        if not self.ledger.groups_with(leader):
             self.ledger.refuse(leader)
             return None
         return await super()._request_join_group(leader)
 
 
-class CheckedAverager(DecentralizedAverager):
-    """The averager of one flat float32 tensor, with the checks above; `runner_class` runs its all-reduce."""
+class CheckedAverager(CleanAverager, DecentralizedAverager):
+    """The averager of one flat float32 tensor, with the checks above; `runner_class` runs its all-reduce. Its
+    process starts clean (clean_start.CleanAverager): `replaces`, where an ended one had its handlers."""
 
     runner_class = CheckedRunner
+    parent_only = ("state", "control_lock")  # what its process never uses: the replica's state, the control pipe's lock
 
-    def __init__(self, tensor: torch.Tensor, dht, *, prefix: str, compression: CompressionBase, ratio: float, state,
-                 allreduce_timeout: float, feedback: bool = False):
-        sharing = state is not None and not dht.client_mode
+    def __init__(self, tensor: torch.Tensor, dht, *, prefix: str, compression: CompressionBase, bits: int,
+                 clip: float, state, allreduce_timeout: float, feedback: bool = False, replaces: str = ""):
+        # state is served to members who ask (serve_state), never declared in the DHT for anyone to download
         super().__init__([tensor], dht, start=False, prefix=prefix, target_group_size=2, min_group_size=2,
                          min_matchmaking_time=MIN_MATCHMAKING_S, request_timeout=REQUEST_TIMEOUT_S,
                          compression=compression, next_chunk_timeout=CHUNK_TIMEOUT_S, sender_timeout=CHUNK_TIMEOUT_S,
                          reducer_timeout=2 * CHUNK_TIMEOUT_S, allreduce_timeout=allreduce_timeout,
-                         allow_state_sharing=sharing)
-        self.ledger, self.ratio, self.state, self.allreduce_timeout = Ledger(), ratio, state, allreduce_timeout
+                         allow_state_sharing=False)
+        self.ledger, self.bits, self.clip, self.state = Ledger(), bits, clip, state
+        self.allreduce_timeout = allreduce_timeout
         # with error feedback: what the last round's mean counted of this replica's vector (shared with the
         # averager's process, as the averaged tensor is)
         self.counted = torch.zeros_like(tensor).share_memory_() if feedback else None
         self.control_lock = threading.Lock()  # the parent's threads share the control pipe
+        self._start_cleanly(replaces)
 
     @classmethod
     def _get_handle_name(cls, namespace: str | None, method_name: str) -> str:
@@ -201,7 +211,7 @@ class CheckedAverager(DecentralizedAverager):
         """Run `method` in the averager's process and return what it sets its future to."""
         future = MPFuture()
         self.tell(method, **kwargs, future=future)
-        return future.result(timeout=CONTROL_TIMEOUT_S)
+        return self.answer(future, CONTROL_TIMEOUT_S)
 
     def tell(self, method: str, *args, **kwargs) -> None:
         with self.control_lock:
@@ -216,23 +226,22 @@ class CheckedAverager(DecentralizedAverager):
             control = self.step(scheduled_time=get_dht_time() + timeout, timeout=timeout + GRACE_S,
                                 allow_retries=False, wait=False)
         try:
-            return control.result(timeout=timeout + GRACE_S + self.allreduce_timeout)
+            return self.answer(control, timeout + GRACE_S + self.allreduce_timeout)
+        except ProcessEnded:
+            raise
         except Exception as exc:  # no group, or one that failed: hivemind raises several kinds; none is fatal here
             log.info("averaging %s (key %s) formed no group: %r", self.prefix, group_bits, exc)
             return None
 
-    def fetch_state(self, timeout: float) -> tuple[object, list[torch.Tensor]] | None:
-        """(Blocking.) hivemind's load_state_from_peers, metadata unwrapped; None if none answered in time."""
-        with self.control_lock:
-            future = self.load_state_from_peers(wait=False, timeout=timeout)
+    def fetch_state(self, peer_id: str, timeout: float, max_bytes: int) -> tuple[object, list[torch.Tensor]] | None:
+        """(Blocking.) The state member `peer_id` serves (averaging_state.fetch_state), metadata unwrapped;
+        None if it did not answer in time, or sent too much or what does not parse."""
+        future = MPFuture()
+        self.tell("_fetch_state", peer_id=peer_id, timeout=timeout, max_bytes=max_bytes, future=future)
         try:
-            loaded = future.result(timeout=timeout)
+            return self.answer(future, timeout + CONTROL_TIMEOUT_S)
         except TimeoutError:
             return None
-        if loaded is None:
-            return None
-        metadata, tensors = loaded
-        return (metadata.get(STATE_KEY) if isinstance(metadata, dict) else None), list(tensors)
 
     def get_current_state(self):
         """(Parent, a background thread.) What this replica serves to a newcomer."""
@@ -261,15 +270,26 @@ class CheckedAverager(DecentralizedAverager):
         # read by hivemind's leader at each join: a round under way waits for a group of the new size
         self._matchmaking.target_group_size = self._matchmaking.group_key_manager.target_group_size = target
 
+    async def _fetch_state(self, peer_id: str, timeout: float, max_bytes: int, future: MPFuture) -> None:
+        future.set_result(await fetch_state(self, peer_id, timeout, max_bytes))
+
+    async def rpc_download_state(self, request: averaging_pb2.DownloadRequest, context: P2PContext
+                                 ) -> AsyncIterator[averaging_pb2.DownloadData]:
+        async for message in serve_state(self, context):
+            yield message
+
     async def _take_ledger(self, future: MPFuture) -> None:
         future.set_result(self.ledger.take())
 
     async def _set_members(self, peer_ids: list[str]) -> None:
         self.ledger.members = frozenset(peer_ids)
 
+    async def _set_suspended(self, peer_ids: list[str]) -> None:
+        self.ledger.suspended = frozenset(peer_ids)
+
     async def rpc_join_group(self, request: averaging_pb2.JoinRequest, context: P2PContext
                              ) -> AsyncIterator[averaging_pb2.MessageFromLeader]:
-        if not self.ledger.admits(context.remote_id):
+        if not self.ledger.groups_with(context.remote_id):
             self.ledger.refuse(context.remote_id)
             yield averaging_pb2.MessageFromLeader(code=averaging_pb2.PROTOCOL_VIOLATION)
             return
@@ -279,7 +299,7 @@ class CheckedAverager(DecentralizedAverager):
     async def _aggregate_with_group(self, group_info, min_vector_size: int, **kwargs) -> list[str]:
         """Run the all-reduce in `group_info`: every replica reduces an equal share (one claiming client
         mode none), whatever bandwidth it claims; returns the group's peer ids."""
-        outsiders = [peer for peer in group_info.peer_ids if not self.ledger.admits(peer)]
+        outsiders = [peer for peer in group_info.peer_ids if not self.ledger.groups_with(peer)]
         for peer in outsiders:
             self.ledger.refuse(peer)
         modes = tuple(self._claimed_mode(data) for data in group_info.gathered)
@@ -307,12 +327,12 @@ class CheckedAverager(DecentralizedAverager):
         group_id = group_info.group_id if group_id is None else group_id
         runner = self.runner_class(p2p=self._p2p, servicer_type=type(self), prefix=self.prefix, tensors=tensors,
                                    group_id=group_id, ordered_peer_ids=group_info.peer_ids, ledger=self.ledger,
-                                   ratio=self.ratio, counted=self.counted, **kwargs)
+                                   clip=self.clip, bits=self.bits, counted=self.counted, **kwargs)
         self._running_groups[group_id].set_result(runner)
-        async for tensor, update in azip(as_aiter(*tensors), runner):
-            tensor.add_(update)
+        async for tensor, averaged in azip(as_aiter(*tensors), runner):
+            tensor.copy_(averaged)  # the group's bytes as they are (never own + (mean - own): other bits)
         self._state_updated.set()
         try:  # the averages this replica sends back are counted in this round's bytes
-            await asyncio.wait_for(runner.served.wait(), CHUNK_TIMEOUT_S)
+            await asyncio.wait_for(runner.served.wait(), self.next_chunk_timeout)  # CHUNK_TIMEOUT_S when made
         except asyncio.TimeoutError:
             pass

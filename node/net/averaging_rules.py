@@ -9,6 +9,8 @@ from typing import AsyncIterator
 
 import torch
 
+from ..train.clip_rule import SenderView
+
 __all__ = ["Ledger", "Tally", "usable", "MIN_MATCHMAKING_S", "REQUEST_TIMEOUT_S", "CHUNK_TIMEOUT_S", "GRACE_S",
            "allreduce_timeout_s", "CONTROL_TIMEOUT_S", "STATE_KEY"]
 
@@ -41,32 +43,52 @@ def usable(part: torch.Tensor | None, shape) -> torch.Tensor | None:
 
 @dataclass
 class Tally:
-    """One round as the averager's process counted it, for the parent."""
+    """One round as the averager's process counted it, for the parent: the evidence its peers' standing
+    is judged on (tahnode.pipeline.peer_standing), and the bytes."""
 
     refused: dict[str, int] = field(default_factory=dict)  # peer id -> its parts (or averages) refused
     sent: int = 0             # serialized bytes sent
     received: int = 0
     partial: bool = False     # a part's average never came back: some values are this replica's own
     dropped: int = 0          # the most replicas of the group that a part's average left out (silent senders)
+    views: dict[str, SenderView] = field(default_factory=dict)  # peer id -> what this reducer saw of its parts
+    stalled: set[str] = field(default_factory=set)  # reducers whose averages never came back in time
+    silent: set[str] = field(default_factory=set)   # senders whose parts never came in time
+    group: list[str] = field(default_factory=list)  # the round's group (peer ids), once it formed
 
 
 class Ledger:
     """What the averager's process tallies until the parent takes it after a round: parts refused per
-    peer, the serialized bytes it sent and received, the replicas its averages left out; and the peers
-    allowed in its groups (none: all)."""
+    peer, what it saw of each sender's parts, reducers and senders that went silent, the serialized bytes
+    it sent and received, the replicas its averages left out; and the peers allowed in its groups (before
+    the parent names them: none)."""
 
     def __init__(self):
         self.members: frozenset[str] = frozenset()
+        self.suspended: frozenset[str] = frozenset()
         self.tally = Tally()
 
     def admits(self, peer) -> bool:
-        return not self.members or str(peer) in self.members
+        """Members only: none before the parent names them (set_members). A member serves and is served a state."""
+        return str(peer) in self.members
+
+    def groups_with(self, peer) -> bool:
+        """A member not sitting out this round (set_suspended: it stalled the last one) joins a group with it."""
+        return str(peer) in self.members and str(peer) not in self.suspended
 
     def refuse(self, peer) -> None:
         self.tally.refused[str(peer)] = self.tally.refused.get(str(peer), 0) + 1
 
-    def mark_partial(self) -> None:
+    def observe(self, peer, view: SenderView) -> None:
+        self.tally.views.setdefault(str(peer), SenderView()).add(view)
+
+    def mark_partial(self, reducer=None) -> None:
         self.tally.partial = True
+        if reducer is not None:
+            self.tally.stalled.add(str(reducer))
+
+    def mark_silent(self, sender) -> None:
+        self.tally.silent.add(str(sender))
 
     def mark_dropped(self, count: int) -> None:
         self.tally.dropped = max(self.tally.dropped, count)

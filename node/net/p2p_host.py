@@ -162,6 +162,10 @@ class P2PHost:
         check_multiaddrs(settings.initial_peers, "--initial-peers")
         if identity is not None:
             identity.parent.mkdir(parents=True, exist_ok=True)
+        if dht:  # its process is the forkserver's child: the forkserver starts while the p2p daemon does
+            from .clean_start import warm
+
+            warm()
         reaper = Reaper()
         try:
             p2p = await P2P.create(initial_peers=settings.initial_peers or None, host_maddrs=settings.listen,
@@ -198,11 +202,16 @@ class P2PHost:
             await self._start_dht(client_mode=False, timeout=DHT_JOIN_TIMEOUT_S)
 
     async def _start_dht(self, client_mode: bool, timeout: float = STARTUP_TIMEOUT_S) -> None:
-        from hivemind.dht import DHT
+        from .clean_start import CleanDHT
+        from .dht_auth import SwarmAuthorizer
 
-        def start():  # forks the DHT's process; it shares this daemon
-            return DHT(p2p=self.p2p, initial_peers=self.settings.initial_peers or None, start=True,
-                       client_mode=client_mode, await_ready=False)
+        # members only: every DHT request and answer carries the swarm key's MAC (a process without a key,
+        # such as a bare test host, runs an open DHT)
+        authorizer = SwarmAuthorizer(self.swarm_key) if self.swarm_key is not None else None
+
+        def start():  # the DHT's process, a forkserver's child (never forked from this one), shares this daemon
+            return CleanDHT(p2p=self.p2p, initial_peers=self.settings.initial_peers or None, start=True,
+                            client_mode=client_mode, await_ready=False, authorizer=authorizer)
 
         self.dht = await asyncio.to_thread(start)
         self.reaper.watch(self.dht.pid)

@@ -1,7 +1,9 @@
 """A stage replica's outer steps, when pipelines train in data parallel: at every outer boundary its
 pseudo-gradient averaged with the replicas of its stage in the other pipelines (an averager:
-tahnode.net.averaging), then the outer step; and, when its pipeline regroups (it was late, or a
-stage is new), the return to its stage's latest outer step: a newer one of another replica, or its own."""
+tahnode.net.averaging, by the clip rule), then the outer step and the digest of its new outer weights
+(which its heartbeats report); its judgement of the other replicas (tahnode.pipeline.peer_standing); and,
+when its pipeline regroups (it was late, or a stage is new), the return to its stage's latest outer step:
+the one the coordinator names (tahnode.pipeline.outer_adopt), or its own."""
 
 from __future__ import annotations
 
@@ -10,28 +12,32 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Callable, Protocol
 
 import torch
 
 from ..net.averaging import AveragingError, AveragingRound
-from ..train.outer import OuterOptimizer
+from ..train.outer import OuterOptimizer, state_digest
 from .core import StageCore
+from .outer_adopt import NamedState, fetch_named, within_reach
+from .peer_standing import PeerStanding
 
 log = logging.getLogger("tahnode.pipeline")
 
-CATCH_UP_S = 10.0  # after a boundary without a group, how long a replica looks for the others' outer weights of it
+CATCH_UP_S = 10.0  # after a boundary without a group, how long a replica waits for the stage's named state of it
 REGROUP = "regroup"  # a backward micro-batch's extra: a later stage of the pipeline needs its pipeline to regroup
 
-__all__ = ["OuterSync", "OuterStats", "ServedState", "Averager", "outer_round", "REGROUP", "CATCH_UP_S"]
+__all__ = ["OuterSync", "OuterStats", "Averager", "outer_round", "REGROUP", "CATCH_UP_S"]
 
 
 class Averager(Protocol):
     """What the outer step needs of the replicas' averaging (tahnode.net.averaging.StageAverager)."""
 
+    peer_id: str
+
     async def average(self, vector: torch.Tensor, round: int, expected: int, timeout: float): ...
 
-    async def load_state(self, timeout: float) -> tuple[dict, list[torch.Tensor]] | None: ...
+    async def load_state(self, peer_id: str, timeout: float) -> tuple[dict, list[torch.Tensor]] | None: ...
 
 
 def outer_round(committed: int, every: int) -> int:
@@ -50,33 +56,17 @@ class OuterStats:
     bytes_sent: int = 0
     bytes_received: int = 0
     seconds: float = 0.0       # wall time of the averaging, all outer steps together
-    adopted: int = 0           # times it took a newer replica's outer weights (a regroup)
-    refused: dict[str, int] = field(default_factory=dict)  # replica (p2p peer id) -> parts refused
-
-
-@dataclass(frozen=True)
-class ServedState:
-    """A peer's served state's metadata (`OuterSync.state()`), parsed once where it enters: the step its
-    outer weights are of, whether they are a replica's own (no group at that step) rather than a
-    group's, and for its own the pipeline whose outer step made them (None: not given as one)."""
-
-    step: int
-    alone: bool
-    source: int | None
-
-    @classmethod
-    def parse(cls, meta: dict) -> "ServedState | None":
-        """None unless `step` is a whole number >= 0; `alone` unless it says False; `source` a whole number >= 0."""
-        step, source = meta.get("step"), meta.get("source")
-        if type(step) is not int or step < 0:
-            return None
-        return cls(step, meta.get("alone") is not False, source if type(source) is int and source >= 0 else None)
+    adopted: int = 0           # times it took another replica's outer weights (a catch-up or a regroup)
+    last_norm: float = 0.0     # its last pseudo-gradient's norm (0: none yet since it started)
+    refused: dict[str, int] = field(default_factory=dict)  # replica (p2p peer id) -> averages or states refused
 
 
 class OuterSync:
     """The outer weights of a stage (`core`: its parts) and its averager (None: a single pipeline's stage).
-    `expected` is how many pipelines train now (the coordinator's word): with one, there is
-    nothing to average and the stage's weights are its outer weights at every boundary."""
+    `expected` is how many pipelines train now and `named` the stage's outer state the coordinator names
+    (the daemon sets both from each assignment; `known` and `admitted` count the replicas its averager
+    knows of and admits, itself included); with one pipeline there is nothing to average and the stage's
+    weights are its outer weights at every boundary."""
 
     def __init__(self, core: StageCore, averager: Averager | None = None):
         self.core, self.swarm = core, core.run_cfg.swarm
@@ -87,10 +77,14 @@ class OuterSync:
             self.ready.set()
         self.expected = 1
         self.anchor_step = core.committed    # the step the outer weights are of
+        self.digest: bytes | None = None     # their digest once it averages (tahnode.train.outer.state_digest)
+        self.named: NamedState | None = None
         self.needs_regroup = False           # the last boundary found no group while pipelines train
-        self.alone_at: int | None = None     # that boundary's step (its outer weights are its own, not the group's)
-        self.source = core.pipeline          # the pipeline whose outer step made outer weights of alone_at
-        self.admitted: int | None = None     # replicas its averager admits, itself included (None: it admits any)
+        self.known: int | None = None        # replicas its averager knows of, itself included (None: not told)
+        self.admitted: int | None = None     # of those, the ones it admits (not excluded, not suspended)
+        self.standing = PeerStanding()
+        self.on_standing: Callable[[], None] | None = None  # the daemon admits the replicas again after a change
+        self.failed: set[tuple[int, bytes]] = set()  # named states (step, digest) whose sources did not serve them
         self.stats = OuterStats()
         self._lock = threading.Lock()        # the outer weights, against the thread that serves them to newcomers
 
@@ -116,6 +110,12 @@ class OuterSync:
         """Whether the replicas average after `committed` steps (every outer_every, and the run's last)."""
         return committed > 0 and (committed % self.swarm.outer_every == 0 or committed == self.core.train.steps)
 
+    def group_target(self) -> int:
+        """The group a round waits for: a replica of every pipeline, less those it excluded or suspended."""
+        if self.admitted is None or self.known is None:
+            return self.expected
+        return max(1, self.expected - (self.known - self.admitted))
+
     async def after_commit(self) -> None:
         """At an outer boundary: average the pseudo-gradient with the other replicas of the stage
         that come within outer_timeout_s, and take the outer step (alone: keep the weights)."""
@@ -127,77 +127,70 @@ class OuterSync:
             await self.core.compute(self._take, committed, None)
             return
         pseudo = await self.core.compute(self.outer.pseudo_gradient)
+        self.stats.last_norm = float(pseudo.norm())
         await self._wait_members()
-        try:
-            result = await self.averager.average(pseudo, outer_round(committed, self.swarm.outer_every), self.expected,
-                                                 self.swarm.outer_timeout_s)
-        except AveragingError as exc:
-            # its own pseudo-gradient not finite (it diverged), or its averager's process ended
-            log.error("stage %d: outer step after step %d without the others: %s", self.core.stage, committed, exc)
-            result = AveragingRound(None, 0)
+        round_, target = outer_round(committed, self.swarm.outer_every), self.group_target()
+        result, lone = AveragingRound(None, 0), target < 2  # every other replica excluded: it trains on its own
+        if not lone:
+            try:
+                result = await self.averager.average(pseudo, round_, target, self.swarm.outer_timeout_s)
+            except AveragingError as exc:
+                # its own pseudo-gradient not finite (it diverged), or its averager's process ended
+                log.error("stage %d: outer step after step %d without the others: %s", self.core.stage, committed,
+                          exc)
+        self._judge(round_, result)  # (a round sat out by the others it suspended ends their suspension too)
         self._count(result)
         await self.core.compute(self._take, committed, result.mean, result.counted)
-        self.needs_regroup = result.mean is None and not await self._catch_up(committed)
-        if self.needs_regroup:
+        self.needs_regroup = result.mean is None and not lone and not await self._catch_up(committed)
+        if self.needs_regroup and result.peers:
+            log.warning("stage %d: its round of outer step %d with %d replicas came back partial (an average never "
+                        "came); it keeps its weights", self.core.stage, round_, len(result.peers))
+        elif self.needs_regroup:
             log.warning("stage %d: no replica of it came to outer step %d within %.3g s; it keeps its weights",
-                        self.core.stage, outer_round(committed, self.swarm.outer_every), self.swarm.outer_timeout_s)
+                        self.core.stage, round_, self.swarm.outer_timeout_s)
         elif result.mean is not None:
             log.info("stage %d: outer step after step %d with %d replicas (%.2f s, %d bytes sent)", self.core.stage,
                      committed, result.group, result.seconds, result.bytes_sent)
 
+    def _judge(self, round_: int, result: AveragingRound) -> None:
+        """Its standing of the others after a round; the daemon admits its members again if it changed."""
+        suspended = set(self.standing.suspended)
+        for peer in self.standing.judge(round_, result, self.averager.peer_id):
+            record = self.standing.records[peer]
+            log.warning("stage %d: excludes replica %s from its groups: %s (%d rounds held against it)",
+                        self.core.stage, peer, record.last, record.suspect + record.stalled)
+        if self.on_standing is not None and (self.standing.suspended != suspended or self.standing.excluded):
+            self.on_standing()
+
     async def _wait_members(self) -> None:
-        """Before a round: until its averager admits a replica of every pipeline (a stage new to
-        averaging learns them from the coordinator's next assignments), at most outer_timeout_s. A
-        round begun before would refuse the replicas it does not know yet, and form at its deadline if at all."""
+        """Before a round: until its averager knows a replica of every pipeline (a stage new to averaging
+        learns them from the coordinator's next assignments), at most outer_timeout_s. A round begun
+        before would refuse the replicas it does not know yet, and form at its deadline if at all."""
         deadline = time.monotonic() + self.swarm.outer_timeout_s
-        while self.admitted is not None and self.admitted < self.expected and time.monotonic() < deadline:
+        while self.known is not None and self.known < self.expected and time.monotonic() < deadline:
             await asyncio.sleep(0.2)
 
     async def _catch_up(self, committed: int) -> bool:
-        """After a boundary where it found no group: the other replicas may have averaged this same
-        step without it (they formed their group at the deadline), or been alone at it too. Take a
-        peer's outer weights of this step that outrank its own (`outranked_by`) if a peer serves them
-        within CATCH_UP_S, as if it had been in their group (this stage alone, no step trained again);
-        else the replica keeps its own, and its pipeline regroups. At the run's last boundary, where
-        no regroup follows, it looks for twice outer_timeout_s longer: a replica that comes that much
-        later, alone too, may outrank it."""
+        """After a boundary where it found no group (or a partial one): the others may have averaged this
+        step without it, or been alone at it too. It waits (CATCH_UP_S; at the run's last boundary, where
+        no regroup follows, twice outer_timeout_s longer) until the coordinator's naming of this step is
+        settled, then takes the named state if it is not its own (as if it had been in their group: this
+        stage alone, no step trained again); a newer named step means its pipeline regroups instead."""
         last = committed >= self.core.train.steps
         deadline = time.monotonic() + CATCH_UP_S + (2 * self.swarm.outer_timeout_s if last else 0.0)
-        while time.monotonic() < deadline:
-            try:
-                peer = await self.averager.load_state(max(1.0, deadline - time.monotonic()))
-            except AveragingError:  # its averager's process ended
+        while True:
+            named = self.named
+            if named is not None and named.step > committed:
                 return False
-            served = ServedState.parse(peer[0]) if peer else None
-            if served is not None and served.step > committed:  # a newer step: the pipeline regroups instead
+            if named is not None and named.step == committed and (named.settled or time.monotonic() >= deadline):
+                return named.digest == await self.core.compute(self.rehash) or await self._adopt(named, deadline)
+            if time.monotonic() >= deadline:
                 return False
-            if served is not None and served.step == committed and self.outranked_by(served):
-                return await self.core.compute(self._adopt, peer[1], served)
             await asyncio.sleep(0.5)
-        return False
 
-    def outranked_by(self, served: ServedState) -> bool:
-        """Whether a peer's state is to replace this replica's outer weights: a newer step; of the same
-        step, a group's over one's own; and where both are a replica's own, that of the lowest
-        pipeline, so that replicas which all missed a step still end with one model."""
-        if served.step != self.anchor_step:
-            return served.step > self.anchor_step
-        own_alone = self.alone_at == self.anchor_step
-        if own_alone != served.alone:
-            return own_alone
-        return own_alone and served.source is not None and served.source < self.source
-
-    def _adopt(self, tensors: list[torch.Tensor], served: ServedState) -> bool:
-        """(compute thread) A peer's outer weights of the step this replica just committed become its
-        own, and its weights."""
-        with self._lock:
-            if self.core.committed != served.step or not self._fits(tensors):
-                return False
-            self._take_peer(tensors, served)
-            self._weights_to_anchor()
-        log.warning("stage %d missed outer step %d; it takes another replica's outer weights of it", self.core.stage,
-                    outer_round(served.step, self.swarm.outer_every))
-        return True
+    async def _adopt(self, named: NamedState, deadline: float) -> bool:
+        tensors = await fetch_named(self, named, max(1.0, deadline - time.monotonic()))
+        return tensors is not None and await self.core.compute(self._take_named, tensors, named, True)
 
     def _count(self, result) -> None:
         s = self.stats
@@ -220,8 +213,8 @@ class OuterSync:
             else:
                 self.outer.step(mean)
                 self.outer.feed_back(counted)
-            self.anchor_step, self.source = committed, self.core.pipeline
-            self.alone_at = committed if mean is None and self.active else None
+            self.anchor_step = committed
+            self.digest = self._hash()
 
     def regroup_asked(self, by_later_stage: bool) -> bool:
         """(A backward micro-batch went through this stage.) Whether to ask the stage before it for a
@@ -252,38 +245,75 @@ class OuterSync:
                 self.outer.forget_residual()
             every = self.swarm.outer_every
             self.anchor_step = step if self.due(step) else step // every * every
+            self.digest = self._hash()
 
     # -- newcomers and late pipelines ------------------------------------------------------------
     def state(self) -> tuple[dict, list[torch.Tensor]]:
-        """What a newcomer of the stage loads (any thread): the outer weights, the outer momentum, the
-        step they are of, and whether they are its own (no group at that step) rather than a group's."""
+        """What another replica of the stage loads (any thread): the outer weights, the outer momentum,
+        and the step they are of."""
         with self._lock:
-            tensors = [t.clone() for t in self.outer.tensors().values()]
-            return ({"step": self.anchor_step, "alone": self.alone_at == self.anchor_step, "source": self.source},
-                    tensors)
+            return {"step": self.anchor_step}, [t.clone() for t in self.outer.tensors().values()]
+
+    def wants(self, named: NamedState | None) -> bool:
+        """Whether the named state is to replace its outer weights: a newer step, or of its step another
+        digest (its own, a replica's own, lost to a group's or to the lowest pipeline's), or its own not
+        finite; never from sources it excluded alone."""
+        if not self.active or not self._takes_from(named):
+            return False
+        return named.step > self.anchor_step or (named.step == self.anchor_step and (
+            named.digest != self.digest or not self._own_finite()))
+
+    def boundary_of(self, step: int) -> int:
+        """The outer step whose outer weights a stage at committed step `step` holds (a checkpoint keeps them)."""
+        return step if self.due(step) else step // self.swarm.outer_every * self.swarm.outer_every
+
+    def reachable(self) -> set[int]:
+        """The outer steps this stage can return to: its own outer weights', the named state's (unless its
+        sources failed it), those its own checkpoints keep, and 0 (the initial weights)."""
+        steps = {0, self.anchor_step}
+        named = self.named
+        if self._takes_from(named):
+            steps.add(named.step)
+        store = self.core.saver.store
+        if store is not None:
+            steps.update(self.boundary_of(c.step) for c in store.list(self.core.stage, self.core.num_stages))
+        return steps
+
+    async def reach(self, target: int) -> bool:
+        """Return to outer step `target` from its own outer weights or the named state (a pipeline whose
+        stages disagreed: tahnode.pipeline.resync.Resync.regroup_to); False if neither is of it, or the named
+        state's sources did not serve it (then it is no longer reachable: `failed`)."""
+        named = self.named
+        if self.anchor_step != target and self._takes_from(named) and named.step == target:
+            tensors = await fetch_named(self, named, self.swarm.outer_timeout_s)
+            if tensors is None:
+                self.failed.add((named.step, named.digest))
+            else:
+                await self.core.compute(self._regroup, tensors, named)
+        if self.anchor_step == target:
+            await self.core.compute(self._regroup, None, None)
+            return True
+        return False
 
     async def regroup(self) -> int:
-        """Return to the stage's latest outer step: a replica's in another pipeline if it is newer
-        than this one's, else this one's own (the steps since are trained again); the committed
-        step the stage is at then."""
-        peer = None
-        if self.active:
-            try:
-                peer = await self.averager.load_state(self.swarm.outer_timeout_s)
-            except AveragingError as exc:  # its averager's process ended: the stage regroups on its own weights
-                log.error("stage %d: regroups on its own outer weights, no replica's: %s", self.core.stage, exc)
-        return await self.core.compute(self._regroup, peer)
+        """Return to the stage's latest outer step: the named one if it is to replace its own (wants),
+        else its own (the steps since are trained again); the committed step the stage is at then."""
+        named, tensors = self.named, None
+        await self.core.compute(self.rehash)
+        if self.wants(named):
+            tensors = await fetch_named(self, named, self.swarm.outer_timeout_s)
+            if tensors is None:
+                self.failed.add((named.step, named.digest))
+                log.error("stage %d: regroups on its own outer weights: no source of the named state of step %d "
+                          "served it", self.core.stage, named.step)
+        return await self.core.compute(self._regroup, tensors, named)
 
-    def _regroup(self, peer: tuple[dict, list[torch.Tensor]] | None) -> int:
+    def _regroup(self, tensors: list[torch.Tensor] | None, named: NamedState | None) -> int:
         core = self.core
         self.needs_regroup = False
+        if tensors is not None:
+            self._take_named(tensors, named, False)
         with self._lock:
-            served = ServedState.parse(peer[0]) if peer is not None else None
-            # its own outer weights blown up (an outer step's mean that was not the group's): any peer's
-            if served is not None and (self.outranked_by(served) or not self._own_finite()) and self._fits(peer[1]):
-                self._take_peer(peer[1], served)
-                log.warning("stage %d takes the outer weights of step %d from a replica in another pipeline",
-                            core.stage, self.anchor_step)
             self._weights_to_anchor()
             step = self.anchor_step
         if core.committed != step:
@@ -292,15 +322,56 @@ class OuterSync:
             core.codecs.drop_streams()
         return step
 
-    def _take_peer(self, tensors: list[torch.Tensor], served: ServedState) -> None:
-        """(holding the lock) A peer's outer weights and momentum become this replica's, of its step (a
-        replica's own, not a group's, if the peer's were: their source comes with them)."""
-        self.outer.load(dict(zip(list(self.outer.tensors()), tensors)))
-        self.outer.forget_residual()
-        self.anchor_step = served.step
-        self.alone_at = served.step if served.alone else None
-        self.source = served.source if served.alone and served.source is not None else self.core.pipeline
-        self.stats.adopted += 1
+    def _take_named(self, tensors: list[torch.Tensor], named: NamedState, catching_up: bool) -> bool:
+        """(compute thread) The named state becomes its outer weights (and, catching up at the step it just
+        committed, its weights); False if it no longer fits (it moved on, another shape), or is of its own
+        step, named by one operator alone, and (while it trains on weights of its own) further from its own
+        than outer_adopt allows."""
+        with self._lock:
+            if (catching_up and self.core.committed != named.step) or not self._fits(tensors):
+                return False
+            own = list(self.outer.tensors().values())
+            norm = self.stats.last_norm
+            if (named.step == self.anchor_step and named.operators < 2 and norm > 0 and self._own_finite()
+                    and not within_reach(own, tensors, norm)):
+                log.warning("stage %d: refused the named state of step %d: one operator's word, too far from its "
+                            "own outer weights", self.core.stage, named.step)
+                return False
+            self.outer.load(dict(zip(list(self.outer.tensors()), tensors)))
+            self.outer.forget_residual()
+            self.anchor_step = named.step
+            self.digest = self._hash()
+            self.stats.adopted += 1
+            if catching_up:
+                self._weights_to_anchor()
+        log.warning("stage %d takes the outer weights of step %d the coordinator names (%d operators)",
+                    self.core.stage, named.step, named.operators)
+        return True
+
+    def _takes_from(self, named: NamedState | None) -> bool:
+        """Whether a named state has a source this replica would load it from (not one it excluded, and not a
+        state whose sources failed it before)."""
+        return (named is not None and (named.step, named.digest) not in self.failed
+                and any(peer not in self.standing.excluded for peer in named.sources))
+
+    def _hash(self) -> bytes | None:
+        """(holding the lock) The digest of its outer weights of anchor_step, once it averages (None before:
+        a lone pipeline's stage never needs one)."""
+        if self.averager is None:
+            return None
+        return state_digest(self.anchor_step, list(self.outer.tensors().values()))
+
+    def rehash(self) -> bytes | None:
+        """(compute thread) Its digest, computed now if it is not known yet."""
+        with self._lock:
+            if self.digest is None:
+                self.digest = self._hash()
+            return self.digest
+
+    def outer_state(self) -> tuple[int, bytes] | None:
+        """(any thread) The step and digest of its outer weights, for its heartbeats; None before it knows."""
+        with self._lock:
+            return (self.anchor_step, self.digest) if self.digest is not None else None
 
     def _weights_to_anchor(self) -> None:
         """(holding the lock) The stage's weights become its outer weights."""
@@ -309,7 +380,7 @@ class OuterSync:
                 p.copy_(a)
 
     def _own_finite(self) -> bool:
-        """(holding the lock) Every value of its outer weights and momentum finite (as a peer's must be)."""
+        """Every value of its outer weights and momentum finite (as a peer's must be)."""
         return self._fits(list(self.outer.tensors().values()))
 
     def _fits(self, tensors: list[torch.Tensor]) -> bool:
@@ -323,4 +394,5 @@ class OuterSync:
         s = self.stats
         return {"steps": s.steps, "alone": s.alone, "group": s.last_group, "bytes_sent": s.bytes_sent,
                 "bytes_received": s.bytes_received, "seconds": s.seconds, "adopted": s.adopted,
-                "refused": float(sum(s.refused.values())), "pipelines": self.expected, "anchor_step": self.anchor_step}
+                "refused": float(sum(s.refused.values())), "pipelines": self.expected, "anchor_step": self.anchor_step,
+                "excluded": float(len(self.standing.excluded))}

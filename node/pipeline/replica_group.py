@@ -36,7 +36,7 @@ class ReplicaGroup:
         self.outer = [[OuterOptimizer(model.parameters(), run.swarm) for model in r.models] for r in self.replicas]
         self.averaging_bytes = 0   # what every replica sent for the outer steps, all together
         self.outer_steps = 0
-        self.refused = 0           # parts refused by a reducer (none, among honest replicas)
+        self.clipped = 0           # parts a reducer clipped or left out (rare among honest replicas)
         self.spread = 0.0          # the largest |difference| between two replicas' weights after an outer step
 
     @property
@@ -60,12 +60,12 @@ class ReplicaGroup:
         swarm = self.run.swarm
         for k in range(self.run.stages):
             outers = [group[k] for group in self.outer]
-            result = butterfly_mean([o.pseudo_gradient() for o in outers], swarm.outer_bits, swarm.outer_norm_ratio)
+            result = butterfly_mean([o.pseudo_gradient() for o in outers], swarm.outer_bits, swarm.outer_clip)
             for outer, mean, counted in zip(outers, result.means, result.counted):
                 outer.step(mean)
                 outer.feed_back(counted)
             self.averaging_bytes += sum(result.bytes_sent)
-            self.refused += sum(len(r) for r in result.refused)
+            self.clipped += sum(len(c) for c in result.clipped)
             first = torch.cat([a.reshape(-1) for a in outers[0].anchor])
             for other in outers[1:]:
                 diff = torch.cat([a.reshape(-1) for a in other.anchor]) - first

@@ -10,11 +10,26 @@ With outer lr 1 and no momentum the step sets every replica to the mean of their
 
 from __future__ import annotations
 
+import hashlib
+
 import torch
 
 from ..config.swarm import SwarmConfig
 
-__all__ = ["OuterOptimizer"]
+__all__ = ["OuterOptimizer", "state_digest", "DIGEST_BYTES"]
+
+DIGEST_BYTES = 32
+
+
+def state_digest(step: int, tensors: list[torch.Tensor]) -> bytes:
+    """SHA-256 of outer weights (and momentum) of `step`, as float32 bytes: what the replicas of a stage report
+    after each outer step, and what a state loaded from a peer must hash to."""
+    h = hashlib.sha256(b"tahnode outer state v1\0" + int(step).to_bytes(8, "little"))
+    for tensor in tensors:
+        data = tensor.detach().to("cpu", torch.float32).contiguous().reshape(-1)
+        h.update(len(data).to_bytes(8, "little"))
+        h.update(data.numpy())  # its buffer: no copy
+    return h.digest()
 
 
 class OuterOptimizer:
@@ -60,13 +75,15 @@ class OuterOptimizer:
         if averaged.numel() != self.numel:
             raise ValueError(f"the averaged pseudo-gradient has {averaged.numel()} values, the stage {self.numel}")
         update = averaged.to(torch.float32)
-        if self.momentum is not None:
-            self.momentum.mul_(self.mu).add_(update)
-            update = update + self.mu * self.momentum
+        if self.momentum is not None:  # each operation rounded on its own (no fused multiply-add): replicas that
+            self.momentum.mul_(self.mu).add_(update)  # start equal and take the same mean stay equal to the bit
+            update = update + self.momentum * self.mu
+        if self.lr != 1.0:  # its own rounding first, then a plain subtraction: the same bits on every machine
+            update = update * self.lr
         offset = 0
         for a, p in zip(self.anchor, self.params):
             n = p.numel()
-            a.sub_(update[offset:offset + n].view_as(a), alpha=self.lr)
+            a.sub_(update[offset:offset + n].view_as(a))
             p.copy_(a)
             offset += n
 

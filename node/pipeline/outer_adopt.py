@@ -1,0 +1,97 @@
+"""Taking another replica's outer state, only the one the coordinator names (`NamedState`: the newest outer
+step of the stage and the digest most distinct operators reported for it) and only from the replicas it
+names as its sources: fetched one at a time, hashed, refused and counted against its server unless it
+hashes to the named digest. A state of the replica's own step named by one operator alone moves it by at
+most SAME_STEP_RADIUS times its last pseudo-gradient's norm (two replicas alone at one step differ by about
+that; anything further is one replica's word against its own weights)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from ..net.averaging import AveragingError
+from ..proto import tahnode_pb2 as pb
+from ..train.clip_rule import CLIP
+from ..train.outer import state_digest
+
+log = logging.getLogger("tahnode.pipeline")
+
+__all__ = ["NamedState", "ServedState", "fetch_named", "SAME_STEP_RADIUS"]
+
+SAME_STEP_RADIUS = CLIP + 1.0
+RETRY_S = 1.0  # between two passes over a named state's sources that did not answer
+
+
+@dataclass(frozen=True)
+class NamedState:
+    """The coordinator's naming of a stage's outer state (proto NamedState), parsed once where it enters."""
+
+    step: int
+    digest: bytes
+    sources: tuple[str, ...]
+    settled: bool        # every replica of the stage reported this step: the naming will not change for it
+    operators: int
+
+    @classmethod
+    def of(cls, message: pb.NamedState) -> "NamedState | None":
+        if not message.digest:
+            return None
+        return cls(int(message.step), bytes(message.digest), tuple(message.sources), bool(message.settled),
+                   int(message.operators))
+
+
+@dataclass(frozen=True)
+class ServedState:
+    """A peer's served state's metadata (`OuterSync.state()`), parsed once where it enters: the step its
+    outer weights are of."""
+
+    step: int
+
+    @classmethod
+    def parse(cls, meta: dict) -> "ServedState | None":
+        """None unless `step` is a whole number >= 0."""
+        step = meta.get("step")
+        return cls(step) if type(step) is int and step >= 0 else None
+
+
+async def fetch_named(sync, named: NamedState, timeout: float) -> list[torch.Tensor] | None:
+    """The tensors of `named` from the first of its sources (not excluded by `sync`'s standing) that serves
+    them, each checked against the digest; a source that serves other bytes for the named step is refused
+    and counted (`sync.stats.refused`) and not asked again. Sources that do not answer (a replica new to
+    them is admitted once the coordinator's next assignment names it, about a second) are asked again every
+    RETRY_S until `timeout` s have passed. None if none served them by then."""
+    deadline, refused = time.monotonic() + timeout, set()
+    while True:
+        for peer in named.sources:
+            if peer in sync.standing.excluded or peer in refused:
+                continue
+            try:
+                loaded = await sync.averager.load_state(peer, max(1.0, deadline - time.monotonic()))
+            except AveragingError as exc:  # its averager's process ended
+                log.error("stage %d: cannot load a replica's state: %s", sync.core.stage, exc)
+                return None
+            served = ServedState.parse(loaded[0]) if loaded is not None else None
+            if served is None or served.step != named.step:  # no answer, or it moved on since (no offence)
+                continue
+            digest = await sync.core.compute(state_digest, served.step, loaded[1])
+            if digest == named.digest:
+                return loaded[1]
+            refused.add(peer)
+            sync.stats.refused[peer] = sync.stats.refused.get(peer, 0) + 1
+            log.warning("stage %d: refused %s's outer state of step %d: it is not the one its replicas reported",
+                        sync.core.stage, peer, served.step)
+        if time.monotonic() + RETRY_S >= deadline or all(p in refused for p in named.sources):
+            return None
+        await asyncio.sleep(RETRY_S)
+
+
+def within_reach(own: list[torch.Tensor], theirs: list[torch.Tensor], last_norm: float) -> bool:
+    """Whether a same-step state of one operator is near enough to take: its outer weights within
+    SAME_STEP_RADIUS times the replica's last pseudo-gradient's norm of its own."""
+    distance = float((theirs[0].double() - own[0].double()).norm())
+    return distance <= SAME_STEP_RADIUS * last_norm
