@@ -2,8 +2,9 @@
 --pipelines auto`, `tahnode join --stage auto`) on 127.0.0.1: four volunteers train as two
 pipelines whose replicas average through hivemind every few steps (at 2 bits, with error feedback);
 two late volunteers form a third pipeline that starts from the others' latest outer step; every
-pipeline's ledger has each of its steps once, their samples never overlap, and at the end the
-replicas of each stage hold the same weights (to the pseudo-gradient codec's error)."""
+pipeline's ledger has each of its steps once (those it skipped to take a newer replica's state marked
+so, with their samples), their samples never overlap, and at the end the replicas of each stage hold the
+same weights (to the pseudo-gradient codec's error)."""
 
 from __future__ import annotations
 
@@ -56,8 +57,13 @@ def test_pipelines_train_in_data_parallel_and_a_late_pair_forms_another(tmp_path
     finally:
         swarm.stop()
     by_pipeline: dict[int, list[dict]] = {}
-    for entry in ledger:
-        by_pipeline.setdefault(entry["pipeline"], []).append(entry)
+    skipped: dict[int, list[dict]] = {}
+    for entry in ledger:  # a step a pipeline skipped (it took a newer replica's state) is there, marked
+        (skipped if entry["skipped"] else by_pipeline).setdefault(entry["pipeline"], []).append(entry)
+    for p, entries in skipped.items():  # with the samples it did not train, and no loss
+        assert all(e["loss"] is None and e["sample_ids"] for e in entries), p
+        trained = {e["step"] for e in by_pipeline.get(p, [])}
+        assert not trained & {e["step"] for e in entries}, p
     assert sorted(by_pipeline) == [0, 1, 2] and 0 in (by_pipeline[0][0]["step"], by_pipeline[1][0]["step"])
     for p, steps in by_pipeline.items():
         steps = [e["step"] for e in steps]

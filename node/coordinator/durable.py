@@ -57,16 +57,20 @@ class SwarmDB:
         self.db.execute("PRAGMA journal_mode=WAL")
         self.db.execute("PRAGMA synchronous=NORMAL")  # WAL: no fsync per write (a join cost 1.6 ms of fsync)
         self.db.executescript(SCHEMA)
+        if "skipped" not in {row[1] for row in self.db.execute("PRAGMA table_info(ledger)")}:  # a store from before it
+            self.db.execute("ALTER TABLE ledger ADD COLUMN skipped INTEGER NOT NULL DEFAULT 0")
         self.saved_holders: list | None = None
         self.ledger_version = 0  # bumps with every write to the ledger (a cached ledger document is stale then)
 
     def ledger(self) -> dict[int, dict[int, pb.LossPoint]]:
         """pipeline -> step -> its committed step."""
         out: dict[int, dict[int, pb.LossPoint]] = {}
-        rows = self.db.execute("SELECT pipeline, step, loss, seconds, sample_ids FROM ledger ORDER BY pipeline, step")
-        for pipeline, step, loss, seconds, ids in rows:
+        rows = self.db.execute("SELECT pipeline, step, loss, seconds, sample_ids, skipped FROM ledger "
+                               "ORDER BY pipeline, step")
+        for pipeline, step, loss, seconds, ids, skipped in rows:
             out.setdefault(pipeline, {})[step] = pb.LossPoint(step=step, loss=_loss(loss), seconds=seconds,
-                                                              sample_ids=array("Q", ids).tolist())
+                                                              sample_ids=array("Q", ids).tolist(),
+                                                              skipped=bool(skipped))
         return out
 
     def pipelines(self) -> list[int]:
@@ -75,8 +79,8 @@ class SwarmDB:
 
     def losses(self, last: int, pipeline: int = 0) -> dict[int, float]:
         """The losses of the `last` most recent steps of a pipeline (what the status page draws)."""
-        rows = self.db.execute("SELECT step, loss FROM ledger WHERE pipeline = ? ORDER BY step DESC LIMIT ?",
-                               (pipeline, last))
+        rows = self.db.execute("SELECT step, loss FROM ledger WHERE pipeline = ? AND NOT skipped ORDER BY step DESC "
+                               "LIMIT ?", (pipeline, last))
         return {step: _loss(loss) for step, loss in sorted(rows)}
 
     def record(self, points: list[pb.LossPoint], pipeline: int = 0) -> None:
@@ -87,8 +91,20 @@ class SwarmDB:
             self.db.execute("BEGIN")
             for p in points:
                 self.db.execute("DELETE FROM ledger WHERE pipeline = ? AND step >= ?", (pipeline, p.step))
-                self.db.execute("INSERT INTO ledger VALUES (?, ?, ?, ?, ?)",
+                self.db.execute("INSERT INTO ledger VALUES (?, ?, ?, ?, ?, 0)",
                                 (pipeline, p.step, p.loss, p.seconds, array("Q", p.sample_ids).tobytes()))
+
+    def record_skipped(self, points: list[pb.LossPoint], pipeline: int = 0) -> None:
+        """Steps a pipeline skipped on purpose (it took a newer replica's state), with the samples they would
+        have trained and no loss, where the ledger has none of them yet; never in place of a trained step."""
+        if not points:
+            return
+        self.ledger_version += 1
+        with self.db:
+            self.db.execute("BEGIN")
+            for p in points:
+                self.db.execute("INSERT OR IGNORE INTO ledger VALUES (?, ?, NULL, 0, ?, 1)",
+                                (pipeline, p.step, array("Q", p.sample_ids).tobytes()))
 
     def identities(self) -> dict[str, bytes]:
         return dict(self.db.execute("SELECT node_id, public_key FROM identities"))

@@ -126,6 +126,7 @@ def swarm_state(r: SwarmRegistry, placement: Placement, p2p_maddrs: list[str] = 
         "nodes": [
             {"id": n.node_id, "stage": n.stage, "pipeline": n.pipeline if n.status is NodeStatus.ACTIVE else None,
              "address": n.address, "status": n.status.value, "device": n.device, "finished": n.stats.finished,
+             "rejoins": n.rejoins,
              "codec_seconds": n.stats.codec_seconds, "step_seconds": n.stats.step_seconds,
              "outer": {k: n.stats.outer[k] for k in sorted(n.stats.outer)[:OUTER_KEYS]}}
             for n in sorted(r.nodes.values(),
@@ -160,9 +161,10 @@ def refused(r: SwarmRegistry) -> list[dict]:
 
 def ledger_json(r: SwarmRegistry) -> dict:
     """Every committed step of every pipeline: its loss, sample ids and wall time on the loss stage
-    (GET /api/v1/ledger), pipeline by pipeline."""
-    return {"steps": [{"pipeline": pipeline, "step": step, "loss": p.loss, "sample_ids": list(p.sample_ids),
-                       "seconds": p.seconds}
+    (GET /api/v1/ledger), pipeline by pipeline; a step the pipeline skipped on purpose (it took a newer
+    replica's state) has `skipped` and no loss, with the samples it did not train."""
+    return {"steps": [{"pipeline": pipeline, "step": step, "loss": None if p.skipped else p.loss,
+                       "sample_ids": list(p.sample_ids), "seconds": p.seconds, "skipped": p.skipped}
                       for pipeline, ledger in sorted(r.ledgers().items()) for step, p in sorted(ledger.items())]}
 
 

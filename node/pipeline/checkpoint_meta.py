@@ -103,7 +103,7 @@ def kept_unreported(records: Iterable[StepRecord], step: int) -> list[StepRecord
     would make of them (a step at or before an earlier one replaces it and every later one, as after
     a rollback), the run of steps that ends at step - 1, its newest MAX_UNREPORTED."""
     kept: list[StepRecord] = []
-    for r in records:
+    for r in (r for r in records if not r.skipped):  # a skipped step is no loss: told once, never kept
         while kept and kept[-1].step >= r.step:
             kept.pop()
         kept.append(r)

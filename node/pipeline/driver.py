@@ -15,8 +15,10 @@ from ..train.data import SampleSchedule, TokenDataset
 from ..train.optim import grad_sumsq
 from .core import StageCore
 from .outer_sync import OuterSync
+from .regroup_plan import RegroupPlan
+from .resync import Resync
 from .schedule import SavedBytes, Split, SplitTuner, Window
-from .state import DivergedStep, Divergence, PipelineError
+from .state import DivergedStep, Divergence, PipelineError, StepRecord
 
 log = logging.getLogger("tahnode.pipeline")
 
@@ -29,6 +31,13 @@ SYNC_WAIT_MAX_S = 5.0  # the longest stage 0 waits for a Sync's answer before as
 # model replayed its step about 20 times a second for ever)
 DIVERGED_TRIES = 3
 DIVERGED_WAIT_MAX_S = 60.0
+# a pipeline whose stages disagree after a regroup tries each outer step every stage can reach this many times
+# before it gives that one up for the next lower; past REGROUP_QUIET tries in a row it waits before the next,
+# twice as long each time up to REGROUP_WAIT_MAX_S (a swarm once logged "stages are at steps 28..36" seven times a
+# second for eight minutes and trained nothing)
+TARGET_TRIES = 2
+REGROUP_QUIET = 4
+REGROUP_WAIT_MAX_S = 30.0
 
 
 class StepDriver:
@@ -37,10 +46,8 @@ class StepDriver:
     micro-batch and commit of a step, the rollback of the stage (Resync) and its outer sync."""
 
     def __init__(self, core: StageCore, dataset: TokenDataset | None, forward_first: Callable[..., tuple],
-                 commit: Callable[[pb.StepEnd], Awaitable[float]], roll_back: Callable[[int], Awaitable[bool]],
-                 outer: OuterSync | None):
-        self.core, self.forward_first, self.commit, self.roll_back, self.outer = (
-            core, forward_first, commit, roll_back, outer)
+                 commit: Callable[[pb.StepEnd], Awaitable[float]], resync: Resync, outer: OuterSync | None):
+        self.core, self.forward_first, self.commit, self.resync, self.outer = core, forward_first, commit, resync, outer
         t = core.train
         self.split = Split.of(t, core.num_stages)
         self.tuner = SplitTuner(Split.counts(t), self.split.micro_batches)
@@ -132,13 +139,15 @@ class StepDriver:
         """Restart step `committed` as `attempt` once every stage answers; repeat until they do.
         Stages that answer with different committed steps are all rolled back to the smallest; with
         pipelines in data parallel (`regroup`, or other pipelines training) every stage returns to
-        its stage's latest outer step instead, until they agree."""
+        its stage's latest outer step instead, and if they still disagree, to the newest outer step every
+        one of them can reach (RegroupPlan: a bounded number of tries each, then the next lower; 0, the
+        initial weights, is always reachable), so that the loop ends."""
         core, st = self.core, self.core.state
-        rollback = False
+        rollback, plan, before = False, RegroupPlan(TARGET_TRIES), st.committed
         wait = 1.0  # the first Sync may reach a stage before it listens: ask again soon, then less often
         while True:
             if regroup:
-                await self.outer.regroup()
+                await (self.outer.regroup() if plan.target is None else self.resync.regroup_to(plan.target))
                 # every stage may wait that long for a replica's state
                 wait = max(wait, self.outer.swarm.outer_timeout_s)
             await core.compute(core.restart_step, st.committed, attempt)
@@ -150,7 +159,7 @@ class StepDriver:
                 return
             self.sync_reply = asyncio.get_running_loop().create_future()
             sync = pb.Sync(step=st.step, attempt=attempt, last_commit=st.last_commit, rollback=rollback,
-                           regroup=regroup)
+                           regroup=regroup, targeted=plan.target is not None, target=plan.target or 0)
             await core.send(FORWARD, sync=sync)
             try:
                 ack = await asyncio.wait_for(asyncio.shield(self.sync_reply), timeout=wait)
@@ -160,21 +169,43 @@ class StepDriver:
                 continue
             low = min(ack.min_committed, st.committed)
             if ack.max_committed == low and st.committed == low:
+                self._skipped(before, low)
                 return
             if self.outer is not None and self.outer.active:
-                log.warning("stages are at steps %d..%d: every stage returns to its stage's latest outer step", low,
-                            max(ack.max_committed, st.committed))
+                target = plan.next(set(ack.reachable) & self.outer.reachable())
+                log.warning("stages are at steps %d..%d: every stage returns to outer step %d, the newest each of "
+                            "them can reach (try %d)", low, max(ack.max_committed, st.committed), target, plan.tries)
+                if plan.tries > REGROUP_QUIET:
+                    await self._pause(min(2.0 ** (plan.tries - REGROUP_QUIET), REGROUP_WAIT_MAX_S))
                 regroup, attempt = True, attempt + 1
                 continue
             # a stage came back from an older checkpoint (e.g. a standby took it over): every stage
             # returns to that step and the steps after it are trained again
             log.warning("stages are at steps %d..%d: rolling every stage back to step %d", low,
                         max(ack.max_committed, st.committed), low)
-            if st.committed != low and not await self.roll_back(low):
+            if st.committed != low and not await self.resync.roll_back(low):
                 raise PipelineError(f"stage 0 cannot roll back to step {low}: no checkpoint of it here or in the "
                                     "coordinator's store")
             rollback = True
             attempt += 1
+
+    def _skipped(self, before: int, after: int) -> None:
+        """Steps before..after-1, which its pipeline skipped to take a newer replica's state: to the ledger as
+        skipped, with the samples they would have trained (nothing lost silently)."""
+        if after <= before or self.samples is None:
+            return
+        per_step, pipeline = self.samples.samples_per_step, self.core.pipeline
+        log.warning("stage 0: pipeline %d skips steps %d..%d (it took a newer replica's state)", pipeline, before,
+                    after - 1)
+        self.core.stats.outbox += [StepRecord(step, float("nan"), self.samples.ids_at(step, 0, per_step, pipeline),
+                                              0.0, skipped=True) for step in range(before, after)]
+
+    async def _pause(self, seconds: float) -> None:
+        """Wait `seconds` unless the worker stops first."""
+        try:
+            await asyncio.wait_for(self.core.shutdown.wait(), seconds)
+        except asyncio.TimeoutError:
+            pass
 
     async def _run_step(self) -> bool:
         """Send every micro-batch of the step, wait for its gradients. False if aborted (a link

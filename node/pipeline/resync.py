@@ -1,7 +1,8 @@
 """Bringing the stages back to one step after a replay: a stage's part of the Sync protocol (pass
 the Sync on, answer with its committed step) and the rollback to an earlier committed step, from a
 checkpoint of its own or, if it has none of that step, one fetched from the coordinator's store;
-with pipelines in data parallel, the regroup: back to the stage's latest outer step."""
+with pipelines in data parallel, the regroup: back to the stage's latest outer step, or, when the
+stages disagree after one, to the outer step stage 0 chose among those every stage can reach."""
 
 from __future__ import annotations
 
@@ -41,6 +42,28 @@ class Resync:
         core.replay_step(reason, tell=True)
         return False
 
+    async def regroup_to(self, target: int) -> None:
+        """Return to outer step `target` (stage 0 chose it among those every stage of the pipeline can
+        reach): its own outer weights or the named state if either is of it, else its own checkpoint that
+        keeps the outer weights of it (from there its weights become those outer weights), else, for step 0,
+        the initial weights. A stage that cannot stays where it is and says so in its committed step."""
+        core, outer = self.core, self.outer
+        if await outer.reach(target):
+            return
+        steps = [c.step for c in core.saver.store.list(core.stage, core.num_stages)] if core.saver.store else []
+        for step in sorted((s for s in steps if outer.boundary_of(s) == target), reverse=True):
+            if await core.saver.ensure(step) and await core.compute(core.saver.load, step, core.model, core.opt.opt,
+                                                                    core.codecs):
+                log.warning("stage %d returns to outer step %d through its checkpoint of step %d", core.stage,
+                            target, step)
+                if await outer.reach(target):
+                    return
+        if target == 0:
+            await core.compute(self.rollback, 0)
+            await core.compute(outer.restore, {}, 0)
+            return
+        log.error("stage %d cannot return to outer step %d (it holds %d)", core.stage, target, outer.anchor_step)
+
     def rollback(self, step: int) -> None:
         """(compute thread) The committed state of `step`: a checkpoint of it, or the initial weights."""
         core = self.core
@@ -60,7 +83,7 @@ class Resync:
         then pass the Sync on (or, the last stage, answer it)."""
         core, st = self.core, self.core.state
         if sync.regroup and self.outer is not None:
-            await self.outer.regroup()
+            await (self.regroup_to(sync.target) if sync.targeted else self.outer.regroup())
         elif sync.rollback and st.committed != sync.step and not await self.roll_back(sync.step):
             return
         lc = sync.last_commit
@@ -71,6 +94,8 @@ class Resync:
         if core.last:
             ack = pb.SyncAck(step=sync.step, attempt=sync.attempt, min_committed=st.committed,
                              max_committed=st.committed)
+            if self.outer is not None:
+                ack.reachable.extend(sorted(self.outer.reachable()))
             await core.send(BACKWARD, sync_ack=ack)
         else:
             await core.send(FORWARD, sync=sync)
@@ -82,6 +107,10 @@ class Resync:
         if not ack.abort:
             ack.min_committed = min(ack.min_committed, core.committed)
             ack.max_committed = max(ack.max_committed, core.committed)
+            if self.outer is not None:  # the outer steps every stage so far can return to
+                reachable = sorted(set(ack.reachable) & self.outer.reachable())
+                del ack.reachable[:]
+                ack.reachable.extend(reachable)
         if core.first:
             return ack
         if ack.abort:

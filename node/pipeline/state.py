@@ -144,6 +144,7 @@ class StepRecord:
     loss: float
     sample_ids: list[int]
     seconds: float
+    skipped: bool = False  # stage 0: a step its pipeline skipped (it took a newer replica's state), never trained
 
 
 @dataclass
@@ -175,7 +176,8 @@ class Stats:
         if self.losses:
             stats.loss, stats.loss_first = self.losses[-1].loss, self.losses[0].loss
         for r in self.outbox:
-            stats.losses.add(step=r.step, loss=r.loss, sample_ids=r.sample_ids, seconds=r.seconds)
+            (stats.skipped if r.skipped else stats.losses).add(step=r.step, loss=r.loss, sample_ids=r.sample_ids,
+                                                               seconds=r.seconds, skipped=r.skipped)
         if self.refused_micro_batches:
             stats.refused[BAD_MICRO_BATCH] = self.refused_micro_batches
         for sender, count in self.offences.items():
@@ -189,7 +191,7 @@ class Stats:
             self.offences[sender] = self.offences.get(sender, 0) + 1
 
     def reported(self, count: int) -> None:
-        """The first `count` committed steps of the outbox reached the coordinator."""
+        """The first `count` steps of the outbox (committed, or skipped) reached the coordinator."""
         del self.outbox[:count]
 
     def bits_per_element(self, direction) -> float:

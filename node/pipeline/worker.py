@@ -53,7 +53,7 @@ class StageWorker(StageCore):
         self.resync = Resync(self, self.commit, self.outer)
         self.driver = None
         if self.first:
-            self.driver = StepDriver(self, dataset, self.forward_first, self.commit, self.resync.roll_back, self.outer)
+            self.driver = StepDriver(self, dataset, self.forward_first, self.commit, self.resync, self.outer)
             self.abort_step = self.driver.abort_step
         self.inbox = Inbox(self, StageOps(self.forward, self.backward, self.commit, self.resync, self.driver))
         self.t.on_link_down(self._link_down)

@@ -1,0 +1,83 @@
+"""No livelock by design (issue 61, point 2): when the stages of a pipeline disagree after a regroup, stage 0
+picks the newest outer step every stage can reach (RegroupPlan), each stage returns to exactly that one (its
+own outer weights, its stage's named state, or a checkpoint of its own that keeps them), a target that fails
+its tries is given up for the next lower, and 0 is always there: the loop ends. Before, a stage whose
+replicas held outer step 36 and another whose replicas held 28 each went back to their own, for ever."""
+
+from __future__ import annotations
+
+import asyncio
+
+import torch
+
+from tahnode.net.inproc import InProcessNetwork
+from tahnode.pipeline.checkpoint import CheckpointStore
+from tahnode.pipeline.outer_adopt import NamedState
+from tahnode.pipeline.regroup_plan import RegroupPlan
+from tahnode.pipeline.worker import StageWorker
+from test_pipeline_inproc import NONE, build_run
+
+
+def test_the_plan_takes_the_newest_common_step_and_gives_a_failing_one_up_for_the_next_lower():
+    plan = RegroupPlan(tries_per_target=2)
+    assert plan.target is None
+    assert [plan.next({0, 28, 36}) for _ in range(2)] == [36, 36]
+    assert plan.next({0, 28, 36}) == 28  # 36 failed its two tries
+    assert plan.next({0, 28}) == 28 and plan.next({0, 28}) == 0
+    assert plan.next(set()) == 0 and plan.tries == 6  # 0, the initial weights: always there
+
+
+def test_steps_that_only_shrink_end_the_plan_within_a_bounded_number_of_tries():
+    for reachable in ({0, 4, 8, 12, 16}, {0}, {0, 40}):
+        plan, targets = RegroupPlan(tries_per_target=3), []
+        for _ in range(3 * len(reachable) + 1):
+            targets.append(plan.next(reachable))
+        assert targets == sorted(targets, reverse=True) and targets[-1] == 0
+        assert targets.count(max(reachable)) == 3 or max(reachable) == 0
+
+
+def worker_with_checkpoints(tmp_path, steps: list[int]) -> StageWorker:
+    """Stage 1 of pipeline 1 (outer step every 4), which trained and saved checkpoints of `steps`."""
+    run = build_run(12, **NONE, **{"swarm.pipelines": 2, "swarm.outer_every": 4, "swarm.outer_timeout_s": 2.0})
+    store = CheckpointStore(tmp_path, keep=len(steps))
+    worker = StageWorker(run, 1, InProcessNetwork().transport("n"), "cpu", store, pipeline=1)
+    for step in steps:
+        with torch.no_grad():
+            for p in worker.model.parameters():
+                p.add_(0.01)
+        worker.resumed_at(step)
+        if worker.outer.due(step):
+            worker.outer._take(step, None)
+        worker.save()
+    return worker
+
+
+def test_a_stage_can_reach_its_own_its_named_and_its_checkpoints_outer_steps(tmp_path):
+    worker = worker_with_checkpoints(tmp_path, [4, 6, 8, 9])
+    outer = worker.outer
+    assert outer.anchor_step == 8 and outer.reachable() == {0, 8, 4}  # 9 keeps the weights of 8; 6 those of 4
+
+    class Nobody:
+        peer_id = "me"
+
+        async def load_state(self, peer_id, timeout):
+            return None
+
+    outer.use(Nobody())
+    outer.expected = 2
+    outer.named = NamedState(12, b"d" * 32, ("peer",), True, 2)
+    assert 12 in outer.reachable()
+    assert not asyncio.run(outer.reach(12))  # its source did not serve it: no longer reachable
+    assert 12 not in outer.reachable()
+
+
+def test_a_stage_returns_to_a_common_outer_step_through_its_checkpoint(tmp_path):
+    worker = worker_with_checkpoints(tmp_path, [4, 6, 8, 9])
+    anchor_of_8 = worker.outer.checkpoint_tensors()["anchor"]
+    asyncio.run(worker.resync.regroup_to(4))
+    assert worker.committed == 4 and worker.outer.anchor_step == 4
+    weights = torch.cat([p.detach().reshape(-1) for p in worker.model.parameters()])
+    assert torch.equal(weights, worker.outer.outer.tensors()["anchor"])  # its weights: the outer weights of 4
+    assert not torch.equal(weights, anchor_of_8)
+    asyncio.run(worker.resync.regroup_to(0))  # the initial weights: always
+    assert worker.committed == 0 and worker.outer.anchor_step == 0
