@@ -28,6 +28,8 @@ BENCHES = {  # `tahnode bench NAME`: tahnode.tools.bench_NAME.main
     "abuse": "a real coordinator's memory and status latency while one token holder sends oversized heartbeats and "
              "Sybil joins",
     "copies": "how many times a message's payload is copied on the host from codec to wire (counted; needs cc)",
+    "chaos": "a swarm of P pipelines and standbys trains while a seeded schedule kills, stops and cuts off its "
+             "daemons and coordinator: tokens/s, stalls, ledger, replicas, time to full speed",
 }
 
 
@@ -166,9 +168,11 @@ def _add_swarm_commands(sub) -> None:
     jo.add_argument("--token-file", help=f"file holding the swarm secret the coordinator printed (or set {TOKEN_ENV})")
     jo.add_argument("--token", help="the swarm secret itself (other local users can read it on the command line: "
                     "prefer --token-file)")
-    jo.add_argument("--node-id", default="", help="stable name of this node (default: HOSTNAME-PID)")
+    jo.add_argument("--node-id", default="", help="this node's name, kept in its folder on its first start (default: "
+                    "the one the folder keeps, else HOSTNAME-PID); a folder that keeps another id is an error")
     jo.add_argument("--checkpoint-dir", default="",
-                    help="where this node saves its stage (default: tahnode-state/NODE_ID)")
+                    help="this node's folder: its stage's checkpoints, its key and its id (default: "
+                    "tahnode-state/NODE_ID); started again with it, the node is the same node to the coordinator")
     jo.add_argument("--data-dir", default="",
                     help="where stage 0 prepares the built-in corpus (default ~/.cache/tahnode)")
     jo.add_argument("--init-from", default="",
@@ -337,6 +341,7 @@ def _join(args) -> int:
     from .config import AUTO_STAGE, LinkEmulation, NodeConfig, TransportKind
     from .config.token import TOKEN_ENV, TokenMissing, resolve_token
     from .daemon.device import DeviceUnavailable
+    from .daemon.folder import FolderError
     from .daemon.node import run_node
     from .net.errors import CoordinatorError
 
@@ -363,7 +368,7 @@ def _join(args) -> int:
     use_fast_event_loop()
     try:
         return asyncio.run(run_node(cfg))
-    except (CoordinatorError, DeviceUnavailable, P2PError) as exc:
+    except (CoordinatorError, DeviceUnavailable, P2PError, FolderError) as exc:
         print(f"tahnode join: {exc}", file=sys.stderr)
         return 1
 

@@ -27,8 +27,11 @@ ENDLESS_COUNT = 10**9      # the frame count the second kind of attack frame nam
 class StageDaemon:
     """`tahnode join --stage STAGE` as users start it, on loopback with plain gRPC, its output in a log."""
 
-    def __init__(self, workdir: Path, coordinator: str, token_file: Path, stage: int, node_id: str = "victim"):
+    def __init__(self, workdir: Path, coordinator: str, token_file: Path, stage: int, node_id: str = "victim",
+                 command: list[str] | None = None):
+        """`command`: the program given `join ...` (default `python -m tahnode.cli`; a liar's, say)."""
         self.workdir, self.node_id = workdir, node_id
+        self.command = command or [sys.executable, "-m", "tahnode.cli"]
         self.log = workdir / f"{node_id}.log"
         self.args = ["join", "--coordinator", coordinator, "--stage", str(stage), "--listen", "127.0.0.1:0",
                      "--node-id", node_id, "--token-file", str(token_file), "--tls", "off", "--device", "cpu",
@@ -37,7 +40,7 @@ class StageDaemon:
 
     def start(self) -> None:
         with open(self.log, "w") as log:
-            self.proc = subprocess.Popen([sys.executable, "-m", "tahnode.cli", *self.args], stdout=log,
+            self.proc = subprocess.Popen([*self.command, *self.args], stdout=log,
                                          stderr=subprocess.STDOUT, start_new_session=True,
                                          env={**os.environ, "PYTHONUNBUFFERED": "1"})
 

@@ -77,7 +77,8 @@ def _stats(entries: int):
     stats = pb.TrainingStats()
     for k in range(entries):
         name = f"made-up-{k:07d}"
-        stats.refused[name], stats.offences[name], stats.outer[name], stats.outer_offences[name] = k, 1, 1.0, 1
+        stats.refused[name], stats.offences[name], stats.outer[name] = k, 1, 1.0
+        stats.outer_reports.add(peer=name, suspect=1, excluded=True, evidence="x" * 64)
     return stats
 
 
@@ -215,7 +216,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--fat-heartbeats", type=int, default=200,
                     help="heartbeats whose stats maps are full of made-up entries (default 200)")
     ap.add_argument("--stats", type=int, default=20_000,
-                    help="made-up entries in each stats map of those (refused, offences, outer, outer_offences; "
+                    help="made-up entries in each stats map of those (refused, offences, outer, outer_reports; "
                          "default 20000: about 1.9 MB a heartbeat)")
     ap.add_argument("--joins", type=int, default=2_000, help="joins under fresh ids and keys (default 2000)")
     ap.add_argument("--senders", type=int, default=50_000,
@@ -233,11 +234,18 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--name", default="abuse", help="the doc section's name (default abuse)")
     ap.add_argument("--no-doc", action="store_true", help="print the rows only; leave the doc alone")
     ap.add_argument("--json", action="store_true", help="print the rows as JSON")
+    ap.add_argument("--averaging", action="store_true",
+                    help="instead: a two-pipeline swarm in which one replica of stage 1 lies at every outer step "
+                         "(tahnode.tools.abuse_averaging; its flags: tahnode bench abuse --averaging --help)")
     return ap
 
 
 @interruptible("tahnode bench abuse")
 def main(argv: list[str] | None = None) -> int:
+    if "--averaging" in (sys.argv[1:] if argv is None else argv):
+        from . import abuse_averaging
+
+        return abuse_averaging.main([a for a in (sys.argv[3:] if argv is None else argv) if a != "--averaging"])
     args = build_parser().parse_args(argv)
     try:
         with tempfile.TemporaryDirectory(prefix="tahnode-abuse-") as tmp:

@@ -96,8 +96,9 @@ class CoordinatorProcess:
     """`tahnode coordinator` as users start it, on free loopback ports: plain gRPC, a token file,
     a temporary --store, its output in a log file. `stop()` sends SIGTERM and times the exit."""
 
-    def __init__(self, workdir: Path, stages: int):
-        self.workdir, self.stages = workdir, stages
+    def __init__(self, workdir: Path, stages: int, flags: tuple[str, ...] = ()):
+        """`flags`: more of its flags (the run's: --steps, --pipelines, ...)."""
+        self.workdir, self.stages, self.flags = workdir, stages, tuple(flags)
         grpc_port, http_port = free_ports(2)
         self.address, self.http = f"127.0.0.1:{grpc_port}", f"http://127.0.0.1:{http_port}"
         self.token = new_token_file(workdir / "token").read_text().strip()
@@ -107,7 +108,8 @@ class CoordinatorProcess:
     def start(self) -> None:
         args = ["coordinator", "--listen", self.address, "--http", self.http.removeprefix("http://"), "--tls", "off",
                 "--token-file", str(self.workdir / "token"), "--stages", str(self.stages), "--store",
-                str(self.workdir / "store")]
+                str(self.workdir / "store"), "--max-per-host", "0",  # every simulated volunteer is on 127.0.0.1
+                *self.flags]
         with open(self.log, "w") as log:
             self.proc = subprocess.Popen([sys.executable, "-m", "tahnode.cli", *args], stdout=log,
                                          stderr=subprocess.STDOUT, start_new_session=True,
