@@ -1,14 +1,22 @@
-"""Shared pytest setup: Triton runs in its CPU interpreter where there is no GPU, torch computes on
+"""Shared pytest setup: the repository's root off sys.path (its kernels/ folder is not Hugging Face's
+`kernels`), Triton runs in its CPU interpreter where there is no GPU, torch computes on
 one thread, hypothesis gets a CI profile sized for 2 cores, the tests that change the root network
 namespace run one at a time under pytest-xdist, and after the whole session no p2p daemon (`p2pd`)
 this session's tests started may still run: each must end with the process that started it."""
 
 import os
+import sys
 import time
 from pathlib import Path
 
-import pytest
-import torch
+# `python -m pytest` puts the repository's root first on sys.path, where its kernels/ folder (the package
+# tahnode.kernels, found through the editable install) would stand in for Hugging Face's `kernels`, which
+# transformers (>= 5.25) imports whenever it is installed: every transformers test failed with an ImportError
+REPOSITORY = Path(__file__).resolve().parents[1]
+sys.path[:] = [p for p in sys.path if Path(p or os.getcwd()).resolve() != REPOSITORY]
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
