@@ -4,10 +4,10 @@ Each daemon holds one pipeline stage; activations travel TAH-Quant compressed (s
 
 import os
 
-# A daemon forks hivemind's DHT and averager processes while its gRPC servers and channels run (once
-# pipelines train in data parallel). gRPC's fork handlers skip themselves while other threads are in
-# gRPC, and the child then died in gRPC's event-engine thread (a segfault seen in every first DHT a
-# training stage started); without them the child holds gRPC's memory but runs none of it.
+# hivemind's DHT and averager processes start from a forkserver (tahnode.net.clean_start), never forked
+# from a daemon whose gRPC threads run; gRPC's fork handlers stay off for any fork that remains (a
+# multiprocessing helper, a test's): with them on, a child forked while other threads were in gRPC
+# died in gRPC's event-engine thread.
 os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
 
 __version__ = "0.1.0"

@@ -31,23 +31,10 @@ from tahnode.net.averaging import AveragerNotAnswering, AveragerNotRunning, Stag
 from tahnode.net.clean_start import ProcessEnded  # noqa: E402
 from tahnode.proto import tahnode_pb2 as pb  # noqa: E402
 from tahnode.train.clip_rule import CLIP  # noqa: E402
+from test_averaging import dhts  # noqa: E402,F401  (a fixture: three DHTs on 127.0.0.1)
 
 SIZE = 3000
 HELD = threading.Lock()  # held by another thread of the replica's process while its averager starts
-
-
-@pytest.fixture(scope="module")
-def dhts():
-    made = []
-    try:
-        made.append(hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"]))
-        for _ in range(2):
-            made.append(hivemind.DHT(start=True, initial_peers=made[0].get_visible_maddrs(),
-                                     host_maddrs=["/ip4/127.0.0.1/tcp/0"]))
-        yield made
-    finally:
-        for dht in made:
-            dht.shutdown()
 
 
 @contextmanager

@@ -17,7 +17,7 @@ from swarm import Swarm, processes_mentioning, wait_gone  # noqa: E402
 from tahnode.config.node import P2PSettings  # noqa: E402
 from tahnode.net.auth import SwarmKey  # noqa: E402
 from tahnode.net.discovery import LAYOUT_KIND, NODE_KIND, SwarmDirectory  # noqa: E402
-from tahnode.net.p2p_host import P2PHost  # noqa: E402
+from tahnode.net.p2p_host import P2PHost, use_swarm_key  # noqa: E402
 from tahnode.tools.swarm import free_port  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -50,6 +50,7 @@ def join_p2p(s: Swarm, name: str, stage: int | str, maddr: str, *extra: str):
 
 def read_directory(maddr: str, token: str) -> tuple[dict, dict]:
     async def read():
+        use_swarm_key(SwarmKey(token))  # a member: the swarm's DHT answers only requests with its key's MAC
         host = await P2PHost.start(P2PSettings(listen=["/ip4/127.0.0.1/tcp/0"], initial_peers=[maddr]))
         try:
             directory = SwarmDirectory(host.dht, SwarmKey(token))

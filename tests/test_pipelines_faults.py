@@ -24,6 +24,7 @@ import torch
 
 from tahnode.net.averaging_rules import CHUNK_TIMEOUT_S
 from tahnode.pipeline.checkpoint import read_verified
+from tahnode.tools.chaos.daemons import descendants
 from swarm import Swarm
 
 pytestmark = pytest.mark.slow
@@ -40,27 +41,9 @@ def logged_at(line: str) -> float:
     return time.mktime(time.strptime(line[:19], "%Y-%m-%d %H:%M:%S")) + int(line[20:23]) / 1000
 
 
-def tree(pid: int) -> list[int]:
-    """`pid` and every process below it."""
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(entry.name))
-    out, todo = [], [pid]
-    while todo:
-        p = todo.pop()
-        out.append(p)
-        todo += children.get(p, [])
-    return out
-
-
 def kill_tree(pid: int) -> None:
     """SIGKILL to `pid` and every process below it (a daemon's p2p daemon and averager with it)."""
-    for p in tree(pid):
+    for p in descendants(pid):
         try:
             os.kill(p, signal.SIGKILL)
         except ProcessLookupError:

@@ -39,6 +39,7 @@ class Formed(Enum):
 
     YES = "formed"
     PROBING = "probing"  # its links are being probed in full: try again shortly
+    MEASURING = "measuring"  # found too slow, its nodes and links are measured again: newcomers stand by meanwhile
     NO = "no"            # no chain, or too slow a one: not again before the membership changes
 
 
@@ -136,8 +137,9 @@ class Placement:
             self.r.event(text)
 
     def form_due(self) -> bool:
-        """Not tried since the membership changed, or refused for its speed `reform_s` ago (measured again first)."""
-        return self.formed_epoch != self.r.epoch or (
+        """Not tried since the membership changed, a chain being measured again (judged once that is done), or
+        refused for its speed `reform_s` ago (measured again first)."""
+        return self.formed_epoch != self.r.epoch or self.again.since is not None or (
             self.refused_at is not None and time.monotonic() - self.refused_at >= self.s.reform_s)
 
     def may_form(self, waiting: int) -> bool:
@@ -256,7 +258,7 @@ class Placement:
         takes = chain_bottleneck(measured, result.chain)[0]
         if takes * self.r.run.swarm.min_chain_share > best:
             if self.again.pending(result.chain, chain_links(result.chain)):
-                return Formed.PROBING
+                return Formed.MEASURING
             self.formed_epoch, self.refused_at = epoch, time.monotonic()
             self.r.event(f"no new pipeline: the best chain of the waiting nodes, {' -> '.join(result.chain)}, takes "
                          f"{takes * 1e3:.3g} ms per micro-batch (measured again), slower than "

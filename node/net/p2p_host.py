@@ -334,6 +334,6 @@ async def close_process_host() -> None:
 
 
 def use_swarm_key(key) -> None:
-    """The swarm key (tahnode.net.auth.SwarmKey) this process's p2p relay requests are made and
-    checked with; set before P2PHost.start."""
+    """The swarm key (tahnode.net.auth.SwarmKey) this process's DHT requests and answers and its p2p
+    relay requests are signed and checked with; set before P2PHost.start."""
     P2PHost.swarm_key = key

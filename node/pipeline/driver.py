@@ -168,6 +168,7 @@ class StepDriver:
                 attempt, wait = attempt + 1, min(2 * wait, SYNC_WAIT_MAX_S)
                 continue
             low = min(ack.min_committed, st.committed)
+            before = min(before, low)  # a stage behind stage 0 (its holder died before its losses were reported)
             if ack.max_committed == low and st.committed == low:
                 self._skipped(before, low)
                 return
@@ -191,7 +192,8 @@ class StepDriver:
 
     def _skipped(self, before: int, after: int) -> None:
         """Steps before..after-1, which its pipeline skipped to take a newer replica's state: to the ledger as
-        skipped, with the samples they would have trained (nothing lost silently)."""
+        skipped, with the samples they would have trained (nothing lost silently; `before` is the lowest step a
+        stage stood at during the regroup, and the coordinator fills only the ledger's gaps with them)."""
         if after <= before or self.samples is None:
             return
         per_step, pipeline = self.samples.samples_per_step, self.core.pipeline
