@@ -10,11 +10,16 @@ import asyncio
 
 import torch
 
+from tahnode.config import RunConfig
+from tahnode.coordinator.durable import SwarmDB
+from tahnode.coordinator.replicas import MAX_SKIPPED, ReplicaCouncil
+from tahnode.coordinator.state import NodeRecord, NodeStatus
 from tahnode.net.inproc import InProcessNetwork
 from tahnode.pipeline.checkpoint import CheckpointStore
 from tahnode.pipeline.outer_adopt import NamedState
 from tahnode.pipeline.regroup_plan import RegroupPlan
 from tahnode.pipeline.worker import StageWorker
+from tahnode.proto import tahnode_pb2 as pb
 from test_pipeline_inproc import NONE, build_run
 
 
@@ -81,3 +86,28 @@ def test_a_stage_returns_to_a_common_outer_step_through_its_checkpoint(tmp_path)
     assert not torch.equal(weights, anchor_of_8)
     asyncio.run(worker.resync.regroup_to(0))  # the initial weights: always
     assert worker.committed == 0 and worker.outer.anchor_step == 0
+
+
+def test_skipped_steps_fill_the_ledgers_gaps_even_after_the_loss_stage_reported_the_steps_past_them(tmp_path):
+    """Stage 0's heartbeat with steps 12..15 skipped may come after the loss stage's with 16 and 17: the ledger takes
+    them where it has no step (before, its window began at the ledger's next step and left 12..15 a hole); a step
+    trained stays trained, and a report far below the ledger, or from a stage other than 0, is left out."""
+    run = RunConfig.build("llama-tiny", None, **{"train.steps": 10_000})
+    db = SwarmDB(tmp_path / "coordinator.sqlite")
+    trained = [pb.LossPoint(step=s, loss=2.0, sample_ids=[s]) for s in (*range(12), 13, 16, 17)]
+    db.record(trained, pipeline=1)
+    council = ReplicaCouncil(run, None, lambda node_id: node_id.encode(), lambda pipeline: 18)
+    stage0 = NodeRecord("v0", "127.0.0.1:1", 0, "cpu", pipeline=1)
+    stage0.status = NodeStatus.ACTIVE
+    said = [pb.LossPoint(step=s, sample_ids=[100 + s], skipped=True) for s in range(12, 16)]
+    db.record_skipped(council.skipped(stage0, said), pipeline=1)
+    ledger = db.ledger()[1]
+    assert sorted(ledger) == list(range(18))
+    assert [s for s, p in ledger.items() if p.skipped] == [12, 14, 15]
+    assert not ledger[13].skipped and list(ledger[13].sample_ids) == [13]
+    stage1 = NodeRecord("v1", "127.0.0.1:2", 1, "cpu", pipeline=1)
+    stage1.status = NodeStatus.ACTIVE
+    assert council.skipped(stage1, said) == []
+    council.committed = lambda pipeline: MAX_SKIPPED + 100
+    far = [pb.LossPoint(step=99, skipped=True), pb.LossPoint(step=100, skipped=True)]
+    assert [p.step for p in council.skipped(stage0, far)] == [100]

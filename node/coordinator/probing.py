@@ -8,7 +8,7 @@ import asyncio
 import logging
 import random
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
 
 from ..config import PlacementSettings
@@ -18,7 +18,7 @@ from .state import NodeRecord
 
 log = logging.getLogger("tahnode.coordinator")
 
-__all__ = ["Measure", "Prober", "ProbeJob"]
+__all__ = ["Measure", "Prober", "ProbeJob", "serve_jobs"]
 
 # measure(a, b, payload_bytes, timeout_s) -> (Mbit/s, RTT ms) of the link from node a to node b;
 # payload_bytes 0 = the node's own sizing (about a second of traffic)
@@ -34,6 +34,27 @@ class ProbeJob:
     src: str
     dst: str
     kind: ProbeKind
+
+
+async def serve_jobs(next_jobs: Callable[[], list[Coroutine]], wake: asyncio.Event) -> None:
+    """Run the jobs `next_jobs()` gives each pass (a pass when `wake` is set, or every second), until cancelled,
+    which cancels the jobs still running (the prober's link probes, placement's compute measurements)."""
+    running: set[asyncio.Task] = set()
+    try:
+        while True:
+            for job in next_jobs():
+                task = asyncio.ensure_future(job)
+                running.add(task)
+                task.add_done_callback(running.discard)
+            wake.clear()
+            try:
+                await asyncio.wait_for(wake.wait(), 1.0)
+            except asyncio.TimeoutError:
+                pass
+            await asyncio.sleep(PASS_S)  # let several finish before the next pass
+    finally:
+        for task in list(running):
+            task.cancel()
 
 
 class Prober:
@@ -175,19 +196,4 @@ class Prober:
 
     async def run(self) -> None:
         """Start jobs whenever nodes are free, until cancelled (which cancels the running probes)."""
-        running: set[asyncio.Task] = set()
-        try:
-            while True:
-                for job in self.next_jobs():
-                    task = asyncio.ensure_future(self._probe(job))
-                    running.add(task)
-                    task.add_done_callback(running.discard)
-                self._wake.clear()
-                try:
-                    await asyncio.wait_for(self._wake.wait(), 1.0)
-                except asyncio.TimeoutError:
-                    pass
-                await asyncio.sleep(PASS_S)  # let several finish before the next pass
-        finally:
-            for task in list(running):
-                task.cancel()
+        await serve_jobs(lambda: [self._probe(job) for job in self.next_jobs()], self._wake)

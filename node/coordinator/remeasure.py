@@ -12,7 +12,7 @@ import math
 import time
 from collections.abc import Awaitable, Callable
 
-from .probing import PASS_S, Prober
+from .probing import Prober, serve_jobs
 from .registry import SwarmRegistry
 from .state import NodeRecord
 
@@ -86,22 +86,13 @@ class Remeasure:
 
     async def run(self) -> None:
         """Measure the wanted nodes' compute, each while it is in no probe, until cancelled."""
-        running: set[asyncio.Task] = set()
-        try:
-            while True:
-                for node_id in list(self.wanted):
-                    if node_id not in self.prober.busy:
-                        del self.wanted[node_id]
-                        self.prober.busy.add(node_id)
-                        task = asyncio.ensure_future(self._measure(node_id))
-                        running.add(task)
-                        task.add_done_callback(running.discard)
-                self._wake.clear()
-                try:
-                    await asyncio.wait_for(self._wake.wait(), 1.0)
-                except asyncio.TimeoutError:
-                    pass
-                await asyncio.sleep(PASS_S)
-        finally:
-            for task in list(running):
-                task.cancel()
+        await serve_jobs(self._next, self._wake)
+
+    def _next(self) -> list:
+        """The measurements to start now: of the wanted nodes in no probe (each then counts as busy)."""
+        jobs = []
+        for node_id in [n for n in self.wanted if n not in self.prober.busy]:
+            del self.wanted[node_id]
+            self.prober.busy.add(node_id)
+            jobs.append(self._measure(node_id))
+        return jobs

@@ -62,13 +62,15 @@ class ReplicaCouncil:
 
     def skipped(self, node: NodeRecord, points) -> list[pb.LossPoint]:
         """Of the steps a stage-0 holder says its pipeline skipped (it took a newer replica's state), those the
-        ledger may take as skipped: of the run, from its pipeline's next step on, at most MAX_SKIPPED ahead of it,
-        in order. (Skipped steps fill gaps only: the ledger never puts one in place of a trained step.)"""
+        ledger may take as skipped: of the run, within MAX_SKIPPED of its pipeline's next step either way, in order.
+        (Skipped steps fill gaps only: the ledger never puts one in place of a trained step. Below the next step
+        they fill the gap a skip left when the loss stage's heartbeat with the steps after it came first.)"""
         if node.status is not NodeStatus.ACTIVE or node.stage != 0 or not points:
             return []
         start, kept, last = self.committed(node.pipeline), [], -1
         for point in points[:MAX_SKIPPED]:
-            if start <= point.step < min(start + MAX_SKIPPED, self.run.train.steps) and point.step > last:
+            if max(0, start - MAX_SKIPPED) <= point.step < min(start + MAX_SKIPPED, self.run.train.steps) \
+                    and point.step > last:
                 kept.append(pb.LossPoint(step=point.step, sample_ids=point.sample_ids[:MAX_SAMPLES], skipped=True))
                 last = point.step
         return kept
