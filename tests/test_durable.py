@@ -6,6 +6,7 @@ test_coordinator.py."""
 from __future__ import annotations
 
 import math
+import time
 
 import pytest
 
@@ -88,6 +89,31 @@ def test_a_kept_holder_has_its_time_to_report_from_when_the_restarted_coordinato
     again.sweep()
     assert held.status is NodeStatus.FAILED
 
+
+
+def test_a_coordinator_that_stalled_fails_no_node_for_the_heartbeats_it_could_not_read(tmp_path):
+    """Its event loop blocked for 20 s (a process started on it under load): every node's heartbeats waited unread,
+    and the sweep that ran first after it declared all six failed at once (CI, tests/test_churn.py). The stall is
+    credited to the nodes, whichever of the stall watch and the sweep runs first; a node silent past the timeout
+    without a stall of the coordinator's is still failed."""
+    reg = registry(tmp_path)
+    reg.timeout = 6.0
+    n2 = Sealer(SwarmKey(TOKEN), "n2", identity=KEYS.setdefault("n2", NodeKey.generate()))
+    reg.join(n2.seal(pb.JoinRequest(node_id="n2", address="127.0.0.1:1", stage=2), COORDINATOR))
+    held = reg.nodes["n2"]
+    for watch_first in (False, True):
+        now = time.monotonic()
+        reg.census.stalls.beat(now - 20.0)  # the loop's last look, 20 s ago
+        held.last_seen = now - 20.0         # its last heartbeat read then too
+        if watch_first:
+            reg.census.stalls.beat(now)
+        reg.sweep()
+        assert held.status is NodeStatus.ACTIVE, watch_first
+        assert sum("the coordinator stalled for" in e for e in reg.events) == 1 + watch_first
+    held.last_seen = time.monotonic() - 7.0  # silent past the timeout, the coordinator's loop on time
+    reg.census.stalls.beat(time.monotonic())
+    reg.sweep()
+    assert held.status is NodeStatus.FAILED
 
 def test_memory_holds_only_the_recent_losses(tmp_path):
     """A long run's ledger stays on disk: memory keeps the last LOSS_HISTORY losses (the soak

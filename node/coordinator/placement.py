@@ -26,7 +26,7 @@ from .links import EstimatedMbps, LinkBook
 from .probing import Measure, Prober
 from .registry import SwarmRegistry
 from .remeasure import MeasureCompute, Remeasure
-from .state import NodeRecord, NodeStatus
+from .state import STALL_PROBE_S, NodeRecord, NodeStatus
 from .sybils import SybilLimits
 
 __all__ = ["Placement", "chain_links", "Formed"]
@@ -69,7 +69,7 @@ class Placement:
     async def run(self, stop: asyncio.Event) -> None:
         """Probe in the background; each second sweep failures, take in traffic figures, place
         and rebalance (once the run finished, only sweep); until `stop` is set."""
-        probing = asyncio.gather(self.prober.run(), self.again.run())
+        probing = asyncio.gather(self.prober.run(), self.again.run(), self.watch_stalls())
         try:
             while not stop.is_set():
                 await self.tick()
@@ -80,6 +80,12 @@ class Placement:
         finally:
             probing.cancel()
             await asyncio.gather(probing, return_exceptions=True)
+
+    async def watch_stalls(self) -> None:
+        """Look at the event loop's lateness every STALL_PROBE_S (tahnode.coordinator.state.StallClock)."""
+        while True:
+            self.r.census.stalls.beat(time.monotonic())
+            await asyncio.sleep(STALL_PROBE_S)
 
     async def tick(self) -> None:
         self.r.sweep()

@@ -383,8 +383,12 @@ class SwarmRegistry:
         it every second, and before a join)."""
         self.prune()
         release_newcomers(self)
-        now = self.census.swept = time.monotonic()
-        self.census.live = sum(n.status.live for n in self.nodes.values())
+        now = time.monotonic()
+        if stall := self.census.stalls.take(now):  # its own stall: the nodes get the time it could not hear them
+            for node in self.nodes.values():
+                node.last_seen += stall
+            self.event(f"the coordinator stalled for {stall:.1f} s: no node is failed for heartbeats it could not read")
+        self.census.swept, self.census.live = now, sum(n.status.live for n in self.nodes.values())
         for node in self.nodes.values():
             if node.status.live and now - node.last_seen > self.timeout:
                 held = f"stage {node.stage}" if node.status is NodeStatus.ACTIVE else str(node.status)

@@ -9,7 +9,7 @@ from enum import Enum
 
 from ..proto import tahnode_pb2 as pb
 
-__all__ = ["NodeStatus", "NodeRecord", "Census", "STANDBY"]
+__all__ = ["NodeStatus", "NodeRecord", "Census", "STANDBY", "STALL_PROBE_S", "StallClock"]
 
 STANDBY = -1  # the stage number of a node that holds none
 
@@ -66,6 +66,31 @@ class NodeRecord:
     rejoins: int = 0                           # joins under this id and key after its first (restarts it survived)
 
 
+STALL_S = 3.0        # the event loop this late means the coordinator stalled (no node is failed for it)
+STALL_PROBE_S = 0.5  # how often the event loop's lateness is looked at
+
+
+class StallClock:
+    """How long this process's event loop stalled (blocked, or the process stopped or starved) past STALL_S:
+    heartbeats it could not read meanwhile are no node's fault. `beat` every STALL_PROBE_S from a task of the
+    loop; `take` at a failure sweep, which may run before that task after a stall, so it looks too."""
+
+    def __init__(self):
+        self.last, self.owed = 0.0, 0.0
+
+    def _late(self, now: float) -> float:
+        late = now - self.last - STALL_PROBE_S if self.last else 0.0
+        return late if late > STALL_S else 0.0
+
+    def beat(self, now: float) -> None:
+        self.owed, self.last = self.owed + self._late(now), now
+
+    def take(self, now: float) -> float:
+        """Seconds of stall not yet credited to the nodes (0.0 if none)."""
+        owed, self.owed, self.last = self.owed + self._late(now), 0.0, now
+        return owed
+
+
 @dataclass
 class Census:
     """Figures the registry derives from its records, kept so a heartbeat needs no pass over every
@@ -74,3 +99,4 @@ class Census:
     live: int = 0
     swept: float = 0.0  # when the last sweep ran (time.monotonic): a join sweeps only if a second has passed
     last_join: float = 0.0  # when the last join was answered (time.monotonic): placement waits for joins to settle
+    stalls: StallClock = field(default_factory=StallClock)  # this process's own stalls

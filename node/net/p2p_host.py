@@ -165,7 +165,7 @@ class P2PHost:
         if dht:  # its process is the forkserver's child: the forkserver starts while the p2p daemon does
             from .clean_start import warm
 
-            warm()
+            await asyncio.to_thread(warm)  # seconds under load: never on the event loop (a coordinator's heartbeats)
         reaper = Reaper()
         try:
             p2p = await P2P.create(initial_peers=settings.initial_peers or None, host_maddrs=settings.listen,
