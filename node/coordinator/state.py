@@ -86,8 +86,9 @@ class StallClock:
         self.owed, self.last = self.owed + self._late(now), now
 
     def take(self, now: float) -> float:
-        """Seconds of stall not yet credited to the nodes (0.0 if none)."""
-        owed, self.owed, self.last = self.owed + self._late(now), 0.0, now
+        """Seconds of stall not yet credited to the nodes (0.0 if none, and always before the first beat)."""
+        owed, self.owed = self.owed + self._late(now), 0.0
+        self.last = now if self.last else 0.0
         return owed
 
 
