@@ -294,3 +294,31 @@ def test_the_daemon_restarts_an_ended_averager_once_and_retries_a_failed_restart
         await daemon.averaging.stop()
 
     asyncio.run(beats())
+
+
+class SuspendingAverager(FakeAverager):
+    """A FakeAverager that keeps what the daemon told it of suspended peers."""
+
+    suspended: list[str] | None = None
+
+    def set_suspended(self, peer_ids: list[str]) -> None:
+        self.suspended = list(peer_ids)
+
+
+def test_a_stalled_replica_sits_a_round_out_only_while_another_is_left_to_average_with():
+    """In a fault-free swarm of two pipelines, one partial round made each stage-2 replica suspend the other: the
+    suspender took the next round alone at once, the suspended waited out its 30 s, and from then on the two were a
+    timeout apart, each round's wait ending as the other's began (both pipelines at a few steps a minute). With one
+    partner the stalled one stays in (STALL_ROUNDS in a row still exclude it); with more, it sits the round out."""
+    async def meet(others: list[str]) -> tuple[SuspendingAverager, SimpleNamespace]:
+        fake = SuspendingAverager()
+        daemon = daemon_with(fake, others)
+        daemon.averaging.w.outer.standing.suspended = {"QmA"}
+        await daemon.heartbeat()
+        await daemon.averaging.stop()
+        return fake, daemon.averaging.w.outer
+
+    fake, outer = asyncio.run(meet(["QmA"]))
+    assert fake.suspended == [] and outer.admitted == 2
+    fake, outer = asyncio.run(meet(["QmA", "QmB"]))
+    assert fake.suspended == ["QmA"] and outer.admitted == 2

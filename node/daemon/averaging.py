@@ -91,11 +91,15 @@ class StageAveraging:
 
     def _meet(self, a: pb.Assignment) -> None:
         """Admit the replicas `a` names, but those its standing excluded (no group, no state: it trusts them no
-        more); those it suspended (they stalled the last round) sit the next round out, and may serve a state."""
+        more); those it suspended (they stalled the last round) sit the next round out, and may serve a state,
+        unless none would be left to average with: then this replica would take that round alone at once while
+        the suspended one waited out its timeout, and the two would be a timeout apart from then on, each
+        round's wait ending as the other's began (seen in a fault-free swarm of two pipelines)."""
         outer = self.w.outer
         replicas = {P2PAddress.parse(r.address).peer_id: r.address for r in a.replicas if is_p2p_address(r.address)}
         members = sorted(set(replicas) - outer.standing.excluded) + [self.averager.peer_id]
         suspended = sorted(outer.standing.suspended & set(members))
+        suspended = suspended if len(members) - len(suspended) >= 2 else []
         outer.known = len(replicas) + 1  # its rounds wait until it knows a replica of every pipeline
         if (members, suspended) != self.members:
             self.members = (members, suspended)
