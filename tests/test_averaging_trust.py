@@ -78,13 +78,17 @@ def test_a_stranger_neither_downloads_a_replicas_state_nor_has_its_own_loaded(dh
         stranger.set_members([stranger.peer_id, replica.peer_id])
 
         async def main():
-            taken = await stranger.load_state(replica.peer_id, timeout=5.0)
-            loaded = await replica.load_state(stranger.peer_id, timeout=5.0)
+            taken = await stranger.load_state(replica.peer_id, timeout=10.0)
+            loaded = await replica.load_state(stranger.peer_id, timeout=10.0)
             return taken, loaded
 
-        assert asyncio.run(main()) == (None, None)
-        tally = replica._averager.ask("_take_ledger")
-        assert tally.refused.get(stranger.peer_id, 0) >= 1
+        refused = 0
+        for _ in range(3):  # on a loaded machine the stranger's request may time out before it reaches the replica
+            assert asyncio.run(main()) == (None, None)
+            refused += replica._averager.ask("_take_ledger").refused.get(stranger.peer_id, 0)
+            if refused:
+                break
+        assert refused >= 1
 
 
 def lying_round(avs, vectors, step, standing, timeout=5.0):
