@@ -184,6 +184,30 @@ def test_a_round_under_way_waits_for_a_replica_that_the_pipeline_count_adds(dhts
         assert float((result.mean - exact).abs().max()) <= codec_tolerance(xs, 8)
 
 
+def test_a_round_ended_while_it_looks_for_a_group_returns_at_once_and_the_next_one_averages(dhts):
+    """The coordinator says no other pipeline trains now (theirs recovers): the round under way is ended while
+    it looks for a group and returns without a mean long before its 30-s deadline (before, a replica of a
+    training pipeline waited that long at every failure in another pipeline); the averager's next round forms
+    as ever. Nothing to end: end_round says so."""
+    xs = vectors(2, seed=7)
+
+    async def main(avs):
+        started = asyncio.get_running_loop().time()
+        alone = asyncio.ensure_future(avs[0].average(xs[0], 3, 2, 30.0))
+        await asyncio.sleep(2.0)
+        ended = avs[0].end_round()
+        result = await alone
+        return ended, result, asyncio.get_running_loop().time() - started, avs[0].end_round()
+
+    with replicas(dhts, [StageAverager] * 2) as avs:
+        ended, result, seconds, again = asyncio.run(main(avs))
+        assert ended and not again
+        assert (result.mean, result.group) == (None, 0) and seconds < 20.0
+        results = until_formed(lambda step: run_round(avs, xs, [step, step], expected=2, timeout=10.0),
+                               lambda results: all(r.group == 2 for r in results))
+    assert all(r.mean is not None for r in results)
+
+
 def test_a_missing_replica_leaves_the_others_to_average_at_the_deadline(dhts):
     xs = vectors(2, seed=2)
 

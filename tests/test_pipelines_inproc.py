@@ -401,3 +401,36 @@ def test_a_served_state_is_taken_only_from_the_named_sources_and_only_if_it_hash
     assert torch.equal(sync.outer.tensors()["anchor"], good[0]) and sync.digest == state_digest(8, good)
     sync.named = NamedState(12, b"x" * 32, ("liar",), True, 1)  # its source serves step 8: it stays where it is
     assert asyncio.run(sync.regroup()) == 8 and sync.stats.refused == {"liar": 1}  # another step: no offence
+
+
+class CountsRounds(LocalAverager):
+    """A replica's averager that counts the rounds it is asked to join."""
+
+    rounds: list[int] = []
+
+    async def average(self, vector, round, expected, timeout):
+        self.rounds.append(round)
+        return await super().average(vector, round, expected, timeout)
+
+
+def test_a_replica_behind_the_named_outer_step_regroups_without_waiting_for_a_round(dataset):
+    """Its pipeline came back from a checkpoint of step 4 while the others averaged step 8 (the coordinator names
+    it): at its boundary of step 4 no one comes, so it joins no round and asks its pipeline to regroup at once.
+    Before, it waited outer_timeout_s (30 s by default) for a round nobody joined, at every failure in a swarm."""
+    run = build_run(8, **NONE, **{"swarm.pipelines": 2, "swarm.outer_every": 4, "swarm.outer_bits": 32,
+                                  "swarm.outer_timeout_s": 30.0})
+    swarm = Pipelines(run, dataset, 2)
+
+    async def go():
+        try:
+            w = (await swarm.start(1))[1]
+            averager = CountsRounds(swarm.group, 1, 1)
+            w.outer.use(averager)
+            await w.compute(w.resumed_at, 4)
+            w.outer.named = NamedState(8, b"d" * 32, ("p0s1",), True, 1)
+            await asyncio.wait_for(w.outer.after_commit(), 10.0)
+            return averager.rounds, w.outer.needs_regroup, w.outer.regroup_asked(False)
+        finally:
+            await swarm.close()
+
+    assert asyncio.run(go()) == ([], True, True)

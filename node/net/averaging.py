@@ -230,6 +230,11 @@ class StageAverager:
         coordinator's count of pipelines changed: a round begun before would form without the new one)."""
         self._tell("_set_target", max(2, expected))
 
+    def end_round(self) -> bool:
+        """End the round under way if it still looks for a group (no other replica is coming: the coordinator says
+        the others' pipelines recover): its `average` returns without a mean at once. False if none was looking."""
+        return self._started and self._averager.end_search()
+
     def _tell(self, method: str, *args) -> None:
         self._told[method] = args
         try:

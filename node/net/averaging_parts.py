@@ -17,6 +17,7 @@ from typing import AsyncIterator
 import torch
 from hivemind.averaging import DecentralizedAverager
 from hivemind.averaging.allreduce import AllreduceException, AllReduceRunner, AveragingMode
+from hivemind.averaging.control import AveragingStage, StepControl
 from hivemind.averaging.matchmaking import Matchmaking
 from hivemind.averaging.partition import DEFAULT_PART_SIZE_BYTES, BannedException
 from hivemind.compression import CompressionBase, CompressionInfo
@@ -181,7 +182,8 @@ class CheckedAverager(CleanAverager, DecentralizedAverager):
     process starts clean (clean_start.CleanAverager): `replaces`, where an ended one had its handlers."""
 
     runner_class = CheckedRunner
-    parent_only = ("state", "control_lock")  # what its process never uses: the replica's state, the control pipe's lock
+    # what its process never uses: the replica's state, the control pipe's lock, the parent's round under way
+    parent_only = ("state", "control_lock", "round")
 
     def __init__(self, tensor: torch.Tensor, dht, *, prefix: str, compression: CompressionBase, bits: int,
                  clip: float, state, allreduce_timeout: float, feedback: bool = False, replaces: str = ""):
@@ -197,6 +199,7 @@ class CheckedAverager(CleanAverager, DecentralizedAverager):
         # averager's process, as the averaged tensor is)
         self.counted = torch.zeros_like(tensor).share_memory_() if feedback else None
         self.control_lock = threading.Lock()  # the parent's threads share the control pipe
+        self.round: StepControl | None = None  # (parent) the round under way
         self._start_cleanly(replaces)
 
     @classmethod
@@ -223,8 +226,8 @@ class CheckedAverager(CleanAverager, DecentralizedAverager):
             tensor.copy_(vector)
         self.ask("_begin_round", group_bits=group_bits, target=target)
         with self.control_lock:
-            control = self.step(scheduled_time=get_dht_time() + timeout, timeout=timeout + GRACE_S,
-                                allow_retries=False, wait=False)
+            control = self.round = self.step(scheduled_time=get_dht_time() + timeout, timeout=timeout + GRACE_S,
+                                             allow_retries=False, wait=False)
         try:
             return self.answer(control, timeout + GRACE_S + self.allreduce_timeout)
         except ProcessEnded:
@@ -232,6 +235,16 @@ class CheckedAverager(CleanAverager, DecentralizedAverager):
         except Exception as exc:  # no group, or one that failed: hivemind raises several kinds; none is fatal here
             log.info("averaging %s (key %s) formed no group: %r", self.prefix, group_bits, exc)
             return None
+        finally:
+            self.round = None
+
+    def end_search(self) -> bool:
+        """(Parent, any thread.) End the round under way while it still looks for a group: run_round returns no
+        group at once rather than at its deadline. One whose group formed runs on (its members count on it)."""
+        control = self.round
+        if control is None or control.done() or control.stage is not AveragingStage.LOOKING_FOR_GROUP:
+            return False
+        return control.cancel()
 
     def fetch_state(self, peer_id: str, timeout: float, max_bytes: int) -> tuple[object, list[torch.Tensor]] | None:
         """(Blocking.) The state member `peer_id` serves (averaging_state.fetch_state), metadata unwrapped;

@@ -88,9 +88,7 @@ class OuterSync:
         self.stats = OuterStats()
         self._lock = threading.Lock()        # the outer weights, against the thread that serves them to newcomers
 
-    @property
-    def active(self) -> bool:
-        return self.averager is not None and self.expected > 1
+    active = property(lambda self: self.averager is not None and self.expected > 1)  # it averages with others
 
     def use(self, averager: Averager) -> None:
         """The averager the daemon started for this stage (once pipelines train in data parallel)."""
@@ -126,6 +124,12 @@ class OuterSync:
         if not self.active:
             await self.core.compute(self._take, committed, None)
             return
+        if self._takes_from(self.named) and self.named.step > committed:  # the others averaged past it: none comes
+            log.warning("stage %d: the named outer step %d is past its %d: it regroups", self.core.stage,
+                        self.named.step, committed)  # at once, not after outer_timeout_s alone
+            await self.core.compute(self._take, committed, None)
+            self.stats.alone, self.needs_regroup = self.stats.alone + 1, True
+            return
         pseudo = await self.core.compute(self.outer.pseudo_gradient)
         self.stats.last_norm = float(pseudo.norm())
         await self._wait_members()
@@ -134,10 +138,10 @@ class OuterSync:
         if not lone:
             try:
                 result = await self.averager.average(pseudo, round_, target, self.swarm.outer_timeout_s)
-            except AveragingError as exc:
-                # its own pseudo-gradient not finite (it diverged), or its averager's process ended
+            except AveragingError as exc:  # its own pseudo-gradient not finite (it diverged), or its averager ended
                 log.error("stage %d: outer step after step %d without the others: %s", self.core.stage, committed,
                           exc)
+            lone = not self.active  # meanwhile the coordinator said no other pipeline trains now (theirs recover)
         self._judge(round_, result)  # (a round sat out by the others it suspended ends their suspension too)
         self._count(result)
         await self.core.compute(self._take, committed, result.mean, result.counted)
@@ -364,8 +368,7 @@ class OuterSync:
     def rehash(self) -> bytes | None:
         """(compute thread) Its digest, computed now if it is not known yet."""
         with self._lock:
-            if self.digest is None:
-                self.digest = self._hash()
+            self.digest = self.digest if self.digest is not None else self._hash()
             return self.digest
 
     def outer_state(self) -> tuple[int, bytes] | None:
@@ -379,8 +382,7 @@ class OuterSync:
             for a, p in zip(self.outer.anchor, self.outer.params):
                 p.copy_(a)
 
-    def _own_finite(self) -> bool:
-        """Every value of its outer weights and momentum finite (as a peer's must be)."""
+    def _own_finite(self) -> bool:  # every value of its outer weights and momentum finite (as a peer's must be)
         return self._fits(list(self.outer.tensors().values()))
 
     def _fits(self, tensors: list[torch.Tensor]) -> bool:
