@@ -185,10 +185,9 @@ def test_a_round_under_way_waits_for_a_replica_that_the_pipeline_count_adds(dhts
 
 
 def test_a_round_ended_while_it_looks_for_a_group_returns_at_once_and_the_next_one_averages(dhts):
-    """The coordinator says no other pipeline trains now (theirs recovers): the round under way is ended while
-    it looks for a group and returns without a mean long before its 30-s deadline (before, a replica of a
-    training pipeline waited that long at every failure in another pipeline); the averager's next round forms
-    as ever. Nothing to end: end_round says so."""
+    """The coordinator says no other pipeline trains now (the other lost a stage): the round under way is ended
+    while it looks for a group and returns without a mean long before its 30-s deadline (before, it waited that
+    long); the averager's next round forms as ever. Nothing to end: end_round says so."""
     xs = vectors(2, seed=7)
 
     async def main(avs):

@@ -27,7 +27,6 @@ class Roster:
         self.finished: set[int] = set()  # pipelines over: their ledger full, their first and loss stages done
         self.finishing: dict[int, set[int]] = {}  # pipeline -> stages whose holder said it trained the last step
         self.formed: set[int] = set()    # pipelines that were complete once (one that loses a stage may be dissolved)
-        self.recovering: dict[int, str] = {}  # pipeline -> the node that took one of its stages over, until it trains
         # the coordinator's DHT, once pipelines train in data parallel (server.py starts it)
         self.dht_peers: list[str] = []
 
@@ -87,32 +86,6 @@ class Roster:
         """The holders of `stage` in the other complete pipelines: whom its holder admits (to its groups, and to
         the states it serves) and answers for."""
         return [h for p in self.complete_pipelines() if p != pipeline and (h := self.holder(stage, p)) is not None]
-
-    def took_over(self, node: NodeRecord) -> None:
-        """`node` was placed in a pipeline that had trained (a failed holder replaced, a stage moved): the pipeline
-        recovers (it loads a checkpoint, and returns to the others' outer state) until `node` reports a step past
-        the one it resumed from (`trained`)."""
-        if node.pipeline in self.formed:
-            self.recovering[node.pipeline] = node.node_id
-
-    def trained(self, node: NodeRecord, step: int) -> None:
-        """`node` committed `step` (its heartbeat says): a pipeline that waited for it trains again."""
-        if self.recovering.get(node.pipeline) == node.node_id and step > node.resume_step:
-            del self.recovering[node.pipeline]
-
-    def recovers(self, pipeline: int) -> bool:
-        """Whether `pipeline` waits for the node that took one of its stages over (still its holder) to train."""
-        node = self.nodes.get(self.recovering.get(pipeline, ""))
-        return node is not None and node.status is NodeStatus.ACTIVE and node.pipeline == pipeline
-
-    def averaging_with(self, pipeline: int) -> list[int]:
-        """The complete pipelines whose replicas the rounds of a holder in `pipeline` wait for (its own among them):
-        every one for a pipeline that recovers (it returns to their outer state), those that train for the others.
-        A replica of a training pipeline never waits at its outer step for one that cannot come, its pipeline
-        loading a checkpoint (before, it waited outer_timeout_s at every holder's failure); it still admits that
-        replica, which loads its outer state from it."""
-        complete = self.complete_pipelines()
-        return complete if self.recovers(pipeline) else [p for p in complete if not self.recovers(p)]
 
     def bind_averager(self, node: NodeRecord, address: str) -> None:
         """The p2p address a node's averager is reached at (its heartbeats say), if it is one peer's,

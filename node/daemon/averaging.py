@@ -56,7 +56,7 @@ class StageAveraging:
             self.averager.set_target(outer.group_target() if outer.known is not None else a.pipelines)
         ended = self.averager is not None and a.pipelines < 2 <= outer.expected
         outer.expected = a.pipelines
-        if ended and self.averager.end_round():  # the others' pipelines recover: none comes to the round under way
+        if ended and self.averager.end_round():  # the other pipeline lost a stage: none comes to the round under way
             log.info("%s: stage %d ends its outer round under way: no other pipeline trains now", self.node_id,
                      self.w.stage)
         outer.named = NamedState.of(a.named_state) if a.HasField("named_state") else None

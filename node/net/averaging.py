@@ -231,8 +231,9 @@ class StageAverager:
         self._tell("_set_target", max(2, expected))
 
     def end_round(self) -> bool:
-        """End the round under way if it still looks for a group (no other replica is coming: the coordinator says
-        the others' pipelines recover): its `average` returns without a mean at once. False if none was looking."""
+        """End the round under way if it still looks for a group (no other replica is coming: the coordinator counts
+        one pipeline now, the others lost a stage): its `average` returns without a mean at once. False if none was
+        looking."""
         return self._started and self._averager.end_search()
 
     def _tell(self, method: str, *args) -> None:

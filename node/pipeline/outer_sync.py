@@ -141,7 +141,7 @@ class OuterSync:
             except AveragingError as exc:  # its own pseudo-gradient not finite (it diverged), or its averager ended
                 log.error("stage %d: outer step after step %d without the others: %s", self.core.stage, committed,
                           exc)
-            lone = not self.active  # meanwhile the coordinator said no other pipeline trains now (theirs recover)
+            lone = not self.active  # meanwhile the coordinator said no other pipeline trains now (they lost a stage)
         self._judge(round_, result)  # (a round sat out by the others it suspended ends their suspension too)
         self._count(result)
         await self.core.compute(self._take, committed, result.mean, result.counted)
