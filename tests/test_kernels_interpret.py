@@ -219,7 +219,7 @@ def launches(module, fn):
 
 def test_kernel_paths_are_a_few_launches():
     """The GPU paths are a few launches, because launch overhead (not bytes) would dominate
-    otherwise (design.md section 4): tahquant encode = six kernels and one torch scan, decode = two
+    otherwise: tahquant encode = six kernels and one torch scan, decode = two
     kernels and one scan."""
     x = activations((2, 64, 256), BF16, seed=13).to(DEVICE)
     shape, p = tuple(x.shape), P()

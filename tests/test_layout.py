@@ -1,7 +1,7 @@
-"""The architecture cannot rot silently: no module imports from a layer above its own (design.md
-section 2) and no modules of a subpackage import each other round about, every subpackage ships in
-the wheel, modules and classes stay small, and every module says what it is in a docstring of at
-least two lines."""
+"""The architecture cannot rot silently: no module imports from a layer above its own
+(docs/architecture.md, The folders) and no modules of a subpackage import each other round about,
+every subpackage ships in the wheel, modules and classes stay small, and every module says what it
+is in a docstring of at least two lines."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Stage assignment: which node holds which pipeline stage so that the pipeline's bottleneck
 (the slowest link transfer or stage compute per micro-batch) is as small as it can be.
 
-The cost model (design.md section 6). For a chain (n_0, ..., n_{K-1}):
+The cost model (docs/architecture.md, The coordinator). For a chain (n_0, ..., n_{K-1}):
 
     link(k)    = max(activation_bytes * 8 / bw(n_k -> n_k+1), gradient_bytes * 8 / bw(n_k+1 -> n_k))
     compute(k) = compute seconds of node n_k on stage k

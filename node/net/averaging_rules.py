@@ -21,7 +21,7 @@ REQUEST_TIMEOUT_S = 0.3      # how long a would-be leader may take to answer (be
 # the outer step's deadline (swarm.outer_timeout_s, 30 s); with 20 s it cost them 70 s
 CHUNK_TIMEOUT_S = 5.0
 GRACE_S = 1.5                # after the deadline, the time the leader's "begin" message may take to arrive
-SLOWEST_LINK_BPS = 10e6      # the slowest link the design serves (design.md section 1)
+SLOWEST_LINK_BPS = 10e6      # the slowest link tahnode is built for (10 Mbit/s)
 CONTROL_TIMEOUT_S = 30.0     # the most the averager's process may take to answer a control message
 STATE_KEY = "tahnode"        # served metadata is wrapped: hivemind takes an empty dict for "no state"
 

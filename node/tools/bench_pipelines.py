@@ -1,7 +1,7 @@
 """`tahnode bench swarm --pipelines 1,2`: P pipelines of S stages in data parallel on one swarm of
 P x S nodes in namespaces with tc, against the physical limit with the replicas' averaging in it.
 
-Link limit (design.md sections 3 and 9), per pipeline: tokens per step x rate / the bytes per step
+Link limit, per pipeline: tokens per step x rate / the bytes per step
 of its busiest node: its busiest data-plane direction over the measured steps (tc's counters) plus
 what its averager sent per step (its own count); the swarm's is the pipelines' sum. Compute
 limit: the same swarm on unshaped links. tokens/s: every pipeline's tokens over the wall time of its

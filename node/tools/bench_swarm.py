@@ -1,7 +1,7 @@
 """`tahnode bench swarm`: the same training (same seed, data and steps) on a local swarm with shaped
 links, for codec pairs x link rates x RTTs x stage counts, measured against the physical limit.
 
-Limit (design.md section 3): min(link limit, compute limit). Link limit = tokens per step x link
+Limit: min(link limit, compute limit). Link limit = tokens per step x link
 rate / bytes per step on the busiest link direction (tc's counters: IP packets, headers included;
 with --shaper userspace the envelopes' bytes); compute limit = tokens/s of the same stages and codec
 pair on unshaped links. tokens/s = tokens per step / the median wall time of the measured steps on
