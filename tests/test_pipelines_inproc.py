@@ -406,7 +406,9 @@ def test_a_served_state_is_taken_only_from_the_named_sources_and_only_if_it_hash
 class CountsRounds(LocalAverager):
     """A replica's averager that counts the rounds it is asked to join."""
 
-    rounds: list[int] = []
+    def __init__(self, group: LocalGroup, stage: int, pipeline: int):
+        super().__init__(group, stage, pipeline)
+        self.rounds: list[int] = []
 
     async def average(self, vector, round, expected, timeout):
         self.rounds.append(round)
