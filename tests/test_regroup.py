@@ -111,3 +111,57 @@ def test_skipped_steps_fill_the_ledgers_gaps_even_after_the_loss_stage_reported_
     council.committed = lambda pipeline: MAX_SKIPPED + 100
     far = [pb.LossPoint(step=99, skipped=True), pb.LossPoint(step=100, skipped=True)]
     assert [p.step for p in council.skipped(stage0, far)] == [100]
+
+
+def test_a_regroup_follows_the_naming_when_the_named_states_source_moved_on(tmp_path):
+    """A pipeline that returns to the others' outer state while they train on: its source already serves a newer
+    step than the one named. Once the coordinator names that one, the stage fetches it and returns to it (before,
+    it tried the gone one until outer_timeout_s, kept its own weights and never took that step again)."""
+    from tahnode.train.outer import state_digest
+
+    worker = worker_with_checkpoints(tmp_path, [4, 8])
+    outer = worker.outer
+    newer = [t + 1.0 for t in outer.outer.tensors().values()]
+
+    class MovedOn:
+        peer_id, asked = "me", 0
+
+        async def load_state(self, peer_id, timeout):
+            self.asked += 1
+            outer.named = NamedState(16, state_digest(16, newer), ("peer",), True, 2)  # its next heartbeat's naming
+            return {"step": 16}, [t.clone() for t in newer]
+
+    source = MovedOn()
+    outer.use(source)
+    outer.expected = 2
+    outer.named = NamedState(12, b"d" * 32, ("peer",), True, 2)
+    assert asyncio.run(outer.regroup()) == 16
+    assert worker.committed == 16 and outer.anchor_step == 16 and source.asked == 2
+    assert all(torch.equal(a, b) for a, b in zip(outer.outer.tensors().values(), newer))
+    assert not outer.failed  # a state the others moved on from is not its sources' failure: they may return to it
+
+
+def test_a_pipeline_formed_again_resumes_from_a_checkpoint_its_own_ledger_reached():
+    """Pipeline 0's ledger holds steps up to 1354 when it is formed again; the store keeps the stage's
+    checkpoints of 1300, 1340 and (pipeline 1's) 1380. Its new holders resume from 1340 and its pipeline
+    regroups to the others' state, marking the steps between skipped; from 1380 (before), steps 1355..1379
+    were missing from its ledger, unmarked. A pipeline new to the run, or one whose ledger reached none of
+    the checkpoints, still takes the newest the ledgers confirm."""
+    from types import SimpleNamespace
+
+    from tahnode.coordinator.ledger_order import resume_from
+
+    class Store:
+        steps = [1300, 1340, 1380]
+
+        def latest(self, stage, num_stages, at_most=None):
+            found = [s for s in self.steps if at_most is None or s <= at_most]
+            return SimpleNamespace(step=found[-1]) if found else None
+
+    run = SimpleNamespace(stages=3)
+    assert resume_from(run, Store(), 1, confirmed=1400, reached=1355) == 1340
+    assert resume_from(run, Store(), 1, confirmed=1400, reached=1380) == 1380
+    assert resume_from(run, Store(), 1, confirmed=1400, reached=None) == 1380
+    assert resume_from(run, Store(), 1, confirmed=1400, reached=1200) == 1380
+    assert resume_from(run, Store(), 1, confirmed=1350, reached=None) == 1340
+    assert resume_from(run, SimpleNamespace(latest=lambda *a, **k: None), 1, confirmed=0, reached=None) == 0

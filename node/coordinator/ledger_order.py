@@ -9,7 +9,7 @@ from ..config import RunConfig
 from ..pipeline.checkpoint import CheckpointStore, has_outer
 from ..proto import tahnode_pb2 as pb
 
-__all__ = ["rollback_floor", "in_order"]
+__all__ = ["rollback_floor", "in_order", "resume_from"]
 
 
 def rollback_floor(run: RunConfig, store: CheckpointStore, confirmed: int, reached: int) -> int:
@@ -26,6 +26,19 @@ def rollback_floor(run: RunConfig, store: CheckpointStore, confirmed: int, reach
     if has_outer(run):
         floor = min(floor, max(0, reached - run.swarm.outer_every))
     return floor
+
+
+def resume_from(run: RunConfig, store: CheckpointStore, stage: int, confirmed: int, reached: int | None) -> int:
+    """The step a new holder of `stage` resumes from, in a pipeline whose ledger holds the steps before `reached`
+    (None: a pipeline new to the run): the store's newest checkpoint of the stage of a step the ledgers confirm
+    (`confirmed`: the furthest one's; a holder may upload a step a little ahead of the loss reports, or make one
+    up: that file waits until a ledger reaches its step), and of those one its pipeline's own ledger reached, if
+    any. A newer one is another pipeline's state: resumed from by every stage of a pipeline formed again, the
+    steps between were missing from its ledger; its pipeline returns to that state by a regroup instead, which
+    marks them skipped."""
+    own = store.latest(stage, run.stages, at_most=reached) if reached is not None else None
+    newest = own or store.latest(stage, run.stages, at_most=confirmed)
+    return newest.step if newest else 0
 
 
 def in_order(points: list[pb.LossPoint], steps: int, ledger_next: int,

@@ -20,7 +20,7 @@ from .bans import BanPolicy, Bans, ban_marks
 from .admission import admit, release_newcomers
 from .durable import SwarmDB, run_identity
 from .health import LossHistory, LossWatch
-from .ledger_order import in_order, rollback_floor
+from .ledger_order import in_order, resume_from, rollback_floor
 from .reports import check_names, kept_stats
 from .replicas import ReplicaCouncil
 from .roster import Roster
@@ -167,12 +167,10 @@ class SwarmRegistry:
         n = self.roster.holder(stage, pipeline) if 0 <= stage < self.run.stages else None
         return self.peer(n) if n is not None else pb.Peer(stage=stage)
 
-    def resume_step(self, stage: int) -> int:
-        """The step a new holder of `stage` resumes from: the store's newest checkpoint of it that
-        the ledger confirms (a holder may upload a step a little ahead of the loss reports, or make
-        one up: that file waits until the ledger reaches its step)."""
-        ckpt = self.store.latest(stage, self.run.stages, at_most=self.confirmed_step())
-        return ckpt.step if ckpt else 0
+    def resume_step(self, stage: int, pipeline: int = -1) -> int:
+        """The step a new holder of `stage` in `pipeline` resumes from (ledger_order.resume_from)."""
+        reached = self.ledger_next(pipeline) if pipeline in self.histories else None
+        return resume_from(self.run, self.store, stage, self.confirmed_step(), reached)
 
     def rollback_floor(self, pipeline: int) -> int:
         """The earliest step a loss report may rewrite in `pipeline`'s ledger (ledger_order.rollback_floor), from
@@ -188,10 +186,11 @@ class SwarmRegistry:
         """What `node` holds and who its neighbours are; the run's configuration with it if asked
         (join replies: it never changes while the coordinator runs)."""
         stage = node.stage if node.status is NodeStatus.ACTIVE else STANDBY
+        waits = self.roster.averaging_with(node.pipeline) if stage >= 0 else self.roster.complete_pipelines()
         a = pb.Assignment(stage=stage, num_stages=self.run.stages, epoch=self.epoch, resume_step=node.resume_step,
                           run_config=self.run.to_json() if with_config else "",
-                          pipeline=node.pipeline if stage >= 0 else 0, pipelines=len(self.roster.complete_pipelines()))
-        if a.pipelines > 1:
+                          pipeline=node.pipeline if stage >= 0 else 0, pipelines=len(waits))
+        if len(self.roster.complete_pipelines()) > 1:
             a.dht_peers.extend(self.roster.dht_peers)
             if stage >= 0:
                 for n in self.roster.replicas(stage, node.pipeline):
@@ -210,7 +209,8 @@ class SwarmRegistry:
             return False
         self.roster.invalidate()
         node.stage, node.pipeline, node.status = stage, pipeline, NodeStatus.ACTIVE
-        node.resume_step = self.resume_step(stage)
+        node.resume_step = self.resume_step(stage, pipeline)
+        self.roster.took_over(node)
         return True
 
     def stand_by(self, node: NodeRecord) -> bool:
@@ -257,6 +257,7 @@ class SwarmRegistry:
             raise UnknownNode(f"unknown node {req.node_id!r}: join first")
         node.last_seen = time.monotonic()
         node.stats.CopyFrom(kept_stats(req.stats))
+        self.roster.heard(node, req.HasField("outer_state"), req.stats.step)
         if req.layer_ms > 0:
             node.layer_ms = req.layer_ms
         for link in req.links[:MAX_LINKS_PER_NODE]:  # to nodes it could have sent to, a few at most

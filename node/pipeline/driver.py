@@ -139,11 +139,12 @@ class StepDriver:
         """Restart step `committed` as `attempt` once every stage answers; repeat until they do.
         Stages that answer with different committed steps are all rolled back to the smallest; with
         pipelines in data parallel (`regroup`, or other pipelines training) every stage returns to
-        its stage's latest outer step instead, and if they still disagree, to the newest outer step every
-        one of them can reach (RegroupPlan: a bounded number of tries each, then the next lower; 0, the
-        initial weights, is always reachable), so that the loop ends."""
+        its stage's latest outer step instead (once more when they disagree: a regroup done while a stage was
+        still loading its checkpoint took a state the others have since moved on from), and if they still
+        disagree, to the newest outer step every one of them can reach (RegroupPlan: a bounded number of tries
+        each, then the next lower; 0, the initial weights, is always reachable), so that the loop ends."""
         core, st = self.core, self.core.state
-        rollback, plan, before = False, RegroupPlan(TARGET_TRIES), st.committed
+        rollback, plan, before, fresh = False, RegroupPlan(TARGET_TRIES), st.committed, True
         wait = 1.0  # the first Sync may reach a stage before it listens: ask again soon, then less often
         while True:
             if regroup:
@@ -172,7 +173,12 @@ class StepDriver:
             if ack.max_committed == low and st.committed == low:
                 self._skipped(before, low)
                 return
-            if self.outer is not None and self.outer.active:
+            if self.outer is not None and self.outer.replicated and fresh:  # each to its stage's latest, as named now
+                log.warning("stages are at steps %d..%d: every stage returns to its stage's latest outer step", low,
+                            max(ack.max_committed, st.committed))
+                regroup, attempt, fresh = True, attempt + 1, False
+                continue
+            if self.outer is not None and self.outer.replicated:
                 target = plan.next(set(ack.reachable) & self.outer.reachable())
                 log.warning("stages are at steps %d..%d: every stage returns to outer step %d, the newest each of "
                             "them can reach (try %d)", low, max(ack.max_committed, st.committed), target, plan.tries)

@@ -21,7 +21,7 @@ from ..train.outer import state_digest
 
 log = logging.getLogger("tahnode.pipeline")
 
-__all__ = ["NamedState", "ServedState", "fetch_named", "SAME_STEP_RADIUS"]
+__all__ = ["NamedState", "ServedState", "fetch_named", "fetch_newest", "superseded", "SAME_STEP_RADIUS"]
 
 SAME_STEP_RADIUS = CLIP + 1.0
 RETRY_S = 1.0  # between two passes over a named state's sources that did not answer
@@ -64,9 +64,10 @@ async def fetch_named(sync, named: NamedState, timeout: float) -> list[torch.Ten
     them, each checked against the digest; a source that serves other bytes for the named step is refused
     and counted (`sync.stats.refused`) and not asked again. Sources that do not answer (a replica new to
     them is admitted once the coordinator's next assignment names it, about a second) are asked again every
-    RETRY_S until `timeout` s have passed. None if none served them by then."""
+    RETRY_S until `timeout` s have passed. None if none served them by then, or once the coordinator names a
+    newer step of the stage (`sync.named`: its sources moved on, and serve that one)."""
     deadline, refused = time.monotonic() + timeout, set()
-    while True:
+    while sync.averager is not None:  # (none: its averager did not start)
         for peer in named.sources:
             if peer in sync.standing.excluded or peer in refused:
                 continue
@@ -85,9 +86,35 @@ async def fetch_named(sync, named: NamedState, timeout: float) -> list[torch.Ten
             sync.stats.refused[peer] = sync.stats.refused.get(peer, 0) + 1
             log.warning("stage %d: refused %s's outer state of step %d: it is not the one its replicas reported",
                         sync.core.stage, peer, served.step)
-        if time.monotonic() + RETRY_S >= deadline or all(p in refused for p in named.sources):
+        gave_up = time.monotonic() + RETRY_S >= deadline or all(p in refused for p in named.sources)
+        if gave_up or superseded(sync, named):
             return None
         await asyncio.sleep(RETRY_S)
+    return None
+
+
+def superseded(sync, named: NamedState) -> bool:
+    """Whether the coordinator names a newer step of `sync`'s stage than `named`: the others moved on from it,
+    and a source no longer serves it (not a failure of its sources: they may return to it, from a checkpoint)."""
+    return sync.named is not None and sync.named.step > named.step
+
+
+async def fetch_newest(sync, timeout: float) -> tuple[NamedState | None, list[torch.Tensor] | None]:
+    """The state the coordinator names for `sync`'s stage, if it is to replace its own (`sync.wants`), with its
+    tensors (None: none fetched in `timeout` s); a newer one named while it fetched takes its place (the
+    others train on: the older one is gone). A named state no source served is not asked for again
+    (`sync.failed`)."""
+    named, tensors, deadline = sync.named, None, time.monotonic() + timeout
+    while tensors is None and sync.wants(named) and time.monotonic() < deadline:
+        tensors = await fetch_named(sync, named, max(1.0, deadline - time.monotonic()))
+        if tensors is None:
+            gone = superseded(sync, named)
+            if not gone:
+                sync.failed.add((named.step, named.digest))
+            log.error("stage %d: no source of the named state of step %d served it (%s)", sync.core.stage,
+                      named.step, "a newer one is named" if gone else "it keeps its own")
+            named = sync.named
+    return named, tensors
 
 
 def within_reach(own: list[torch.Tensor], theirs: list[torch.Tensor], last_norm: float) -> bool:

@@ -19,7 +19,7 @@ import torch
 from ..net.averaging import AveragingError, AveragingRound
 from ..train.outer import OuterOptimizer, state_digest
 from .core import StageCore
-from .outer_adopt import NamedState, fetch_named, within_reach
+from .outer_adopt import NamedState, fetch_named, fetch_newest, superseded, within_reach
 from .peer_standing import PeerStanding
 
 log = logging.getLogger("tahnode.pipeline")
@@ -89,6 +89,9 @@ class OuterSync:
         self._lock = threading.Lock()        # the outer weights, against the thread that serves them to newcomers
 
     active = property(lambda self: self.averager is not None and self.expected > 1)  # it averages with others
+    # its stage has replicas in other pipelines (an averager), which may train alone now while another recovers:
+    # its pipeline's stages that disagree return to outer steps (a regroup), never roll back to a checkpoint's step
+    replicated = property(lambda self: self.averager is not None)
 
     def use(self, averager: Averager) -> None:
         """The averager the daemon started for this stage (once pipelines train in data parallel)."""
@@ -290,9 +293,9 @@ class OuterSync:
         named = self.named
         if self.anchor_step != target and self._takes_from(named) and named.step == target:
             tensors = await fetch_named(self, named, self.swarm.outer_timeout_s)
-            if tensors is None:
+            if tensors is None and not superseded(self, named):
                 self.failed.add((named.step, named.digest))
-            else:
+            elif tensors is not None:
                 await self.core.compute(self._regroup, tensors, named)
         if self.anchor_step == target:
             await self.core.compute(self._regroup, None, None)
@@ -300,16 +303,11 @@ class OuterSync:
         return False
 
     async def regroup(self) -> int:
-        """Return to the stage's latest outer step: the named one if it is to replace its own (wants),
-        else its own (the steps since are trained again); the committed step the stage is at then."""
-        named, tensors = self.named, None
+        """Return to the stage's latest outer step: the named one if it is to replace its own (wants; a newer one
+        named while it fetched takes its place: the others train on), else its own (the steps since are trained
+        again); the committed step the stage is at then."""
         await self.core.compute(self.rehash)
-        if self.wants(named):
-            tensors = await fetch_named(self, named, self.swarm.outer_timeout_s)
-            if tensors is None:
-                self.failed.add((named.step, named.digest))
-                log.error("stage %d: regroups on its own outer weights: no source of the named state of step %d "
-                          "served it", self.core.stage, named.step)
+        named, tensors = await fetch_newest(self, self.swarm.outer_timeout_s)
         return await self.core.compute(self._regroup, tensors, named)
 
     def _regroup(self, tensors: list[torch.Tensor] | None, named: NamedState | None) -> int:
