@@ -89,9 +89,6 @@ class OuterSync:
         self._lock = threading.Lock()        # the outer weights, against the thread that serves them to newcomers
 
     active = property(lambda self: self.averager is not None and self.expected > 1)  # it averages with others
-    # its stage has replicas in other pipelines (an averager), which may train alone now while another recovers:
-    # its pipeline's stages that disagree return to outer steps (a regroup), never roll back to a checkpoint's step
-    replicated = property(lambda self: self.averager is not None)
 
     def use(self, averager: Averager) -> None:
         """The averager the daemon started for this stage (once pipelines train in data parallel)."""
