@@ -6,9 +6,11 @@ only shrink as tries fail, and 0 (the initial weights) is always reachable: the 
 
     REGROUP (each stage: its stage's named state, else its own)
        |-- the stages agree ---------------------------------> TRAIN
-       '-- they disagree --> TARGET t = newest step all can reach, not given up
-               |-- they agree -------------------------------> TRAIN
-               '-- they disagree again: t tried `tries` times? --> give t up; TARGET (next lower)"""
+       '-- they disagree --> REGROUP once more (a stage may have regrouped while another still loaded)
+             |-- the stages agree ---------------------------> TRAIN
+             '-- they disagree --> TARGET t = newest step all can reach, not given up
+                     |-- they agree -------------------------> TRAIN
+                     '-- they disagree again: t tried `tries` times? --> give t up; TARGET (next lower)"""
 
 from __future__ import annotations
 
