@@ -115,29 +115,31 @@ def test_skipped_steps_fill_the_ledgers_gaps_even_after_the_loss_stage_reported_
 
 def test_a_regroup_follows_the_naming_when_the_named_states_source_moved_on(tmp_path):
     """A pipeline that returns to the others' outer state while they train on: its source already serves a newer
-    step than the one named. Once the coordinator names that one, the stage fetches it and returns to it (before,
-    it tried the gone one until outer_timeout_s, kept its own weights and never took that step again)."""
+    step than the one named, twice in a row (12 named, 16 served; 16 named, 20 served). Once the coordinator names
+    the one it serves, the stage fetches it and returns to it (before, it tried the gone one until
+    outer_timeout_s, kept its own weights and never took that step again)."""
     from tahnode.train.outer import state_digest
 
     worker = worker_with_checkpoints(tmp_path, [4, 8])
     outer = worker.outer
-    newer = [t + 1.0 for t in outer.outer.tensors().values()]
+    states = {step: [t + step for t in outer.outer.tensors().values()] for step in (16, 20)}
 
     class MovedOn:
         peer_id, asked = "me", 0
 
         async def load_state(self, peer_id, timeout):
             self.asked += 1
-            outer.named = NamedState(16, state_digest(16, newer), ("peer",), True, 2)  # its next heartbeat's naming
-            return {"step": 16}, [t.clone() for t in newer]
+            step = 16 if self.asked == 1 else 20  # it takes its next outer step while the first fetch is under way
+            outer.named = NamedState(step, state_digest(step, states[step]), ("peer",), True, 2)  # its heartbeat's
+            return {"step": step}, [t.clone() for t in states[step]]
 
     source = MovedOn()
     outer.use(source)
     outer.expected = 2
     outer.named = NamedState(12, b"d" * 32, ("peer",), True, 2)
-    assert asyncio.run(outer.regroup()) == 16
-    assert worker.committed == 16 and outer.anchor_step == 16 and source.asked == 2
-    assert all(torch.equal(a, b) for a, b in zip(outer.outer.tensors().values(), newer))
+    assert asyncio.run(outer.regroup()) == 20
+    assert worker.committed == 20 and outer.anchor_step == 20 and source.asked == 3
+    assert all(torch.equal(a, b) for a, b in zip(outer.outer.tensors().values(), states[20]))
     assert not outer.failed  # a state the others moved on from is not its sources' failure: they may return to it
 
 

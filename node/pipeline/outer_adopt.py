@@ -21,7 +21,8 @@ from ..train.outer import state_digest
 
 log = logging.getLogger("tahnode.pipeline")
 
-__all__ = ["NamedState", "ServedState", "fetch_named", "fetch_newest", "superseded", "SAME_STEP_RADIUS"]
+__all__ = ["NamedState", "ServedState", "fetch_named", "fetch_newest", "not_served", "superseded",
+           "SAME_STEP_RADIUS"]
 
 SAME_STEP_RADIUS = CLIP + 1.0
 RETRY_S = 1.0  # between two passes over a named state's sources that did not answer
@@ -99,6 +100,15 @@ def superseded(sync, named: NamedState) -> bool:
     return sync.named is not None and sync.named.step > named.step
 
 
+def not_served(sync, named: NamedState) -> bool:
+    """After no source served `named`: unless it was superseded, it is not asked for again (`sync.failed`).
+    True if it was superseded."""
+    gone = superseded(sync, named)
+    if not gone:
+        sync.failed.add((named.step, named.digest))
+    return gone
+
+
 async def fetch_newest(sync, timeout: float) -> tuple[NamedState | None, list[torch.Tensor] | None]:
     """The state the coordinator names for `sync`'s stage, if it is to replace its own (`sync.wants`), with its
     tensors (None: none fetched in `timeout` s); a newer one named while it fetched takes its place (the
@@ -108,11 +118,8 @@ async def fetch_newest(sync, timeout: float) -> tuple[NamedState | None, list[to
     while tensors is None and sync.wants(named) and time.monotonic() < deadline:
         tensors = await fetch_named(sync, named, max(1.0, deadline - time.monotonic()))
         if tensors is None:
-            gone = superseded(sync, named)
-            if not gone:
-                sync.failed.add((named.step, named.digest))
             log.error("stage %d: no source of the named state of step %d served it (%s)", sync.core.stage,
-                      named.step, "a newer one is named" if gone else "it keeps its own")
+                      named.step, "a newer one is named" if not_served(sync, named) else "it keeps its own")
             named = sync.named
     return named, tensors
 

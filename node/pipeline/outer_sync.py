@@ -19,7 +19,7 @@ import torch
 from ..net.averaging import AveragingError, AveragingRound
 from ..train.outer import OuterOptimizer, state_digest
 from .core import StageCore
-from .outer_adopt import NamedState, fetch_named, fetch_newest, superseded, within_reach
+from .outer_adopt import NamedState, fetch_named, fetch_newest, not_served, within_reach
 from .peer_standing import PeerStanding
 
 log = logging.getLogger("tahnode.pipeline")
@@ -290,9 +290,9 @@ class OuterSync:
         named = self.named
         if self.anchor_step != target and self._takes_from(named) and named.step == target:
             tensors = await fetch_named(self, named, self.swarm.outer_timeout_s)
-            if tensors is None and not superseded(self, named):
-                self.failed.add((named.step, named.digest))
-            elif tensors is not None:
+            if tensors is None:
+                not_served(self, named)
+            else:
                 await self.core.compute(self._regroup, tensors, named)
         if self.anchor_step == target:
             await self.core.compute(self._regroup, None, None)
