@@ -436,3 +436,41 @@ def test_a_replica_behind_the_named_outer_step_regroups_without_waiting_for_a_ro
             await swarm.close()
 
     assert asyncio.run(go()) == ([], True, True)
+
+
+def test_every_stage_of_a_pipeline_counts_the_pipelines_as_its_stage_0_counted_them_for_the_step(dataset):
+    """The coordinator's count of pipelines reaches a pipeline's stages at different moments: here stages 1 and 2
+    of both pipelines were told 1 while their stage 0 still counted 2 when it began the step. Every stage's outer
+    step after it waits for the count stage 0 put on the step's micro-batches: both pipelines average every stage
+    and end as one model. Before, stage 0 averaged while the stages after it stepped alone, and their outer states
+    were of different steps' groups."""
+    steps = 4
+    run = build_run(steps, **NONE, **{"swarm.pipelines": 2, "swarm.outer_every": 4, "swarm.outer_bits": 32})
+    swarm = Pipelines(run, dataset, 2)
+
+    async def go():
+        try:
+            workers = [w for p in range(2) for w in await swarm.start(p)]
+            for w in workers:
+                if w.stage > 0:
+                    w.outer.expected = 1
+            await asyncio.wait_for(asyncio.gather(*(w.run(steps) for w in workers)), 120)
+        finally:
+            await swarm.close()
+
+    asyncio.run(go())
+    for p in range(2):
+        assert [(w.outer.stats.steps, w.outer.stats.last_group) for w in swarm.workers[p]] == [(1, 2)] * 3
+        assert [w.outer.counted.of(steps - 1, 0) for w in swarm.workers[p]] == [2, 2, 2]
+    assert_one_model(swarm, 2)
+
+
+def test_a_count_of_pipelines_off_a_micro_batch_is_taken_only_if_it_is_one():
+    from tahnode.pipeline.outer_count import StepCount
+
+    count = StepCount(limit=4)
+    assert count.of(7, 3) == 3  # none came for step 7: its own
+    assert count.take(7, 2.0) and count.of(7, 3) == 2 and count.of(8, 3) == 3
+    for bad in (0.0, 5.0, 1.5, float("nan"), float("inf"), -2.0):
+        assert not count.take(8, bad)
+    assert count.of(7, 3) == 2

@@ -89,6 +89,47 @@ def test_a_vacancy_takes_a_standby_and_an_incomplete_pipeline_is_dissolved(tmp_p
     assert any("pipeline 1 dissolved" in e for e in r.events)
 
 
+@pytest.mark.parametrize("ready", ["stage step", "outer state"])
+def test_while_a_stage_taken_over_loads_the_other_pipeline_does_not_wait_for_its_pipeline(tmp_path, ready):
+    """A standby takes a failed holder's stage in pipeline 1: until it reports its stage's step (its
+    checkpoint loaded, its averager started) or its outer state, pipeline 0's holders are told one pipeline
+    trains (their rounds do not wait outer_timeout_s for a pipeline loading a checkpoint), yet still admit
+    pipeline 1's replicas, while pipeline 1's holders count both; once it reports, every holder counts both
+    again (pipeline 0's next round waits for it, its outer state still while pipeline 1 returns to it)."""
+    swarm = TrueSwarm(5, 7)
+    r = registry_with(tmp_path, swarm, stages=3, pipelines="auto", standbys=1, min_chain_share=0.0)
+    placement = placed(r, swarm)
+    chains = placement.chains()
+    assert sorted(chains) == [0, 1]
+    spare = next(n.node_id for n in r.nodes.values() if n.status is NodeStatus.STANDBY)
+    fail(r, chains[1][1])
+    asyncio.run(settle(placement, 1.0))
+    assert placement.chains()[1][1] == spare
+    resumed = r.nodes[spare].resume_step
+    r.roster.dht_peers = ["/ip4/127.0.0.1/tcp/1/p2p/QmCoordinator"]
+    sealers = {v: Sealer(SwarmKey("t" * 32), v, r.sealer.run, NodeKey.generate()) for v in swarm.ids}
+
+    def beat(v: str, step: int, outer: bool = False) -> pb.Assignment:
+        req = pb.HeartbeatRequest(node_id=v, stats=pb.TrainingStats(step=step))
+        if outer:
+            req.outer_state.step, req.outer_state.digest = resumed, b"d" * 32
+        return r.heartbeat(sealers[v].seal(req, COORDINATOR)).assignment
+
+    for k, v in enumerate(placement.chains()[0]):
+        assert beat(v, 40).pipelines == 1
+        assert [n.node_id for n in r.roster.replicas(k, 0)] == [placement.chains()[1][k]]
+        assert list(r.assignment(r.nodes[v]).dht_peers) == r.roster.dht_peers  # its averager runs on
+    for v in placement.chains()[1]:
+        assert beat(v, resumed).pipelines == 2
+    assert beat(spare, 0).pipelines == 2  # its checkpoint loading (no stage stats yet): pipeline 0 does not wait
+    assert r.assignment(r.nodes[chains[0][0]]).pipelines == 1
+    if ready == "outer state":
+        beat(spare, 0, outer=True)
+    else:
+        beat(spare, max(1, resumed))
+    assert all(r.assignment(r.nodes[v]).pipelines == 2 for p in (0, 1) for v in placement.chains()[p])
+
+
 def test_late_newcomers_complete_a_new_pipeline(tmp_path):
     swarm = TrueSwarm(6, 7)
     r = registry_with(tmp_path, swarm, stages=3, pipelines="auto", standbys=1, min_chain_share=0.0)

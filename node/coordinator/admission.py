@@ -60,6 +60,7 @@ def _of(pipeline: int) -> str:
 def _hold(r, node: NodeRecord, stage: int, pipeline: int) -> None:
     node.status, node.stage, node.pipeline = NodeStatus.ACTIVE, stage, pipeline
     node.resume_step = r.resume_step(stage, pipeline)
+    r.roster.took_over(node)
 
 
 def _reclaimed(r, node: NodeRecord, old: NodeRecord | None, asked: int, limits: SybilLimits) -> int | None:

@@ -186,10 +186,11 @@ class SwarmRegistry:
         """What `node` holds and who its neighbours are; the run's configuration with it if asked
         (join replies: it never changes while the coordinator runs)."""
         stage = node.stage if node.status is NodeStatus.ACTIVE else STANDBY
+        waits = self.roster.averaging_with(node.pipeline) if stage >= 0 else self.roster.complete_pipelines()
         a = pb.Assignment(stage=stage, num_stages=self.run.stages, epoch=self.epoch, resume_step=node.resume_step,
                           run_config=self.run.to_json() if with_config else "",
-                          pipeline=node.pipeline if stage >= 0 else 0, pipelines=len(self.roster.complete_pipelines()))
-        if a.pipelines > 1:
+                          pipeline=node.pipeline if stage >= 0 else 0, pipelines=len(waits))
+        if len(self.roster.complete_pipelines()) > 1:
             a.dht_peers.extend(self.roster.dht_peers)
             if stage >= 0:
                 for n in self.roster.replicas(stage, node.pipeline):
@@ -209,6 +210,7 @@ class SwarmRegistry:
         self.roster.invalidate()
         node.stage, node.pipeline, node.status = stage, pipeline, NodeStatus.ACTIVE
         node.resume_step = self.resume_step(stage, pipeline)
+        self.roster.took_over(node)
         return True
 
     def stand_by(self, node: NodeRecord) -> bool:
@@ -255,6 +257,7 @@ class SwarmRegistry:
             raise UnknownNode(f"unknown node {req.node_id!r}: join first")
         node.last_seen = time.monotonic()
         node.stats.CopyFrom(kept_stats(req.stats))
+        self.roster.heard(node, req.HasField("outer_state"), req.stats.step)
         if req.layer_ms > 0:
             node.layer_ms = req.layer_ms
         for link in req.links[:MAX_LINKS_PER_NODE]:  # to nodes it could have sent to, a few at most

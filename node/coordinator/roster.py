@@ -27,6 +27,7 @@ class Roster:
         self.finished: set[int] = set()  # pipelines over: their ledger full, their first and loss stages done
         self.finishing: dict[int, set[int]] = {}  # pipeline -> stages whose holder said it trained the last step
         self.formed: set[int] = set()    # pipelines that were complete once (one that loses a stage may be dissolved)
+        self.recovering: dict[int, str] = {}  # pipeline -> the node that took one of its stages over, until it is ready
         # the coordinator's DHT, once pipelines train in data parallel (server.py starts it)
         self.dht_peers: list[str] = []
 
@@ -86,6 +87,33 @@ class Roster:
         """The holders of `stage` in the other complete pipelines: whom its holder admits (to its groups, and to
         the states it serves) and answers for."""
         return [h for p in self.complete_pipelines() if p != pipeline and (h := self.holder(stage, p)) is not None]
+
+    def took_over(self, node: NodeRecord) -> None:
+        """`node` was placed in a pipeline that had trained (a failed holder replaced, a stage moved): the pipeline
+        recovers (its new holder loads a checkpoint and starts its averager) until `node` is ready (`heard`)."""
+        if node.pipeline in self.formed:
+            self.recovering[node.pipeline] = node.node_id
+
+    def heard(self, node: NodeRecord, outer_state: bool, step: int) -> None:
+        """`node`'s heartbeat: once the node that took a stage over reports its stage's step (its checkpoint
+        loaded, its averager started: its pipeline returns to the others' outer state now, which must hold
+        still for it) or its outer state, its pipeline is waited for again."""
+        if self.recovering.get(node.pipeline) == node.node_id and (outer_state or step >= max(1, node.resume_step)):
+            del self.recovering[node.pipeline]
+
+    def recovers(self, pipeline: int) -> bool:
+        """Whether `pipeline` waits for the node that took one of its stages over (still its holder) to be ready."""
+        node = self.nodes.get(self.recovering.get(pipeline, ""))
+        return node is not None and node.status is NodeStatus.ACTIVE and node.pipeline == pipeline
+
+    def averaging_with(self, pipeline: int) -> list[int]:
+        """The complete pipelines whose replicas the rounds of a holder in `pipeline` wait for (its own among them):
+        every one for a pipeline that recovers (it returns to their outer state), those not recovering for the
+        others. A replica of a training pipeline does not wait at its outer step for one that cannot come, its new
+        holder still loading (before, it waited outer_timeout_s at every failure); it still admits that pipeline's
+        replicas, which load its outer state, and waits for them again once the new holder is ready."""
+        complete = self.complete_pipelines()
+        return complete if self.recovers(pipeline) else [p for p in complete if not self.recovers(p)]
 
     def bind_averager(self, node: NodeRecord, address: str) -> None:
         """The p2p address a node's averager is reached at (its heartbeats say), if it is one peer's,

@@ -173,12 +173,12 @@ class StepDriver:
             if ack.max_committed == low and st.committed == low:
                 self._skipped(before, low)
                 return
-            if self.outer is not None and self.outer.active and fresh:  # each to its stage's latest, as named now
+            if self.outer is not None and self.outer.replicated and fresh:  # each to its stage's latest, as named now
                 log.warning("stages are at steps %d..%d: every stage returns to its stage's latest outer step", low,
                             max(ack.max_committed, st.committed))
                 regroup, attempt, fresh = True, attempt + 1, False
                 continue
-            if self.outer is not None and self.outer.active:
+            if self.outer is not None and self.outer.replicated:
                 target = plan.next(set(ack.reachable) & self.outer.reachable())
                 log.warning("stages are at steps %d..%d: every stage returns to outer step %d, the newest each of "
                             "them can reach (try %d)", low, max(ack.max_committed, st.committed), target, plan.tries)

@@ -20,6 +20,7 @@ from ..net.averaging import AveragingError, AveragingRound
 from ..train.outer import OuterOptimizer, state_digest
 from .core import StageCore
 from .outer_adopt import NamedState, fetch_named, fetch_newest, not_served, within_reach
+from .outer_count import StepCount
 from .peer_standing import PeerStanding
 
 log = logging.getLogger("tahnode.pipeline")
@@ -86,12 +87,14 @@ class OuterSync:
         self.on_standing: Callable[[], None] | None = None  # the daemon admits the replicas again after a change
         self.failed: set[tuple[int, bytes]] = set()  # named states (step, digest) whose sources did not serve them
         self.stats = OuterStats()
+        self.counted = StepCount(self.swarm.data_slots)  # stage 0's count of pipelines for the step
         self._lock = threading.Lock()        # the outer weights, against the thread that serves them to newcomers
 
     active = property(lambda self: self.averager is not None and self.expected > 1)  # it averages with others
+    # replicas in other pipelines (which may train alone while another recovers): disagreeing stages regroup
+    replicated = property(lambda self: self.averager is not None)
 
-    def use(self, averager: Averager) -> None:
-        """The averager the daemon started for this stage (once pipelines train in data parallel)."""
+    def use(self, averager: Averager) -> None:  # the averager the daemon started (pipelines train in parallel)
         self.averager = averager
         self.ready.set()
 
@@ -108,11 +111,12 @@ class OuterSync:
         """Whether the replicas average after `committed` steps (every outer_every, and the run's last)."""
         return committed > 0 and (committed % self.swarm.outer_every == 0 or committed == self.core.train.steps)
 
-    def group_target(self) -> int:
-        """The group a round waits for: a replica of every pipeline, less those it excluded or suspended."""
-        if self.admitted is None or self.known is None:
-            return self.expected
-        return max(1, self.expected - (self.known - self.admitted))
+    def group_target(self, expected: int | None = None) -> int:
+        """The group a round waits for: a replica of every pipeline (`expected`, else the assignment's), less those
+        it excluded or suspended."""
+        expected = expected or self.expected
+        unknown = self.admitted is None or self.known is None
+        return expected if unknown else max(1, expected - (self.known - self.admitted))
 
     async def after_commit(self) -> None:
         """At an outer boundary: average the pseudo-gradient with the other replicas of the stage
@@ -121,7 +125,8 @@ class OuterSync:
         if not self.due(committed):
             return
         await self.wait_ready()  # its averager may be starting: the other replicas wait for it
-        if not self.active:
+        expected = self.counted.of(committed - 1, self.expected)  # as stage 0 counted for the step
+        if self.averager is None or expected < 2:
             await self.core.compute(self._take, committed, None)
             return
         if self._takes_from(self.named) and self.named.step > committed:  # the others averaged past it: none comes
@@ -132,8 +137,8 @@ class OuterSync:
             return
         pseudo = await self.core.compute(self.outer.pseudo_gradient)
         self.stats.last_norm = float(pseudo.norm())
-        await self._wait_members()
-        round_, target = outer_round(committed, self.swarm.outer_every), self.group_target()
+        await self._wait_members(expected)
+        round_, target = outer_round(committed, self.swarm.outer_every), self.group_target(expected)
         result, lone = AveragingRound(None, 0), target < 2  # every other replica excluded: it trains on its own
         if not lone:
             try:
@@ -166,12 +171,12 @@ class OuterSync:
         if self.on_standing is not None and (self.standing.suspended != suspended or self.standing.excluded):
             self.on_standing()
 
-    async def _wait_members(self) -> None:
+    async def _wait_members(self, expected: int) -> None:
         """Before a round: until its averager knows a replica of every pipeline (a stage new to averaging
         learns them from the coordinator's next assignments), at most outer_timeout_s. A round begun
         before would refuse the replicas it does not know yet, and form at its deadline if at all."""
         deadline = time.monotonic() + self.swarm.outer_timeout_s
-        while self.known is not None and self.known < self.expected and time.monotonic() < deadline:
+        while self.known is not None and self.known < expected and time.monotonic() < deadline:
             await asyncio.sleep(0.2)
 
     async def _catch_up(self, committed: int) -> bool:

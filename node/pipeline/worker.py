@@ -26,6 +26,7 @@ from .checkpoint import CheckpointStore, has_outer
 from .core import StageCore
 from .driver import StepDriver
 from .inbox import Inbox, StageOps
+from .outer_count import PIPELINES
 from .outer_sync import REGROUP, Averager, OuterSync
 from .resync import Resync
 from .state import STALE, DivergedStep, Pending, PipelineError, StepRecord, StopRequest
@@ -102,8 +103,18 @@ class StageWorker(StageCore):
         st.micro_batches = count
         out = self.model(tokens.to(self.device))
         st.pending[index] = Pending(None, self.codecs.sent(out), ids)
-        return self._message(FORWARD, out, ids, step=st.step, index=index,
+        return self._message(FORWARD, out, ids, step=st.step, index=index, extras=self._counted(st.step),
                              labels=labels.to(torch.int32).numpy().tobytes(), attempt=st.attempt, count=count)
+
+    def _counted(self, step: int) -> dict[str, float]:
+        """Stage 0: the pipelines it counts for `step` (with pipelines in data parallel), the same for every
+        micro-batch of the step; every stage's outer step after it waits for that many (outer_count)."""
+        outer = self.outer
+        if outer is None or outer.averager is None:
+            return {}
+        if outer.counted.step != step:
+            outer.counted.take(step, max(1, outer.expected))
+        return {PIPELINES: float(outer.counted.count)}
 
     def _stale(self, item: Inbound, mb: pb.MicroBatch):
         """Drop a micro-batch of another attempt; its stream's codec state still takes it in (the
@@ -135,6 +146,8 @@ class StageWorker(StageCore):
         self.admission.activations(mb, x)
         if mb.count:  # stage 0 cuts every step anew (tahnode.pipeline.schedule)
             st.micro_batches = mb.count
+        if PIPELINES in mb.extras and self.outer is not None:
+            self.outer.counted.take(mb.step, mb.extras[PIPELINES])
         x.requires_grad_(True)
         ids = list(mb.sample_ids)
         if self.first and self.run_cfg.ring:  # the last stage's final hidden states, for the head that is the embedding
@@ -150,7 +163,8 @@ class StageWorker(StageCore):
             return (BACKWARD, *self._message(BACKWARD, x.grad, ids, mb, extras=extras))
         out = self.model(x)
         st.pending[mb.index] = Pending(x, self.codecs.sent(out), ids)
-        return (FORWARD, *self._message(FORWARD, out, ids, mb, labels=mb.labels))
+        counted = {PIPELINES: mb.extras[PIPELINES]} if PIPELINES in mb.extras else {}
+        return (FORWARD, *self._message(FORWARD, out, ids, mb, labels=mb.labels, extras=counted))
 
     def _loss_backward(self, logits: torch.Tensor, labels, ids: list[int]) -> None:
         """The loss of one micro-batch and its backward pass, weighted so that the step's loss is the
