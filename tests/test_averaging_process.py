@@ -213,7 +213,7 @@ def test_a_round_under_way_fails_when_its_averager_process_dies(dhts):
 def daemon_with(averager, others: list[str]) -> "Daemon":
     """A StageAveraging of `averager` (its stage's replicas: `others`), as the daemon runs it, its heartbeats
     handing it assignments of two pipelines."""
-    outer = SimpleNamespace(expected=len(others) + 1, known=None, admitted=None, named=None,
+    outer = SimpleNamespace(pipelines=SimpleNamespace(now=len(others) + 1), known=None, admitted=None, named=None,
                             standing=SimpleNamespace(excluded=set(), suspended=set()),
                             group_target=lambda: len(others) + 1)
     worker = SimpleNamespace(outer=outer, stage=0)

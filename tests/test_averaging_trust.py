@@ -219,7 +219,7 @@ def test_the_group_target_leaves_out_excluded_replicas():
 
     from tahnode.pipeline.outer_sync import OuterSync
 
-    sync = SimpleNamespace(expected=3, known=3, admitted=2)
+    sync = SimpleNamespace(pipelines=SimpleNamespace(now=3), known=3, admitted=2)
     assert OuterSync.group_target(sync) == 2
     sync.admitted = 1
     assert OuterSync.group_target(sync) == 1  # every other one excluded: it averages with no one, at once

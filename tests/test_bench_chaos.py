@@ -172,9 +172,9 @@ def test_a_log_line_is_marked_with_its_time():
     assert mark_of("Dec 07 00:51:39.508 [ERROR] p2pd") is None
 
 
-def test_replica_spread_compares_outer_weights_at_the_newest_common_step(tmp_path):
+def test_replica_spread_compares_outer_weights_at_the_newest_common_step_up_to_the_drain(tmp_path):
     anchor = torch.arange(6, dtype=torch.float32)
-    for name, steps, shift in (("n1", (20, 40), 0.0), ("n2", (40, 43), 0.25), ("n3", (20,), 0.0)):
+    for name, steps, shift in (("n1", (20, 40), 0.0), ("n2", (20, 40, 43), 0.25), ("n3", (20,), 0.0)):
         (tmp_path / name).mkdir()
         for s in steps:
             save_file({"outer/anchor": anchor + shift * (s == 40)}, str(tmp_path / name / f"stage1-of3-step{s}"
@@ -185,6 +185,8 @@ def test_replica_spread_compares_outer_weights_at_the_newest_common_step(tmp_pat
     out = replica_spread(state, {"n1": "a1", "n2": "a2", "n3": "a3"}, tmp_path, 3)
     assert out["1"]["step"] == 40 and out["1"]["diff"] == pytest.approx(0.25) and out["1"]["replicas"] == ["n1", "n2"]
     assert out["0"]["diff"] is None and "fewer than two" in out["0"]["note"]
+    drained = replica_spread(state, {"n1": "a1", "n2": "a2", "n3": "a3"}, tmp_path, 3, at_most=39)["1"]
+    assert drained["step"] == 20 and drained["diff"] == 0.0  # a save past the drain's step is not compared
     state["nodes"][1]["address"] = "a3"
     state["nodes"][2]["status"] = "standby"
     assert "no checkpoint step common" in replica_spread(state, {"n1": "a1", "n3": "a3"}, tmp_path / "none", 3)["1"][

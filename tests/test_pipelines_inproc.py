@@ -132,7 +132,7 @@ class Pipelines:
             await t.start()
             w = StageWorker(self.run, k, t, "cpu", None, self.dataset if k == 0 else None, pipeline=p,
                             averager=self.group.averager(k, p))
-            w.outer.expected = self.count
+            w.outer.pipelines.now = self.count
             self.group.syncs[(k, p)] = w.outer
             workers.append(w)
             for direction, offset in ((FORWARD, 1), (BACKWARD, -1)):
@@ -394,7 +394,7 @@ def test_a_served_state_is_taken_only_from_the_named_sources_and_only_if_it_hash
             return {"step": 8}, [t.clone() for t in good]
 
     sync.use(Served())
-    sync.expected = 2
+    sync.pipelines.now = 2
     sync.named = NamedState(8, state_digest(8, good), ("liar", "honest"), True, 2)
     assert asyncio.run(sync.regroup()) == 8
     assert asked == ["liar", "honest"] and sync.stats.refused == {"liar": 1} and sync.stats.adopted == 1
@@ -453,7 +453,7 @@ def test_every_stage_of_a_pipeline_counts_the_pipelines_as_its_stage_0_counted_t
             workers = [w for p in range(2) for w in await swarm.start(p)]
             for w in workers:
                 if w.stage > 0:
-                    w.outer.expected = 1
+                    w.outer.pipelines.now = 1
             await asyncio.wait_for(asyncio.gather(*(w.run(steps) for w in workers)), 120)
         finally:
             await swarm.close()
@@ -461,16 +461,17 @@ def test_every_stage_of_a_pipeline_counts_the_pipelines_as_its_stage_0_counted_t
     asyncio.run(go())
     for p in range(2):
         assert [(w.outer.stats.steps, w.outer.stats.last_group) for w in swarm.workers[p]] == [(1, 2)] * 3
-        assert [w.outer.counted.of(steps - 1, 0) for w in swarm.workers[p]] == [2, 2, 2]
+        assert [w.outer.pipelines.of(steps - 1) for w in swarm.workers[p]] == [2, 2, 2]
     assert_one_model(swarm, 2)
 
 
 def test_a_count_of_pipelines_off_a_micro_batch_is_taken_only_if_it_is_one():
-    from tahnode.pipeline.outer_count import StepCount
+    from tahnode.pipeline.outer_count import PipelineCount
 
-    count = StepCount(limit=4)
-    assert count.of(7, 3) == 3  # none came for step 7: its own
-    assert count.take(7, 2.0) and count.of(7, 3) == 2 and count.of(8, 3) == 3
+    count = PipelineCount(limit=4)
+    count.now = 3
+    assert count.of(7) == 3  # none came for step 7: the assignment's
+    assert count.take(7, 2.0) and count.of(7) == 2 and count.of(8) == 3
     for bad in (0.0, 5.0, 1.5, float("nan"), float("inf"), -2.0):
         assert not count.take(8, bad)
-    assert count.of(7, 3) == 2
+    assert count.of(7) == 2

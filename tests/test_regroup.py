@@ -69,7 +69,7 @@ def test_a_stage_can_reach_its_own_its_named_and_its_checkpoints_outer_steps(tmp
             return None
 
     outer.use(Nobody())
-    outer.expected = 2
+    outer.pipelines.now = 2
     outer.named = NamedState(12, b"d" * 32, ("peer",), True, 2)
     assert 12 in outer.reachable()
     assert not asyncio.run(outer.reach(12))  # its source did not serve it: no longer reachable
@@ -115,8 +115,9 @@ def test_skipped_steps_fill_the_ledgers_gaps_even_after_the_loss_stage_reported_
 
 def test_a_regroup_follows_the_naming_when_the_named_states_source_moved_on(tmp_path):
     """A pipeline that returns to the others' outer state while they train on: its source already serves a newer
-    step than the one named, twice in a row (12 named, 16 served; 16 named, 20 served). Once the coordinator names
-    the one it serves, the stage fetches it and returns to it (before, it tried the gone one until
+    step than the one named, twice in a row (12 named, 16 served; 16 named, 20 served), and what it served for 16
+    is not what the replicas reported for it. The state served for 20 is kept and taken once the coordinator names
+    it with its digest, without asking again; the one of 16 is not taken (before, it tried the gone step until
     outer_timeout_s, kept its own weights and never took that step again)."""
     from tahnode.train.outer import state_digest
 
@@ -131,16 +132,53 @@ def test_a_regroup_follows_the_naming_when_the_named_states_source_moved_on(tmp_
             self.asked += 1
             step = 16 if self.asked == 1 else 20  # it takes its next outer step while the first fetch is under way
             outer.named = NamedState(step, state_digest(step, states[step]), ("peer",), True, 2)  # its heartbeat's
-            return {"step": step}, [t.clone() for t in states[step]]
+            served = [t + 1.0 for t in states[16]] if step == 16 else states[20]
+            return {"step": step}, [t.clone() for t in served]
 
     source = MovedOn()
     outer.use(source)
-    outer.expected = 2
+    outer.pipelines.now = 2
     outer.named = NamedState(12, b"d" * 32, ("peer",), True, 2)
     assert asyncio.run(outer.regroup()) == 20
-    assert worker.committed == 20 and outer.anchor_step == 20 and source.asked == 3
+    assert worker.committed == 20 and outer.anchor_step == 20 and source.asked == 2
     assert all(torch.equal(a, b) for a, b in zip(outer.outer.tensors().values(), states[20]))
     assert not outer.failed  # a state the others moved on from is not its sources' failure: they may return to it
+
+
+def test_a_newer_state_a_source_served_is_taken_once_it_is_named_without_asking_again(tmp_path):
+    """The others take an outer step under a second apart while the coordinator names their state a heartbeat
+    later: asked for step 12, the source serves 16, and 16 is named 0.3 s later. The stage takes what it holds
+    then (one fetch); before, it asked again, found 20, and chased the naming a fetch behind."""
+    from tahnode.train.outer import state_digest
+
+    worker = worker_with_checkpoints(tmp_path, [4, 8])
+    outer = worker.outer
+    state = [t + 16 for t in outer.outer.tensors().values()]
+
+    class Ahead:
+        peer_id, asked = "me", 0
+
+        async def load_state(self, peer_id, timeout):
+            self.asked += 1
+            return {"step": 16 + 4 * (self.asked - 1)}, [t.clone() + 4 * (self.asked - 1) for t in state]
+
+    async def regroup_while_named_late():
+        async def name_later():
+            await asyncio.sleep(0.3)
+            outer.named = NamedState(16, state_digest(16, state), ("peer",), True, 2)
+
+        naming = asyncio.ensure_future(name_later())
+        step = await outer.regroup()
+        await naming
+        return step
+
+    source = Ahead()
+    outer.use(source)
+    outer.pipelines.now = 2
+    outer.named = NamedState(12, b"d" * 32, ("peer",), True, 2)
+    assert asyncio.run(regroup_while_named_late()) == 16
+    assert source.asked == 1 and outer.anchor_step == 16
+    assert all(torch.equal(a, b) for a, b in zip(outer.outer.tensors().values(), state))
 
 
 def test_a_pipeline_formed_again_resumes_from_a_checkpoint_its_own_ledger_reached():

@@ -22,6 +22,7 @@ from ..codecs import CodecContext, get_codec
 from ..config import PlacementSettings
 from ..train.model import stage_layers
 from .assignment import DEFAULT_MBPS, AssignmentProblem, AssignmentResult, assign, chain_bottleneck
+from .gone import GoneWatch
 from .links import EstimatedMbps, LinkBook
 from .probing import Measure, Prober
 from .registry import SwarmRegistry
@@ -57,6 +58,7 @@ class Placement:
         self.book = LinkBook(DEFAULT_MBPS)
         self.prober = Prober(registry, self.book, measure, settings)
         self.again = Remeasure(registry, self.prober, measure_compute)  # a chain too slow is measured again first
+        self.gone = GoneWatch(registry)  # a silent node whose address refuses is failed before its timeout
         self.refused_at: float | None = None  # when a new pipeline was last refused for its speed (tried again later)
         self.said: tuple[int, set[str]] = (-1, set())  # what the limits refused, said once per membership epoch
         self.due_since: float | None = None   # when the waiting nodes were first enough and settled
@@ -67,9 +69,9 @@ class Placement:
 
     # -- the loop ---------------------------------------------------------------------------------
     async def run(self, stop: asyncio.Event) -> None:
-        """Probe in the background; each second sweep failures, take in traffic figures, place
-        and rebalance (once the run finished, only sweep); until `stop` is set."""
-        probing = asyncio.gather(self.prober.run(), self.again.run(), self.watch_stalls())
+        """Probe and look at silent nodes in the background; each second sweep failures, take in traffic figures,
+        place and rebalance (once the run finished, only sweep); until `stop` is set."""
+        probing = asyncio.gather(self.prober.run(), self.again.run(), self.watch_stalls(), self.gone.run())
         try:
             while not stop.is_set():
                 await self.tick()

@@ -78,9 +78,8 @@ class SwarmRegistry:
                        f"{self._epoch}; holders kept: {held}")
 
     def serving(self) -> None:
-        """(Once, as the control plane starts to answer.) The holders kept from before a restart have two heartbeat
-        timeouts from now to report: their channels back off while the coordinator is down, and a restart under
-        load once took 14 s to serve (every holder was declared failed before it could report)."""
+        """(Once, as the control plane answers.) The holders kept from before a restart have two heartbeat timeouts to
+        report: their channels back off while it is down (a restart under load once took 14 s to serve)."""
         for node in self.live():
             node.last_seen = max(node.last_seen, time.monotonic() + self.timeout)
 
@@ -392,7 +391,10 @@ class SwarmRegistry:
         self.census.swept, self.census.live = now, sum(n.status.live for n in self.nodes.values())
         for node in self.nodes.values():
             if node.status.live and now - node.last_seen > self.timeout:
-                held = f"stage {node.stage}" if node.status is NodeStatus.ACTIVE else str(node.status)
-                node.status = NodeStatus.FAILED
-                self.epoch += 1
-                self.event(f"failed: {node.node_id} ({held}) missed heartbeats for {self.timeout:.0f} s")
+                self.fail(node, f"missed heartbeats for {self.timeout:.0f} s")
+
+    def fail(self, node: NodeRecord, why: str) -> None:
+        """Declare a live node failed, for `why` (the next placement round fills what it held)."""
+        held = f"stage {node.stage}" if node.status is NodeStatus.ACTIVE else str(node.status)
+        node.status, self.epoch = NodeStatus.FAILED, self.epoch + 1
+        self.event(f"failed: {node.node_id} ({held}) {why}")

@@ -52,10 +52,10 @@ class StageAveraging:
         if outer is None:
             return
         self.last = a
-        if self.averager is not None and a.pipelines != outer.expected:
+        if self.averager is not None and a.pipelines != outer.pipelines.now:
             self.averager.set_target(outer.group_target() if outer.known is not None else a.pipelines)
-        ended = self.averager is not None and a.pipelines < 2 <= outer.expected
-        outer.expected = a.pipelines
+        ended = self.averager is not None and a.pipelines < 2 <= outer.pipelines.now
+        outer.pipelines.now = a.pipelines
         if ended and self.averager.end_round():  # the other pipeline lost a stage: none comes to the round under way
             log.info("%s: stage %d ends its outer round under way: no other pipeline trains now", self.node_id,
                      self.w.stage)

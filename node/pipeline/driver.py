@@ -280,7 +280,7 @@ class StepDriver:
         # a fresh attempt number per incarnation of stage 0: leftovers of a previous one never match
         attempt = random.randrange(1, 1 << 30)
         outer = self.outer
-        if outer is not None and outer.expected > 1:  # other pipelines train: start from their latest outer step
+        if outer is not None and outer.pipelines.now > 1:  # other pipelines train: start from their latest outer step
             await outer.wait_ready()
         await self._sync(attempt, regroup=outer is not None and outer.active)
         replayed = False  # a replayed step's time says nothing about its cut

@@ -21,11 +21,12 @@ from ..train.outer import state_digest
 
 log = logging.getLogger("tahnode.pipeline")
 
-__all__ = ["NamedState", "ServedState", "fetch_named", "fetch_newest", "not_served", "superseded",
+__all__ = ["NamedState", "ServedState", "NewerServed", "fetch_named", "fetch_newest", "not_served", "superseded",
            "SAME_STEP_RADIUS"]
 
 SAME_STEP_RADIUS = CLIP + 1.0
 RETRY_S = 1.0  # between two passes over a named state's sources that did not answer
+NAMING_WAIT_S = 2.0  # the longest a regroup waits for the naming of a newer state it holds (heartbeats: 1 s)
 
 
 @dataclass(frozen=True)
@@ -60,15 +61,42 @@ class ServedState:
         return cls(step) if type(step) is int and step >= 0 else None
 
 
-async def fetch_named(sync, named: NamedState, timeout: float) -> list[torch.Tensor] | None:
+class NewerServed:
+    """A source's state of a step later than the one named when it was asked (the others train on, and an outer
+    step of theirs may take under a second): its tensors and digest, the last served only (a liar's far step is
+    replaced by the next source's), taken once the coordinator names that step with that digest (an operator's
+    report, a heartbeat later) rather than asked for again, by when the source has moved on once more."""
+
+    def __init__(self):
+        self.step, self.digest, self.tensors = -1, b"", None
+
+    async def keep(self, sync, step: int, tensors: list[torch.Tensor]) -> None:
+        self.step, self.digest, self.tensors = step, await sync.core.compute(state_digest, step, tensors), tensors
+
+    def of(self, named: NamedState) -> list[torch.Tensor] | None:
+        """Its tensors, if they are of `named` (its step and digest)."""
+        return self.tensors if (named.step, named.digest) == (self.step, self.digest) else None
+
+    async def named_by(self, sync, deadline: float) -> None:
+        """Wait (at most NAMING_WAIT_S) until the coordinator names the step it keeps, or a later one."""
+        until = min(deadline, time.monotonic() + NAMING_WAIT_S)
+        while sync.named is not None and sync.named.step < self.step and time.monotonic() < until:
+            await asyncio.sleep(0.1)
+
+
+async def fetch_named(sync, named: NamedState, timeout: float, newer: NewerServed | None = None
+                      ) -> list[torch.Tensor] | None:
     """The tensors of `named` from the first of its sources (not excluded by `sync`'s standing) that serves
     them, each checked against the digest; a source that serves other bytes for the named step is refused
     and counted (`sync.stats.refused`) and not asked again. Sources that do not answer (a replica new to
     them is admitted once the coordinator's next assignment names it, about a second) are asked again every
     RETRY_S until `timeout` s have passed. None if none served them by then, or once the coordinator names a
-    newer step of the stage (`sync.named`: its sources moved on, and serve that one)."""
+    newer step of the stage (`sync.named`: its sources moved on, and serve that one). `newer`: where a source's
+    state of a later step is kept, and looked in first (its digest checked against the naming all the same)."""
     deadline, refused = time.monotonic() + timeout, set()
     while sync.averager is not None:  # (none: its averager did not start)
+        if newer is not None and (held := newer.of(named)) is not None:
+            return held
         for peer in named.sources:
             if peer in sync.standing.excluded or peer in refused:
                 continue
@@ -78,7 +106,9 @@ async def fetch_named(sync, named: NamedState, timeout: float) -> list[torch.Ten
                 log.error("stage %d: cannot load a replica's state: %s", sync.core.stage, exc)
                 return None
             served = ServedState.parse(loaded[0]) if loaded is not None else None
-            if served is None or served.step != named.step:  # no answer, or it moved on since (no offence)
+            if served is not None and served.step > named.step and newer is not None:  # moved on (no offence)
+                await newer.keep(sync, served.step, loaded[1])
+            if served is None or served.step != named.step:  # no answer, or it moved on since
                 continue
             digest = await sync.core.compute(state_digest, served.step, loaded[1])
             if digest == named.digest:
@@ -90,7 +120,12 @@ async def fetch_named(sync, named: NamedState, timeout: float) -> list[torch.Ten
         gave_up = time.monotonic() + RETRY_S >= deadline or all(p in refused for p in named.sources)
         if gave_up or superseded(sync, named):
             return None
-        await asyncio.sleep(RETRY_S)
+        if newer is not None and newer.step > named.step:  # the naming of what it holds, rather than ask again
+            await newer.named_by(sync, deadline)
+        else:
+            await asyncio.sleep(RETRY_S)
+        if superseded(sync, named):
+            return None
     return None
 
 
@@ -112,14 +147,18 @@ def not_served(sync, named: NamedState) -> bool:
 async def fetch_newest(sync, timeout: float) -> tuple[NamedState | None, list[torch.Tensor] | None]:
     """The state the coordinator names for `sync`'s stage, if it is to replace its own (`sync.wants`), with its
     tensors (None: none fetched in `timeout` s); a newer one named while it fetched takes its place (the
-    others train on: the older one is gone). A named state no source served is not asked for again
-    (`sync.failed`)."""
-    named, tensors, deadline = sync.named, None, time.monotonic() + timeout
+    others train on: the older one is gone; a source's newer state met on the way is kept for it, NewerServed).
+    A named state no source served is not asked for again (`sync.failed`)."""
+    named, tensors, deadline, newer = sync.named, None, time.monotonic() + timeout, NewerServed()
     while tensors is None and sync.wants(named) and time.monotonic() < deadline:
-        tensors = await fetch_named(sync, named, max(1.0, deadline - time.monotonic()))
-        if tensors is None:
-            log.error("stage %d: no source of the named state of step %d served it (%s)", sync.core.stage,
-                      named.step, "a newer one is named" if not_served(sync, named) else "it keeps its own")
+        tensors = await fetch_named(sync, named, max(1.0, deadline - time.monotonic()), newer)
+        if tensors is None and not_served(sync, named):
+            log.info("stage %d: the named state of step %d is gone (a newer one is named)", sync.core.stage,
+                     named.step)
+            named = sync.named
+        elif tensors is None:
+            log.error("stage %d: no source of the named state of step %d served it; it keeps its own",
+                      sync.core.stage, named.step)
             named = sync.named
     return named, tensors
 

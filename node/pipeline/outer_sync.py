@@ -20,7 +20,7 @@ from ..net.averaging import AveragingError, AveragingRound
 from ..train.outer import OuterOptimizer, state_digest
 from .core import StageCore
 from .outer_adopt import NamedState, fetch_named, fetch_newest, not_served, within_reach
-from .outer_count import StepCount
+from .outer_count import PipelineCount
 from .peer_standing import PeerStanding
 
 log = logging.getLogger("tahnode.pipeline")
@@ -76,7 +76,6 @@ class OuterSync:
         self.ready = asyncio.Event()  # set once it has an averager (the daemon starts one when pipelines train)
         if averager is not None:
             self.ready.set()
-        self.expected = 1
         self.anchor_step = core.committed    # the step the outer weights are of
         self.digest: bytes | None = None     # their digest once it averages (tahnode.train.outer.state_digest)
         self.named: NamedState | None = None
@@ -87,10 +86,10 @@ class OuterSync:
         self.on_standing: Callable[[], None] | None = None  # the daemon admits the replicas again after a change
         self.failed: set[tuple[int, bytes]] = set()  # named states (step, digest) whose sources did not serve them
         self.stats = OuterStats()
-        self.counted = StepCount(self.swarm.data_slots)  # stage 0's count of pipelines for the step
+        self.pipelines = PipelineCount(self.swarm.data_slots)  # how many train: now, and as stage 0 took a step
         self._lock = threading.Lock()        # the outer weights, against the thread that serves them to newcomers
 
-    active = property(lambda self: self.averager is not None and self.expected > 1)  # it averages with others
+    active = property(lambda self: self.averager is not None and self.pipelines.now > 1)  # it averages with others
     # replicas in other pipelines (which may train alone while another recovers): disagreeing stages regroup
     replicated = property(lambda self: self.averager is not None)
 
@@ -100,7 +99,7 @@ class OuterSync:
 
     async def wait_ready(self) -> None:
         """With pipelines training, wait (up to outer_timeout_s) for the averager the daemon starts."""
-        if self.expected > 1 and self.averager is None:
+        if self.pipelines.now > 1 and self.averager is None:
             try:
                 await asyncio.wait_for(self.ready.wait(), self.swarm.outer_timeout_s)
             except asyncio.TimeoutError:
@@ -114,7 +113,7 @@ class OuterSync:
     def group_target(self, expected: int | None = None) -> int:
         """The group a round waits for: a replica of every pipeline (`expected`, else the assignment's), less those
         it excluded or suspended."""
-        expected = expected or self.expected
+        expected = expected or self.pipelines.now
         unknown = self.admitted is None or self.known is None
         return expected if unknown else max(1, expected - (self.known - self.admitted))
 
@@ -125,7 +124,7 @@ class OuterSync:
         if not self.due(committed):
             return
         await self.wait_ready()  # its averager may be starting: the other replicas wait for it
-        expected = self.counted.of(committed - 1, self.expected)  # as stage 0 counted for the step
+        expected = self.pipelines.of(committed - 1)  # as stage 0 counted for the step
         if self.averager is None or expected < 2:
             await self.core.compute(self._take, committed, None)
             return
@@ -396,5 +395,5 @@ class OuterSync:
         s = self.stats
         return {"steps": s.steps, "alone": s.alone, "group": s.last_group, "bytes_sent": s.bytes_sent,
                 "bytes_received": s.bytes_received, "seconds": s.seconds, "adopted": s.adopted,
-                "refused": float(sum(s.refused.values())), "pipelines": self.expected, "anchor_step": self.anchor_step,
-                "excluded": float(len(self.standing.excluded))}
+                "refused": float(sum(s.refused.values())), "pipelines": self.pipelines.now,
+                "anchor_step": self.anchor_step, "excluded": float(len(self.standing.excluded))}

@@ -112,9 +112,9 @@ class StageWorker(StageCore):
         outer = self.outer
         if outer is None or outer.averager is None:
             return {}
-        if outer.counted.step != step:
-            outer.counted.take(step, max(1, outer.expected))
-        return {PIPELINES: float(outer.counted.count)}
+        if outer.pipelines.step != step:
+            outer.pipelines.take(step, max(1, outer.pipelines.now))
+        return {PIPELINES: float(outer.pipelines.count)}
 
     def _stale(self, item: Inbound, mb: pb.MicroBatch):
         """Drop a micro-batch of another attempt; its stream's codec state still takes it in (the
@@ -147,7 +147,7 @@ class StageWorker(StageCore):
         if mb.count:  # stage 0 cuts every step anew (tahnode.pipeline.schedule)
             st.micro_batches = mb.count
         if PIPELINES in mb.extras and self.outer is not None:
-            self.outer.counted.take(mb.step, mb.extras[PIPELINES])
+            self.outer.pipelines.take(mb.step, mb.extras[PIPELINES])
         x.requires_grad_(True)
         ids = list(mb.sample_ids)
         if self.first and self.run_cfg.ring:  # the last stage's final hidden states, for the head that is the embedding

@@ -103,10 +103,10 @@ def log_marks(logs: Path) -> list[list]:
     return sorted(out)
 
 
-def common_step(steps: dict[str, set[int]]) -> int | None:
-    """The newest step every replica has a checkpoint of, or None."""
+def common_step(steps: dict[str, set[int]], at_most: int | None = None) -> int | None:
+    """The newest step (at most `at_most`) every replica has a checkpoint of, or None."""
     sets = list(steps.values())
-    common = set.intersection(*sets) if sets else set()
+    common = {s for s in set.intersection(*sets) if at_most is None or s <= at_most} if sets else set()
     return max(common) if common else None
 
 
@@ -118,9 +118,11 @@ def largest_difference(tensors: list) -> float:
     return float((stacked.max(0).values - stacked.min(0).values).max())
 
 
-def replica_spread(state: dict, addresses: dict[str, str], folders: Path, stages: int) -> dict:
+def replica_spread(state: dict, addresses: dict[str, str], folders: Path, stages: int,
+                   at_most: int | None = None) -> dict:
     """stage -> {step, diff, replicas, note}: the largest difference between the outer weights of the
-    stage's replicas (the active holders in `state`) in the newest checkpoint step all their folders hold."""
+    stage's replicas (the active holders in `state`) in the newest checkpoint step all their folders hold, at most
+    `at_most` (the drain's step: a daemon stopped after it saves a state of its own, its averager gone)."""
     from safetensors import safe_open
 
     by_address = {a: name for name, a in addresses.items()}
@@ -135,7 +137,7 @@ def replica_spread(state: dict, addresses: dict[str, str], folders: Path, stages
             continue
         files = {name: {int(m[3]): p for p in (folders / name).glob(f"stage{stage}-of{stages}-step*.safetensors")
                         if (m := CHECKPOINT.search(p.name))} for name in names}
-        step = common_step({name: set(f) for name, f in files.items()})
+        step = common_step({name: set(f) for name, f in files.items()}, at_most)
         if step is None:
             row["note"] = "no checkpoint step common to " + ", ".join(f"{n} ({sorted(f)})" for n, f in files.items())
             continue

@@ -35,8 +35,9 @@ METHOD = (
     "between a pipeline's first and last step in the final ledger (skipped steps the ledger marks are listed "
     "apart); changed / gone: entries whose loss or samples changed after they appeared, or that left the ledger. "
     "Samples twice: sample ids in two trained steps of one pipeline. Replicas: the largest difference between the "
-    "outer weights (`outer/anchor`) of each stage's replicas in the newest checkpoint step they all saved, after a "
-    "drain to a common checkpoint step and SIGTERM. Regroups: stage 0's log lines that start a regroup of its "
+    "outer weights (`outer/anchor`) of each stage's replicas in the checkpoint of the step every pipeline drained to "
+    "(without a drain: the newest step they all saved); a daemon's save at SIGTERM, after its averager ended, is "
+    "not compared. Regroups: stage 0's log lines that start a regroup of its "
     "pipeline. Node ids: how many the status page listed over the run, against the daemons started.")
 
 

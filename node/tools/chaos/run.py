@@ -272,7 +272,9 @@ def run_chaos(settings: SwarmSettings, measure: MeasureSettings, faults: list[Fa
         if save_to is not None:
             record.save(save_to)
     if record.final_state:
-        record.replicas = replica_spread(record.final_state, record.addresses, spec.workdir / "ck", settings.stages)
+        drained = record.drain.get("target") if record.drain.get("reached") else None
+        record.replicas = replica_spread(record.final_state, record.addresses, spec.workdir / "ck", settings.stages,
+                                         drained)
         if save_to is not None:
             record.save(save_to)
     return record
