@@ -98,3 +98,29 @@ def test_a_node_is_looked_at_once_per_silence_and_a_heartbeat_clears_it(tmp_path
     asyncio.run(scenario())
     sock.close()
     assert reg.nodes["n0"].status is NodeStatus.ACTIVE
+
+
+def test_an_address_not_reached_is_tried_again_only_after_a_while_or_when_it_changes(tmp_path):
+    sock = listening()
+    closed = "127.0.0.1:%d" % sock.getsockname()[1]
+    sock.close()
+    reg = registry(tmp_path, {"n0": closed})
+    looks: list[int] = []
+
+    async def counted(host: str, port: int, timeout: float) -> Reach:
+        looks.append(port)
+        return await connect(host, port, timeout)
+
+    watch = GoneWatch(reg, counted)
+    again = listening()
+
+    async def scenario():
+        await watch.look()
+        await watch.look()  # refused (behind NAT, or not listening yet): not tried every half second
+        assert len(looks) == 1 and "n0" not in watch.reached
+        reg.nodes["n0"].address = "127.0.0.1:%d" % again.getsockname()[1]  # it joined again elsewhere
+        await watch.look()
+        assert len(looks) == 2 and watch.reached["n0"] == reg.nodes["n0"].address
+
+    asyncio.run(scenario())
+    again.close()

@@ -21,6 +21,7 @@ __all__ = ["GoneWatch", "tcp_endpoint", "connect", "Reach", "SILENT_PERIODS"]
 SILENT_PERIODS = 2.5     # heartbeat periods without one before the coordinator looks at a node's address
 CONNECT_TIMEOUT_S = 1.0  # a look that takes longer proves nothing (a slow link, a filtered port)
 LOOK_EVERY_S = 0.5
+REACH_AGAIN_S = 30.0     # between two tries to reach an address not reached yet (one behind NAT never is)
 
 
 class Reach(Enum):
@@ -64,6 +65,7 @@ class GoneWatch:
     def __init__(self, registry, connect_to: Connect = connect):
         self.r, self.connect = registry, connect_to
         self.reached: dict[str, str] = {}     # node id -> the address a connection to it opened
+        self.tried: dict[str, tuple[str, float]] = {}  # node id -> the address last tried (reached or not), when
         self.looked: dict[str, float] = {}    # node id -> the last_seen of the silence it was looked at in
 
     async def run(self) -> None:
@@ -74,15 +76,21 @@ class GoneWatch:
     async def look(self) -> None:
         now, quiet = time.monotonic(), SILENT_PERIODS * self.r.heartbeat_period()
         live = [n for n in self.r.nodes.values() if n.status.live and tcp_endpoint(n.address) is not None]
-        for gone in set(self.reached) - {n.node_id for n in live}:
-            del self.reached[gone]
-            self.looked.pop(gone, None)
+        for gone in set(self.tried) - {n.node_id for n in live}:
+            for seen in (self.reached, self.tried, self.looked):
+                seen.pop(gone, None)
         silent = [n for n in live if now - n.last_seen > quiet]
-        fresh = [n for n in live if n not in silent and self.reached.get(n.node_id) != n.address]
+        fresh = [n for n in live if n not in silent and self.reached.get(n.node_id) != n.address
+                 and not self._tried_lately(n, now)]
         await asyncio.gather(*(self._reach(n) for n in fresh),
                              *(self._look_at(n) for n in silent if self.looked.get(n.node_id) != n.last_seen))
 
+    def _tried_lately(self, node: NodeRecord, now: float) -> bool:
+        address, when = self.tried.get(node.node_id, ("", 0.0))
+        return address == node.address and now - when < REACH_AGAIN_S
+
     async def _reach(self, node: NodeRecord) -> None:
+        self.tried[node.node_id] = (node.address, time.monotonic())
         if await self.connect(*tcp_endpoint(node.address), CONNECT_TIMEOUT_S) is Reach.OPEN:
             self.reached[node.node_id] = node.address
 

@@ -33,8 +33,9 @@ class StageAveraging:
     with each), stopped with `stop()`."""
 
     def __init__(self, cfg: NodeConfig, folder: Path, run_id: str, worker: StageWorker, beats: Heartbeats,
-                 node_id: str):
+                 node_id: str, warming: asyncio.Future | None = None):
         self.cfg, self.folder, self.run_id, self.node_id = cfg, folder, run_id, node_id
+        self.warming = warming  # its DHT, joined while it stood by (StageNode._warm), if it did
         self.w, self.beats = worker, beats
         self.starting: asyncio.Task | None = None
         self.tried = 0.0
@@ -128,6 +129,8 @@ class StageAveraging:
         from ..net.averaging import StageAverager
 
         w, swarm = self.w, self.w.run_cfg.swarm
+        if self.warming is not None:  # (one that failed: started again here)
+            await asyncio.gather(asyncio.shield(self.warming), return_exceptions=True)
         try:
             host = await averaging_host(self.cfg, self.folder, dht_peers)
             averager = StageAverager(host.dht, f"tahnode{self.run_id}s{w.stage}", w.outer.outer.numel, swarm.outer_bits,

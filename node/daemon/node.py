@@ -43,7 +43,7 @@ from .follower import AssignmentFollower
 from .heartbeats import Heartbeats
 from .membership import CoordinatorClient
 from .averaging import StageAveraging
-from .p2p import find_coordinator, needs_p2p, node_entries, start_host
+from .p2p import averaging_host, find_coordinator, needs_p2p, node_entries, start_host
 from .progress import Progress
 
 log = logging.getLogger("tahnode.daemon")
@@ -98,6 +98,7 @@ class StageNode:
         self.assignment = pb.Assignment()
         self.run_cfg: RunConfig | None = None
         self.averaging: StageAveraging | None = None  # the stage's averager (pipelines in data parallel)
+        self.warming: asyncio.Task | None = None  # a standby's DHT, joined while it waits (pipelines in data parallel)
         self.folder: NodeFolder | None = None  # its folder, locked while it runs
 
     @classmethod
@@ -190,6 +191,7 @@ class StageNode:
             print(f"{self.node_id}: joined {self.coord.address}, serving on {self.t.address}; waiting for a stage "
                   f"(one layer takes {self.beats.layer_ms:.1f} ms per micro-batch here)", flush=True)
         while a.stage < 0:
+            self._warm(a)
             a = await self._until_stop(self.beats.next_assignment())
             if a is None:
                 if not self.beats.dismissed.is_set():
@@ -200,6 +202,14 @@ class StageNode:
                 return False
         self.assignment = a
         return True
+
+    def _warm(self, a: pb.Assignment) -> None:
+        """A standby while pipelines train in data parallel joins their DHT now (its forkserver, p2p daemon and DHT
+        process started), so that a stage it takes over starts only its averager: seconds sooner on a busy host."""
+        if self.warming is None and a.stage < 0 and a.pipelines > 1 and a.dht_peers:
+            self.warming = asyncio.ensure_future(averaging_host(self.cfg, state_dir(self.cfg, self.node_id),
+                                                                list(a.dht_peers)))
+            self.warming.add_done_callback(_said_if_failed)
 
     async def _build_worker(self) -> StageWorker:
         a, run, cfg = self.assignment, self.run_cfg, self.cfg
@@ -263,7 +273,7 @@ class StageNode:
         lost (the worker is stopped and saved, and the node stands by)."""
         self.worker = worker = await self._build_worker()
         self.averaging = StageAveraging(self.cfg, state_dir(self.cfg, self.node_id), self.coord.sealer.run, worker,
-                                        self.beats, self.node_id)
+                                        self.beats, self.node_id, self.warming)
         follower = AssignmentFollower(self.t, worker.stage, self.beats, worker.pipeline, self.averaging.follow)
         follower.start(self.assignment)
         # other pipelines train: their outer weights are where it starts
@@ -332,6 +342,9 @@ class StageNode:
     async def _close(self) -> None:
         self.closing.set()
         await self._stop_averaging()
+        if self.warming is not None and not self.warming.done():
+            self.warming.cancel()
+            await asyncio.gather(self.warming, return_exceptions=True)
         if self.publishing is not None:
             await self.publishing
         await self.coord.close()
@@ -341,6 +354,11 @@ class StageNode:
             self.worker.close()
         if self.folder is not None:
             self.folder.close()
+
+
+def _said_if_failed(task: asyncio.Task) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        log.warning("its DHT did not start while it stood by (%s); it starts again with a stage", task.exception())
 
 
 async def run_node(cfg: NodeConfig) -> int:

@@ -5,24 +5,32 @@ groups and reported to the coordinator with the evidence (a report is evidence, 
 coordinator judges it beside the other replicas' reports, tahnode.coordinator.evidence).
 
 The clip rule bounds what one round can do (tahnode.train.clip_rule); this bounds how many rounds a liar
-gets: SUSPECT_ROUNDS in a row at most. A stall costs the round it happened in; the next forms without the
+gets: SUSPECT_ROUNDS in a row at most, then one round every PAROLE_S (an exclusion ends then, and the next round
+held against it excludes it again). A stall costs the round it happened in; the next forms without the
 staller, and STALL_ROUNDS in a row exclude it."""
 
 from __future__ import annotations
 
 import enum
+import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 __all__ = ["Offence", "Evidence", "PeerRecord", "PeerStanding", "SUSPECT_ROUNDS", "STALL_ROUNDS", "MIN_COSINE",
-           "NORM_RANGE"]
+           "NORM_RANGE", "PAROLE_S"]
 
 SUSPECT_ROUNDS = 2     # rounds in a row whose evidence is against a replica: it is excluded
 STALL_ROUNDS = 3       # rounds in a row it stalled: it is excluded
 # an honest replica's parts point the way this replica's own do and are of their scale (measured on llama-tiny:
-# docs/benchmarks-log.md, "the averaging plane trusts no one"); below this cosine, or outside this norm ratio, a
-# round's parts pull away
-MIN_COSINE = 0.05
+# docs/benchmarks-log.md, "the averaging plane trusts no one"); below this cosine (pointing away), or outside this
+# norm ratio, a round's parts pull away. It was 0.05: late in a run (llama-tiny near step 1900, batches of 4)
+# honest replicas' pseudo-gradients met at 0.04, two rounds in a row, and excluded each other for good
+MIN_COSINE = 0.0
 NORM_RANGE = (0.2, 5.0)
+# an exclusion ends this long after it began: an honest replica excluded by mistake is averaged with, and serves
+# its state, again (before, for good: a stage that could take no other replica's state made its pipeline regroup
+# at every boundary, and the other pipeline wait for it; bench chaos). A liar gets one round per PAROLE_S.
+PAROLE_S = 120.0
 
 
 class Offence(enum.Enum):
@@ -59,6 +67,7 @@ class PeerRecord:
     suspect_in_a_row: int = 0
     stalled_in_a_row: int = 0
     excluded: bool = False
+    excluded_at: float = 0.0  # when (PeerStanding.clock) it was excluded last
     last: Evidence | None = None
 
 
@@ -68,9 +77,16 @@ class PeerStanding:
 
     records: dict[str, PeerRecord] = field(default_factory=dict)
     suspended: set[str] = field(default_factory=set)
+    clock: Callable[[], float] = time.monotonic
 
     @property
     def excluded(self) -> set[str]:
+        """The replicas excluded now (an exclusion PAROLE_S old ends as it is read; the daemon reads it with each
+        assignment, and admits the replica again)."""
+        now = self.clock()
+        for record in self.records.values():
+            if record.excluded and now - record.excluded_at >= PAROLE_S:
+                record.excluded = False
         return {peer for peer, record in self.records.items() if record.excluded}
 
     def judge(self, round: int, result, own: str) -> list[str]:
@@ -95,9 +111,9 @@ class PeerStanding:
             else:
                 record.suspect += 1
                 record.suspect_in_a_row += 1
-            if not record.excluded and (record.suspect_in_a_row >= SUSPECT_ROUNDS
-                                        or record.stalled_in_a_row >= STALL_ROUNDS):
-                record.excluded = True
+            if peer not in self.excluded and (record.suspect_in_a_row >= SUSPECT_ROUNDS
+                                              or record.stalled_in_a_row >= STALL_ROUNDS):
+                record.excluded, record.excluded_at = True, self.clock()
                 newly.append(peer)
         return newly
 
