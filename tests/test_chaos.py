@@ -125,11 +125,20 @@ def test_training_survives_kill_cut_stop_restart_and_a_corrupt_checkpoint(tmp_pa
         chaos.restart("coord")
         chaos.advance(5, "after the coordinator's restart")
 
-        # 5. a rotting disk: stage 2's newest checkpoint is corrupt when its node restarts
+        # 5. a rotting disk: stage 2's newest checkpoint is corrupt when its node restarts. The standby goes first
+        # (a killed holder is failed within seconds, its address refusing: the standby would take stage 2, and the
+        # restarted holder never load its own checkpoint); it is back once the holder took its stage again
+        spare = next(name for name in chaos.pids if name != "coord" and name not in chaos.holders().values())
+        chaos.kill(spare)
+        chaos.state(lambda s: all(n["status"] in ("failed", "left") for n in s["nodes"] if n["id"] == spare),
+                    "the standby gone")
         holder = chaos.holders()[2]
         chaos.kill(holder)
         corrupted = corrupt_newest(workdir / "ck" / holder)
         chaos.restart(holder, stage=2)
+        chaos.state(lambda s: any(n["id"] == holder and n["stage"] == 2 and n["status"] == "active"
+                                  for n in s["nodes"]), "the holder back on stage 2")
+        chaos.restart(spare)
         final = chaos.state(lambda s: s["training"]["finished"] and s["training"]["step"] >= STEPS, f"{STEPS} steps",
                             600)
         ledger = fetch(json.loads((workdir / "state.json").read_text())["http"], "ledger")["steps"]

@@ -45,6 +45,7 @@ def test_addresses_parse_to_tcp_endpoints_and_others_are_skipped():
     assert tcp_endpoint("[::1]:7100") == ("::1", 7100)
     assert tcp_endpoint("/ip4/1.2.3.4/tcp/1/p2p/Qm") is None and tcp_endpoint("host") is None
     assert tcp_endpoint(":7100") is None and tcp_endpoint("host:port") is None
+    assert tcp_endpoint("node1:7100") is None  # a host name: left to the heartbeat timeout (no lookup)
 
 
 def test_a_silent_node_whose_address_now_refuses_is_failed_and_a_stalled_or_unreached_one_is_not(tmp_path):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
 import logging
 import time
 from enum import Enum
@@ -33,11 +34,15 @@ class Reach(Enum):
 
 
 def tcp_endpoint(address: str) -> tuple[str, int] | None:
-    """(host, port) of a "host:port" or "[v6]:port" address; None for any other (a p2p node's)."""
+    """(ip, port) of an "ip:port" or "[v6]:port" address; None for any other: a p2p node's, or a host name (its
+    lookup would hold one of the event loop's executor threads, which placement's probes use too)."""
     host, sep, port = address.rpartition(":")
-    if not sep or not host or not port.isdigit():
+    if not sep or not port.isdigit():
         return None
-    return host.strip("[]"), int(port)
+    try:
+        return str(ipaddress.ip_address(host.strip("[]"))), int(port)
+    except ValueError:
+        return None
 
 
 async def connect(host: str, port: int, timeout: float) -> Reach:
