@@ -152,13 +152,13 @@ async def fetch_newest(sync, timeout: float) -> tuple[NamedState | None, list[to
     named, tensors, deadline, newer = sync.named, None, time.monotonic() + timeout, NewerServed()
     while tensors is None and sync.wants(named) and time.monotonic() < deadline:
         tensors = await fetch_named(sync, named, max(1.0, deadline - time.monotonic()), newer)
-        if tensors is None and not_served(sync, named):
-            log.info("stage %d: the named state of step %d is gone (a newer one is named)", sync.core.stage,
-                     named.step)
-            named = sync.named
-        elif tensors is None:
-            log.error("stage %d: no source of the named state of step %d served it; it keeps its own",
-                      sync.core.stage, named.step)
+        if tensors is None:
+            if not_served(sync, named):
+                log.info("stage %d: the named state of step %d is gone (a newer one is named)", sync.core.stage,
+                         named.step)
+            else:
+                log.error("stage %d: no source of the named state of step %d served it; it keeps its own",
+                          sync.core.stage, named.step)
             named = sync.named
     return named, tensors
 

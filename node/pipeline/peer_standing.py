@@ -93,7 +93,7 @@ class PeerStanding:
         """Take one round's result (an AveragingRound of the replica whose averager is `own`); the peers it
         newly excludes."""
         self.suspended = set()
-        newly = []
+        newly, excluded = [], self.excluded
         for peer in set(result.peers) | set(result.views) | set(result.refused) | result.stalled | result.silent:
             if peer == own:
                 continue
@@ -111,8 +111,8 @@ class PeerStanding:
             else:
                 record.suspect += 1
                 record.suspect_in_a_row += 1
-            if peer not in self.excluded and (record.suspect_in_a_row >= SUSPECT_ROUNDS
-                                              or record.stalled_in_a_row >= STALL_ROUNDS):
+            if peer not in excluded and (record.suspect_in_a_row >= SUSPECT_ROUNDS
+                                         or record.stalled_in_a_row >= STALL_ROUNDS):
                 record.excluded, record.excluded_at = True, self.clock()
                 newly.append(peer)
         return newly
