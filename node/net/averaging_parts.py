@@ -24,7 +24,7 @@ from hivemind.compression import CompressionBase, CompressionInfo
 from hivemind.p2p import P2PContext
 from hivemind.proto import averaging_pb2, runtime_pb2
 from hivemind.utils import MPFuture
-from hivemind.utils.asyncio import amap_in_executor, as_aiter, azip, enter_asynchronously
+from hivemind.utils.asyncio import achain, amap_in_executor, as_aiter, azip, enter_asynchronously
 from hivemind.utils.timed_storage import get_dht_time
 
 from ..train.group_mean import reducer_counted
@@ -39,13 +39,20 @@ log = logging.getLogger("tahnode.averaging")
 
 
 class _CountingStub:
-    """A peer's averager stub whose answers (the averages of this replica's parts) are counted."""
+    """A peer's averager stub whose answers (the averages of this replica's parts) are counted; `outside()` when
+    the peer answers that it is in no such group."""
 
-    def __init__(self, stub, ledger: Ledger):
-        self.stub, self.ledger = stub, ledger
+    def __init__(self, stub, ledger: Ledger, outside):
+        self.stub, self.ledger, self.outside = stub, ledger, outside
 
     async def rpc_aggregate_part(self, requests: AsyncIterator) -> AsyncIterator:
-        return self.ledger.counting_averages(await self.stub.rpc_aggregate_part(requests))
+        return self._watched(self.ledger.counting_averages(await self.stub.rpc_aggregate_part(requests)))
+
+    async def _watched(self, answers: AsyncIterator) -> AsyncIterator:
+        async for message in answers:
+            if message.code == averaging_pb2.BAD_GROUP_ID:
+                self.outside()
+            yield message
 
 
 class CheckedRunner(AllReduceRunner):
@@ -84,7 +91,13 @@ class CheckedRunner(AllReduceRunner):
             self.ledger.refuse(peer)
 
     def _get_peer_stub(self, peer):
-        return _CountingStub(super()._get_peer_stub(peer), self.ledger)
+        return _CountingStub(super()._get_peer_stub(peer), self.ledger, lambda: self._outside(peer))
+
+    def _outside(self, peer) -> None:
+        """`peer` is in no such group (it gave up on the leader before the leader began: see
+        CheckedAverager.rpc_aggregate_part): its parts will not come either, and are not waited for."""
+        if peer in self.sender_peer_ids:
+            asyncio.ensure_future(self._ban_sender(peer))
 
     async def _communicate_with_peer(self, peer_id):
         """As hivemind's, but the parts this replica reduces itself come back as the others get them:
@@ -308,6 +321,23 @@ class CheckedAverager(CleanAverager, DecentralizedAverager):
             return
         async for response in super().rpc_join_group(request, context):
             yield response
+
+    async def rpc_aggregate_part(self, stream: AsyncIterator[averaging_pb2.AveragingData], context: P2PContext
+                                 ) -> AsyncIterator[averaging_pb2.AveragingData]:
+        """hivemind's, but a part for a group this replica is not in is answered BAD_GROUP_ID after GRACE_S (the
+        time a leader's "begin" may take to arrive), not once its own matchmaking ends. A follower that gave up on
+        a leader slower than REQUEST_TIMEOUT_S looks for a group again while that leader, which accepted it, began
+        their all-reduce: the leader waited for its parts and averages 15 s (the sender and reducer timeouts), its
+        stage's round missed; seen in `tahnode bench chaos` while a restarted daemon loaded the CPU."""
+        first = await anext(stream)
+        until = asyncio.get_running_loop().time() + GRACE_S
+        while first.group_id not in self._running_groups and asyncio.get_running_loop().time() < until:
+            await asyncio.sleep(0.05)
+        if first.group_id not in self._running_groups:
+            yield averaging_pb2.AveragingData(code=averaging_pb2.BAD_GROUP_ID)
+            return
+        async for message in super().rpc_aggregate_part(achain(as_aiter(first), stream), context):
+            yield message
 
     async def _aggregate_with_group(self, group_info, min_vector_size: int, **kwargs) -> list[str]:
         """Run the all-reduce in `group_info`: every replica reduces an equal share (one claiming client

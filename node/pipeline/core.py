@@ -182,6 +182,7 @@ class StageCore:
 
     def resumed_at(self, step: int) -> None:
         self.state.committed = step
+        self.opt.at_most(step)
         self.restart_step(step, self.state.attempt)
 
     def resume(self) -> int:

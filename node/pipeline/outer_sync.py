@@ -21,6 +21,7 @@ from ..train.outer import OuterOptimizer, state_digest
 from .core import StageCore
 from .outer_adopt import NamedState, fetch_named, fetch_newest, not_served, within_reach
 from .outer_count import PipelineCount
+from .outer_heal import meet_named
 from .peer_standing import PeerStanding
 
 log = logging.getLogger("tahnode.pipeline")
@@ -128,12 +129,13 @@ class OuterSync:
         if self.averager is None or expected < 2:
             await self.core.compute(self._take, committed, None)
             return
-        if self._takes_from(self.named) and self.named.step > committed:  # the others averaged past it: none comes
+        if self.takes_from(self.named) and self.named.step > committed:  # the others averaged past it: none comes
             log.warning("stage %d: the named outer step %d is past its %d: it regroups", self.core.stage,
                         self.named.step, committed)  # at once, not after outer_timeout_s alone
             await self.core.compute(self._take, committed, None)
             self.stats.alone, self.needs_regroup = self.stats.alone + 1, True
             return
+        await meet_named(self)  # it parted from the others at its last outer step: their anchor, its steps since
         pseudo = await self.core.compute(self.outer.pseudo_gradient)
         self.stats.last_norm = float(pseudo.norm())
         await self._wait_members(expected)
@@ -198,15 +200,13 @@ class OuterSync:
 
     async def _adopt(self, named: NamedState, deadline: float) -> bool:
         tensors = await fetch_named(self, named, max(1.0, deadline - time.monotonic()))
-        return tensors is not None and await self.core.compute(self._take_named, tensors, named, True)
+        return tensors is not None and await self.core.compute(self.take_named, tensors, named, True)
 
     def _count(self, result) -> None:
         s = self.stats
-        s.steps += result.mean is not None
-        s.alone += result.mean is None
+        s.steps, s.alone = s.steps + (result.mean is not None), s.alone + (result.mean is None)
         s.last_group = result.group
-        s.bytes_sent += result.bytes_sent
-        s.bytes_received += result.bytes_received
+        s.bytes_sent, s.bytes_received = s.bytes_sent + result.bytes_sent, s.bytes_received + result.bytes_received
         s.seconds += result.seconds
         for peer, count in result.refused.items():
             s.refused[peer] = s.refused.get(peer, 0) + count
@@ -266,7 +266,7 @@ class OuterSync:
         """Whether the named state is to replace its outer weights: a newer step, or of its step another
         digest (its own, a replica's own, lost to a group's or to the lowest pipeline's), or its own not
         finite; never from sources it excluded alone."""
-        if not self.active or not self._takes_from(named):
+        if not self.active or not self.takes_from(named):
             return False
         return named.step > self.anchor_step or (named.step == self.anchor_step and (
             named.digest != self.digest or not self._own_finite()))
@@ -280,7 +280,7 @@ class OuterSync:
         sources failed it), those its own checkpoints keep, and 0 (the initial weights)."""
         steps = {0, self.anchor_step}
         named = self.named
-        if self._takes_from(named):
+        if self.takes_from(named):
             steps.add(named.step)
         store = self.core.saver.store
         if store is not None:
@@ -292,7 +292,7 @@ class OuterSync:
         stages disagreed: tahnode.pipeline.resync.Resync.regroup_to); False if neither is of it, or the named
         state's sources did not serve it (then it is no longer reachable: `failed`)."""
         named = self.named
-        if self.anchor_step != target and self._takes_from(named) and named.step == target:
+        if self.anchor_step != target and self.takes_from(named) and named.step == target:
             tensors = await fetch_named(self, named, self.swarm.outer_timeout_s)
             if tensors is None:
                 not_served(self, named)
@@ -315,7 +315,7 @@ class OuterSync:
         core = self.core
         self.needs_regroup = False
         if tensors is not None:
-            self._take_named(tensors, named, False)
+            self.take_named(tensors, named, False)
         with self._lock:
             self._weights_to_anchor()
             step = self.anchor_step
@@ -325,7 +325,7 @@ class OuterSync:
             core.codecs.drop_streams()
         return step
 
-    def _take_named(self, tensors: list[torch.Tensor], named: NamedState, catching_up: bool) -> bool:
+    def take_named(self, tensors: list[torch.Tensor], named: NamedState, catching_up: bool) -> bool:
         """(compute thread) The named state becomes its outer weights (and, catching up at the step it just
         committed, its weights); False if it no longer fits (it moved on, another shape), or is of its own
         step, named by one operator alone, and (while it trains on weights of its own) further from its own
@@ -351,7 +351,7 @@ class OuterSync:
                     self.core.stage, named.step, named.operators)
         return True
 
-    def _takes_from(self, named: NamedState | None) -> bool:
+    def takes_from(self, named: NamedState | None) -> bool:
         """Whether a named state has a source this replica would load it from (not one it excluded, and not a
         state whose sources failed it before)."""
         return (named is not None and (named.step, named.digest) not in self.failed

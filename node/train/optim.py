@@ -57,3 +57,16 @@ class StageOptimizer:
             group["lr"] = lr_at(step, self.train)
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
+
+    def at_most(self, step: int) -> None:
+        """A stage that returns to committed step `step` (a regroup to an older outer step) has taken at most
+        `step` steps of the run: AdamW's step counts above it come down to it (its checkpoints say so, and are
+        checked for it). Its moments stay: what it learned since is not a wrong direction, only a repeated one."""
+        for state in self.opt.state.values():
+            count = state.get("step")
+            if count is None or float(count) <= step:
+                continue
+            if torch.is_tensor(count):
+                count.fill_(float(step))
+            else:
+                state["step"] = float(step)
