@@ -2,7 +2,9 @@
 seen in `tahnode bench chaos`): two replicas of a stage that each took one outer step alone, from their own
 weights, and each found its own digest named, averaged on with outer weights 1.5e-2 apart to the end of the run; a
 stage that returned to an older outer step kept AdamW's step counts of the steps it trained again, so every
-checkpoint it saved after was refused ("the AdamW step count ... is 843, not a whole number in 0..840")."""
+checkpoint it saved after was refused ("the AdamW step count ... is 843, not a whole number in 0..840"); the
+stages of a pipeline that lost its stage 0 mid-round waited out that round's deadline (30 s) after the other
+pipeline had taken it alone."""
 
 from __future__ import annotations
 
@@ -94,3 +96,44 @@ def test_a_stage_that_returns_to_an_older_step_saves_checkpoints_the_store_takes
     assert {float(s["step"]) for s in again.opt.opt.state.values()} == {20.0}
     worker.resumed_at(24)  # a step ahead of its counts moves nothing
     assert {float(s["step"]) for s in worker.opt.opt.state.values()} == {20.0}
+
+
+class LookingAverager:
+    """A stage's averager whose round is looking for a group; counts the times it was told to end it."""
+
+    peer_id, ended = "me", False
+
+    def __init__(self):
+        self.ends = 0
+
+    def end_round(self) -> bool:
+        self.ends += 1
+        return True
+
+    def set_members(self, members): ...
+
+    def set_suspended(self, suspended): ...
+
+    def set_target(self, target): ...
+
+
+def test_a_round_whose_step_the_others_averaged_past_ends_when_the_coordinator_says_so(tmp_path):
+    """A pipeline whose stage 0 died while its other stages were in the round of step 8: the other pipeline was
+    told to take that round alone and trained on, so the named outer step moved past 8. Those stages ended their
+    round at the next assignment; before, they waited the round's deadline (30 s) while the new stage 0 loaded
+    and the other pipeline waited for them."""
+    from tahnode.config import NodeConfig
+    from tahnode.daemon.averaging import StageAveraging
+    from tahnode.proto import tahnode_pb2 as pb
+
+    worker = worker_with_checkpoints(tmp_path, [4, 8])
+    averaging = StageAveraging(NodeConfig(), tmp_path, "run", worker, beats=None, node_id="n1")
+    averager = LookingAverager()
+    averaging.averager = worker.outer.averager = averager
+    worker.outer.pipelines.now = 2
+    for named_step, ends in ((8, 0), (12, 1)):  # its own step: someone may come; a later one: no one will
+        a = pb.Assignment(stage=1, pipeline=1, pipelines=2)
+        a.named_state.CopyFrom(pb.NamedState(step=named_step, digest=b"d" * 32, sources=["peer"], settled=True,
+                                             operators=1))
+        averaging.follow(a)
+        assert averager.ends == ends

@@ -13,7 +13,7 @@ from pathlib import Path
 from ..config import NodeConfig
 from ..net.errors import PeerUnreachable
 from ..net.p2p_host import P2PAddress, P2PHost, is_p2p_address
-from ..pipeline.outer_adopt import NamedState
+from ..pipeline.outer_adopt import NamedState, named_past
 from ..pipeline.worker import StageWorker
 from ..proto import tahnode_pb2 as pb
 from .heartbeats import Heartbeats
@@ -61,6 +61,9 @@ class StageAveraging:
             log.info("%s: stage %d ends its outer round under way: no other pipeline trains now", self.node_id,
                      self.w.stage)
         outer.named = NamedState.of(a.named_state) if a.HasField("named_state") else None
+        if self.averager is not None and named_past(outer) and self.averager.end_round():  # (its own pipeline failed)
+            log.info("%s: stage %d ends its outer round of step %d: its replicas took a later outer step",
+                     self.node_id, self.w.stage, outer.core.committed)
         if self.averager is not None:
             self._revive()
             self._meet(a)

@@ -22,7 +22,7 @@ from ..train.outer import state_digest
 log = logging.getLogger("tahnode.pipeline")
 
 __all__ = ["NamedState", "ServedState", "NewerServed", "fetch_named", "fetch_newest", "not_served", "superseded",
-           "SAME_STEP_RADIUS"]
+           "named_past", "SAME_STEP_RADIUS"]
 
 SAME_STEP_RADIUS = CLIP + 1.0
 RETRY_S = 1.0  # between two passes over a named state's sources that did not answer
@@ -168,3 +168,10 @@ def within_reach(own: list[torch.Tensor], theirs: list[torch.Tensor], last_norm:
     SAME_STEP_RADIUS times the replica's last pseudo-gradient's norm of its own."""
     distance = float((theirs[0].double() - own[0].double()).norm())
     return distance <= SAME_STEP_RADIUS * last_norm
+
+
+def named_past(sync) -> bool:
+    """Whether the coordinator names an outer step of `sync`'s stage past the boundary it committed (the others
+    averaged past it, or took it alone): no replica comes to its round of that step."""
+    named, committed = sync.named, sync.core.committed
+    return sync.takes_from(named) and named.step > committed and sync.due(committed)

@@ -19,7 +19,7 @@ import torch
 from ..net.averaging import AveragingError, AveragingRound
 from ..train.outer import OuterOptimizer, state_digest
 from .core import StageCore
-from .outer_adopt import NamedState, fetch_named, fetch_newest, not_served, within_reach
+from .outer_adopt import NamedState, fetch_named, fetch_newest, named_past, not_served, within_reach
 from .outer_count import PipelineCount
 from .outer_heal import meet_named
 from .peer_standing import PeerStanding
@@ -129,7 +129,7 @@ class OuterSync:
         if self.averager is None or expected < 2:
             await self.core.compute(self._take, committed, None)
             return
-        if self.takes_from(self.named) and self.named.step > committed:  # the others averaged past it: none comes
+        if named_past(self):  # the others averaged past it: none comes
             log.warning("stage %d: the named outer step %d is past its %d: it regroups", self.core.stage,
                         self.named.step, committed)  # at once, not after outer_timeout_s alone
             await self.core.compute(self._take, committed, None)
