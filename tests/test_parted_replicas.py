@@ -53,13 +53,15 @@ def test_a_replica_whose_outer_weights_are_not_the_settled_naming_takes_it_and_k
     source = Serves(8, theirs)
     outer.use(source)
     outer.named = NamedState(8, state_digest(8, theirs), ("peer",), True, 1)
+    assert asyncio.run(meet_named(outer)) is False and source.asked == 0  # its last round had a mean: not parted
+    outer.stats.unsure = True  # its last round came back without a mean (it took that outer step alone)
     since = [p.detach() - a for p, a in zip(outer.outer.params, outer.outer.anchor)]
     assert asyncio.run(meet_named(outer)) is True
     assert outer.anchor_step == 8 and source.asked == 1
     assert all(torch.equal(a, b) for a, b in zip(outer.outer.tensors().values(), theirs))
     for p, a, d in zip(outer.outer.params, outer.outer.anchor, since):
         assert torch.allclose(p.detach() - a, d, atol=1e-6)  # the steps since its anchor are kept
-    assert outer.digest == outer.named.digest and not parted(outer)
+    assert outer.digest == outer.named.digest and not parted(outer) and not outer.stats.unsure  # confirmed
     assert asyncio.run(meet_named(outer)) is False and source.asked == 1  # met: nothing more to fetch
 
 
@@ -73,6 +75,7 @@ def test_an_unsettled_or_excluded_naming_moves_nothing(tmp_path):
     source = Serves(8, theirs)
     outer.use(source)
     before = [t.clone() for t in outer.outer.tensors().values()]
+    outer.stats.unsure = True
     outer.named = NamedState(8, state_digest(8, theirs), ("peer",), False, 1)
     assert asyncio.run(meet_named(outer)) is False
     outer.named = NamedState(8, state_digest(8, theirs), ("peer",), True, 1)
@@ -91,7 +94,8 @@ def test_a_stage_that_returns_to_an_older_step_saves_checkpoints_the_store_takes
     worker.resumed_at(20)  # it trained to 23 and returns to the outer step of 20
     assert {float(s["step"]) for s in worker.opt.opt.state.values()} == {20.0}
     worker.save()
-    again = StageWorker(worker.run_cfg, 1, InProcessNetwork().transport("m"), "cpu", CheckpointStore(tmp_path, keep=4), pipeline=1)
+    again = StageWorker(worker.run_cfg, 1, InProcessNetwork().transport("m"), "cpu", CheckpointStore(tmp_path, keep=4),
+                        pipeline=1)
     assert again.resume() == 20  # before: refused as corrupt, "the AdamW step count ... is 23.0"
     assert {float(s["step"]) for s in again.opt.opt.state.values()} == {20.0}
     worker.resumed_at(24)  # a step ahead of its counts moves nothing

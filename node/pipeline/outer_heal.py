@@ -25,11 +25,17 @@ MEET_WAIT_S = 5.0  # the longest a replica asks the named state's sources (they 
 
 
 def parted(sync) -> bool:
-    """Whether `sync` (an OuterSync that averages) holds another outer state of its step than the settled naming,
-    one it would take (a source it did not exclude, a naming its sources did not fail)."""
+    """Whether `sync` (an OuterSync that averages), unsure of its outer weights since a round without a mean, holds
+    another outer state of its step than the settled naming, one it would take (a source it did not exclude, a
+    naming its sources did not fail). Only then: replicas that averaged together since they were last confirmed
+    cannot have parted, and a replica's report of another digest is then a lie it does not follow (a liar named
+    first could otherwise move it each round; after a round it stalled, once, within outer_adopt's reach)."""
     named = sync.named
-    return (named is not None and named.settled and named.step == sync.anchor_step and named.digest != sync.digest
-            and sync.takes_from(named))
+    if named is None or not named.settled or named.step != sync.anchor_step:
+        return False
+    if named.digest == sync.digest:
+        sync.stats.unsure = False
+    return sync.stats.unsure and named.digest != sync.digest and sync.takes_from(named)
 
 
 async def meet_named(sync) -> bool:

@@ -61,6 +61,7 @@ class OuterStats:
     adopted: int = 0           # times it took another replica's outer weights (a catch-up or a regroup)
     last_norm: float = 0.0     # its last pseudo-gradient's norm (0: none yet since it started)
     refused: dict[str, int] = field(default_factory=dict)  # replica (p2p peer id) -> averages or states refused
+    unsure: bool = False       # a round without a mean since a settled naming last confirmed its outer weights
 
 
 class OuterSync:
@@ -205,7 +206,7 @@ class OuterSync:
     def _count(self, result) -> None:
         s = self.stats
         s.steps, s.alone = s.steps + (result.mean is not None), s.alone + (result.mean is None)
-        s.last_group = result.group
+        s.unsure, s.last_group = s.unsure or result.mean is None, result.group
         s.bytes_sent, s.bytes_received = s.bytes_sent + result.bytes_sent, s.bytes_received + result.bytes_received
         s.seconds += result.seconds
         for peer, count in result.refused.items():
