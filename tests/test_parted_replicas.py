@@ -4,7 +4,7 @@ weights, and each found its own digest named, averaged on with outer weights 1.5
 stage that returned to an older outer step kept AdamW's step counts of the steps it trained again, so every
 checkpoint it saved after was refused ("the AdamW step count ... is 843, not a whole number in 0..840"); the
 stages of a pipeline that lost its stage 0 mid-round waited out that round's deadline (30 s) after the other
-pipeline had taken it alone."""
+pipeline had taken it alone, and so did a follower that gave up on a slow leader."""
 
 from __future__ import annotations
 
@@ -121,23 +121,25 @@ class LookingAverager:
     def set_target(self, target): ...
 
 
-def test_a_round_whose_step_the_others_averaged_past_ends_when_the_coordinator_says_so(tmp_path):
-    """A pipeline whose stage 0 died while its other stages were in the round of step 8: the other pipeline was
-    told to take that round alone and trained on, so the named outer step moved past 8. Those stages ended their
-    round at the next assignment; before, they waited the round's deadline (30 s) while the new stage 0 loaded
-    and the other pipeline waited for them."""
+def test_a_round_whose_step_another_replica_took_ends_when_the_coordinator_says_so(tmp_path):
+    """A round still looking for a group at step 8 when the coordinator names the stage's outer step 8 or later:
+    another replica took that step (a pipeline told to take it alone, or a leader that began without this replica
+    as its follower) and trains on, so no one comes. The stages of a pipeline whose stage 0 died mid-round waited
+    out the round's deadline (30 s) while the other pipeline had taken it alone; a follower that gave up on a slow
+    leader looked for a group until then too."""
     from tahnode.config import NodeConfig
     from tahnode.daemon.averaging import StageAveraging
     from tahnode.proto import tahnode_pb2 as pb
 
-    worker = worker_with_checkpoints(tmp_path, [4, 8])
+    worker = worker_with_checkpoints(tmp_path, [4])
+    worker.resumed_at(8)  # at the boundary of step 8, its outer weights still those of 4: in the round of 8
     averaging = StageAveraging(NodeConfig(), tmp_path, "run", worker, beats=None, node_id="n1")
     averager = LookingAverager()
     averaging.averager = worker.outer.averager = averager
     worker.outer.pipelines.now = 2
-    for named_step, ends in ((8, 0), (12, 1)):  # its own step: someone may come; a later one: no one will
+    for named_step, ends in ((4, 0), (8, 1), (12, 2)):  # the last step it took: someone may come; else no one
         a = pb.Assignment(stage=1, pipeline=1, pipelines=2)
-        a.named_state.CopyFrom(pb.NamedState(step=named_step, digest=b"d" * 32, sources=["peer"], settled=True,
+        a.named_state.CopyFrom(pb.NamedState(step=named_step, digest=b"d" * 32, sources=["peer"], settled=False,
                                              operators=1))
         averaging.follow(a)
         assert averager.ends == ends
