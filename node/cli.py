@@ -33,6 +33,15 @@ BENCHES = {  # `tahnode bench NAME`: tahnode.tools.bench_NAME.main
 }
 
 
+def bench_modules() -> dict:
+    """`tahnode bench NAME` -> its module, tahnode.tools.bench_NAME (imported when a bench runs: most import torch)."""
+    from .tools import (bench_abuse, bench_chaos, bench_convergence, bench_coordinator, bench_copies, bench_kernels,
+                        bench_nat, bench_soak, bench_swarm)
+    return {"kernels": bench_kernels, "swarm": bench_swarm, "soak": bench_soak, "nat": bench_nat,
+            "coordinator": bench_coordinator, "convergence": bench_convergence, "abuse": bench_abuse,
+            "copies": bench_copies, "chaos": bench_chaos}
+
+
 def _add_codec_commands(sub) -> None:
     codec = sub.add_parser("codec", help="inspect and evaluate the activation/gradient codecs")
     csub = codec.add_subparsers(dest="codec_cmd", required=True)
@@ -249,8 +258,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     # each its own parser (REMAINDER drops leading --flags)
     if argv[:1] == ["bench"] and len(argv) > 1 and argv[1] in BENCHES:
-        import importlib
-        return importlib.import_module(f".tools.bench_{argv[1]}", __package__).main(argv[2:])
+        return bench_modules()[argv[1]].main(argv[2:])
     if argv[:1] == ["compose"]:  # its own parser too
         from .tools import compose
         return compose.main(argv[1:])

@@ -221,6 +221,14 @@ def test_codecs_reach_their_kernels_through_imports_the_layering_check_sees():
     """Issue 40: a codec's implementations were found by strings and importlib (dispatch's module
     names), out of sight of the import graph; now each codec names its modules (kernels.dispatch.Paths)."""
     assert dynamic_imports("import importlib\nimportlib.import_module(f'tahnode.kernels.{c}_ref')") == ["line 2"]
-    found = {name: dynamic_imports(path.read_text()) for name, path in modules().items()
-             if part_of(name) in ("codecs", "kernels")}
-    assert {name: calls for name, calls in found.items() if calls} == {}
+    found = {name: dynamic_imports(path.read_text()) for name, path in modules().items()}
+    assert {name: calls for name, calls in found.items() if calls} == {}  # the benches too (issue 63): cli's table
+
+
+def test_every_bench_the_cli_lists_is_in_its_table_of_modules():
+    from tahnode import cli
+
+    modules = cli.bench_modules()
+    assert set(modules) == set(cli.BENCHES)
+    assert all(module.__name__ == f"tahnode.tools.bench_{name}" and callable(module.main)
+               for name, module in modules.items())
