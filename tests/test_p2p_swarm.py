@@ -17,7 +17,7 @@ from swarm import Swarm, processes_mentioning, wait_gone  # noqa: E402
 from tahnode.config.node import P2PSettings  # noqa: E402
 from tahnode.net.auth import SwarmKey  # noqa: E402
 from tahnode.net.discovery import LAYOUT_KIND, NODE_KIND, SwarmDirectory  # noqa: E402
-from tahnode.net.p2p_host import P2PHost, use_swarm_key  # noqa: E402
+from tahnode.net.p2p.host import P2PHost, use_swarm_key  # noqa: E402
 from tahnode.tools.swarm import free_port  # noqa: E402
 
 pytestmark = pytest.mark.slow

@@ -1,4 +1,4 @@
-"""The libp2p carrier (tahnode.net.p2p_rpc over hivemind's p2p daemons, on loopback): the data plane
+"""The libp2p carrier (tahnode.net.p2p.rpc over hivemind's p2p daemons, on loopback): the data plane
 between two P2PTransports loses nothing and keeps order, status codes cross as codes, oversized and
 unparsable requests are refused without harming the server, the DHT directory drops entries
 forged without the token, and starting a daemon wrongly (in-process, or `tahnode join` and
@@ -24,9 +24,9 @@ from tahnode.net.channels import open_channel, transport_of  # noqa: E402
 from tahnode.net.discovery import COORDINATOR_KIND, NODE_KIND, SwarmDirectory  # noqa: E402
 from tahnode.net.errors import P2PStartFailed, PeerUnreachable  # noqa: E402
 from tahnode.net.identity import NodeKey  # noqa: E402
-from tahnode.net.p2p_host import P2PAddress, P2PHost  # noqa: E402
-from tahnode.net.p2p_records import MAX_RECORD_BYTES, RecordKind, protocol_name, read_record, write_record  # noqa: E402
-from tahnode.net.p2p_transport import P2PTransport  # noqa: E402
+from tahnode.net.p2p.host import P2PAddress, P2PHost  # noqa: E402
+from tahnode.net.p2p.records import MAX_RECORD_BYTES, RecordKind, protocol_name, read_record, write_record  # noqa: E402
+from tahnode.net.p2p.transport import P2PTransport  # noqa: E402
 from tahnode.net.tls import TlsCertificate  # noqa: E402
 from tahnode.net.transport import BACKWARD, FORWARD  # noqa: E402
 from tahnode.proto import tahnode_pb2 as pb  # noqa: E402
@@ -153,7 +153,7 @@ def test_idle_streams_of_one_peer_neither_block_others_nor_stay_open(monkeypatch
     no read deadline; relayed calls all arrive under the relay's id, so 16 idle streams from one
     token holder blocked every relayed call to a node behind NAT. Now a stream waits for its first
     request at most FIRST_RECORD_S, and calls count against the authenticated sender."""
-    from tahnode.net import p2p_rpc
+    from tahnode.net.p2p import rpc as p2p_rpc
 
     monkeypatch.setattr(p2p_rpc, "FIRST_RECORD_S", 1.0)
 
@@ -184,7 +184,8 @@ def test_calls_that_name_a_neighbour_count_against_it_only_when_it_signed_them(m
     the neighbour's own forward stream got RESOURCE_EXHAUSTED. A call counts against a node only
     when that node's key signed it (else against the name and the libp2p peer together); a probe
     sends a chunk every PROBE_IDLE_S."""
-    from tahnode.net import grpc_transport, p2p_rpc
+    from tahnode.net import grpc_transport
+    from tahnode.net.p2p import rpc as p2p_rpc
 
     monkeypatch.setattr(grpc_transport, "PROBE_IDLE_S", 2.0)
 
@@ -451,7 +452,7 @@ def test_without_hivemind_the_p2p_transport_says_how_to_install_it(tmp_path):
 
 def test_a_peer_behind_a_relay_gets_whole_envelopes_through_it_and_only_token_holders_may_use_it():
     """libp2p's own relays reset a connection after 128 KiB; tahnode's relay carries megabytes."""
-    from tahnode.net.p2p_host import use_swarm_key
+    from tahnode.net.p2p.host import use_swarm_key
     from tahnode.tools.swarm import free_port
 
     count, size = 6, 1_500_000

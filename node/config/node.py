@@ -21,7 +21,7 @@ class TransportKind(Enum):
     """How a node's data plane reaches its neighbours."""
 
     GRPC = "grpc"  # direct gRPC streams: every node must be reachable at its advertised address
-    P2P = "p2p"    # libp2p streams through hivemind (tahnode.net.p2p_host): reachable behind NAT, through relays
+    P2P = "p2p"    # libp2p streams through hivemind (tahnode.net.p2p.host): reachable behind NAT, through relays
 
     def __str__(self) -> str:
         return self.value

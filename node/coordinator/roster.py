@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 from ..config import RunConfig
 from ..net.errors import StageTaken
-from ..net.p2p_host import P2PAddress
+from ..net.p2p.host import P2PAddress
 from .state import NodeRecord, NodeStatus
 
 __all__ = ["Roster", "MAX_AVERAGER_CHARS"]

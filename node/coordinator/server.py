@@ -22,9 +22,9 @@ from ..config.node import COORDINATOR_P2P_LISTEN, NODE_P2P_LISTEN
 from ..net.auth import SwarmKey
 from ..net.channels import ChannelPool
 from ..net.discovery import COORDINATOR_KIND, LAYOUT_KIND, SwarmDirectory, republish
-from ..net.p2p_host import IDENTITY_FILE, P2PHost, close_process_host, use_swarm_key
+from ..net.p2p.host import IDENTITY_FILE, P2PHost, close_process_host, use_swarm_key
 from ..net.grpc_transport import DIRECT
-from ..net.p2p_rpc import serve_service
+from ..net.p2p.rpc import serve_service
 from ..net.probe import request_compute, request_measure
 from ..net.tls import TlsCertificate, add_port, is_loopback, wants_tls
 from ..net.unparsable import RefuseUnparsable

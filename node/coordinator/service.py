@@ -10,7 +10,7 @@ import math
 import grpc
 
 from ..net.errors import Refused
-from ..net.p2p_host import is_p2p_address
+from ..net.p2p.host import is_p2p_address
 from ..net.tls import is_loopback
 from ..pipeline.checkpoint import (EXTRA_LIMIT_PER_DIM, CheckpointTooLarge, ChunkWriter, check_fits, optimized,
                                    read_chunks)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from ..config import NodeConfig
 from ..net.errors import PeerUnreachable
-from ..net.p2p_host import P2PAddress, P2PHost, is_p2p_address
+from ..net.p2p.host import P2PAddress, P2PHost, is_p2p_address
 from ..pipeline.outer_adopt import NamedState, named_past
 from ..pipeline.worker import StageWorker
 from ..proto import tahnode_pb2 as pb

@@ -22,8 +22,8 @@ from ..net.freshness import COORDINATOR
 from ..net.grpc_transport import GrpcTransport
 from ..net.identity import KEY_FILE, NodeKey
 from ..net.memory import reuse_message_buffers
-from ..net.p2p_host import P2PHost, close_process_host, use_swarm_key
-from ..net.p2p_transport import P2PTransport
+from ..net.p2p.host import P2PHost, close_process_host, use_swarm_key
+from ..net.p2p.transport import P2PTransport
 from ..net.probe import measure_link
 from ..net.tls import PINNED_COORDINATOR_FILE, CoordinatorTrust, TlsCertificate, is_loopback, wants_tls
 from ..net.transport import Transport

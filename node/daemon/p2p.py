@@ -13,7 +13,7 @@ from ..config import DEFAULT_COORDINATOR, NodeConfig, TransportKind
 from ..net.auth import SwarmKey
 from ..net.discovery import NODE_KIND, SwarmDirectory
 from ..net.errors import CoordinatorNotFound
-from ..net.p2p_host import DHT_JOIN_TIMEOUT_S, IDENTITY_FILE, P2PAddress, P2PHost, is_p2p_address
+from ..net.p2p.host import DHT_JOIN_TIMEOUT_S, IDENTITY_FILE, P2PAddress, P2PHost, is_p2p_address
 from ..net.tls import fingerprint
 from ..net.transport import FORWARD, Transport
 

@@ -15,7 +15,7 @@ import torch
 
 from ..train.clip_rule import SenderView
 from .averaging_rules import allreduce_timeout_s
-from .p2p_host import STARTUP_TIMEOUT_S, require_hivemind
+from .p2p.host import STARTUP_TIMEOUT_S, require_hivemind
 
 log = logging.getLogger("tahnode.averaging")
 

@@ -1,6 +1,6 @@
 """Channels to another tahnode process, whichever carrier its address names: gRPC over HTTP/2 for
 HOST:PORT (TLS pinning a certificate, where it has one), libp2p streams for a p2p address
-(tahnode.net.p2p_rpc). Generated stubs work on either."""
+(tahnode.net.p2p.rpc). Generated stubs work on either."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from collections import OrderedDict
 
 from ..config.emulation import LinkEmulation
 from .emulation import interceptors_for
-from .p2p_host import is_p2p_address
-from .p2p_rpc import P2PChannel
+from .p2p.host import is_p2p_address
+from .p2p.rpc import P2PChannel
 from .tls import open_grpc_channel
 
 __all__ = ["open_channel", "transport_of", "ChannelPool"]

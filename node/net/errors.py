@@ -89,7 +89,7 @@ def from_rpc_error(exc: grpc.aio.AioRpcError, address: str, what: str) -> Coordi
 
 
 class P2PError(RuntimeError):
-    """The libp2p side (tahnode.net.p2p_host) cannot do what was asked."""
+    """The libp2p side (tahnode.net.p2p.host) cannot do what was asked."""
 
 
 class P2PUnavailable(P2PError):

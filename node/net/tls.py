@@ -25,7 +25,7 @@ from cryptography.x509.oid import NameOID
 from ..config.node import TlsMode
 from ..config.token import write_secret
 from .errors import CoordinatorTlsMismatch, Unreachable, UntrustedCoordinator
-from .p2p_host import is_p2p_address
+from .p2p.host import is_p2p_address
 
 log = logging.getLogger("tahnode.tls")
 

@@ -94,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
         "nftables), and a public node; the coordinator (public, announcing its address, so it relays) probes every "
         "ordered pair over the nodes' p2p data plane (a probe sized to last about a second, RTT = median of five "
         "pings, both through every hop's Python process). Each home's WAN is shaped with tbf in both directions. A "
-        "relayed byte crosses the coordinator's p2p daemon and Python process twice (tahnode.net.p2p_relay).", "",
+        "relayed byte crosses the coordinator's p2p daemon and Python process twice (tahnode.net.p2p.relay).", "",
         f"Command: `{command}`"], [])
     print(text)
     if args.json:

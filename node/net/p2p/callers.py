@@ -1,12 +1,12 @@
 """Whom a p2p call counts against: the node its first request names where the token's MAC and that
-node's bound key vouch for it, else that name and the libp2p peer it came on (tahnode.net.p2p_rpc)."""
+node's bound key vouch for it, else that name and the libp2p peer it came on (tahnode.net.p2p.rpc)."""
 
 from __future__ import annotations
 
-from ..proto import tahnode_pb2 as pb
-from .auth import signed_bytes
-from .identity import verify_signature
-from .wire_frame import ReceivedFrame
+from ...proto import tahnode_pb2 as pb
+from ..auth import signed_bytes
+from ..identity import verify_signature
+from ..wire_frame import ReceivedFrame
 
 __all__ = ["authentic_sender", "call_owner", "signed_by"]
 

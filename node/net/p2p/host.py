@@ -18,9 +18,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..config.node import P2PSettings
-from .errors import P2PStartFailed, P2PUnavailable, PeerUnreachable
-from .reaper import Reaper
+from ...config.node import P2PSettings
+from ..errors import P2PStartFailed, P2PUnavailable, PeerUnreachable
+from ..reaper import Reaper
 
 log = logging.getLogger("tahnode.p2p")
 
@@ -148,7 +148,7 @@ class P2PHost:
         self.dht = None
         self.peer_id = str(p2p.peer_id)
         self.relays = list(settings.initial_peers) if settings.use_auto_relay else []  # public peers that relay for it
-        self.relayed_bytes = 0  # what this process relayed for others (tahnode.net.p2p_relay)
+        self.relayed_bytes = 0  # what this process relayed for others (tahnode.net.p2p.relay)
         self.direct_failed: dict[str, float] = {}  # peer id -> until when (monotonic) to go through its relays at once
 
     @classmethod
@@ -163,7 +163,7 @@ class P2PHost:
         if identity is not None:
             identity.parent.mkdir(parents=True, exist_ok=True)
         if dht:  # its process is the forkserver's child: the forkserver starts while the p2p daemon does
-            from .clean_start import warm
+            from ..clean_start import warm
 
             await asyncio.to_thread(warm)  # seconds under load: never on the event loop (a coordinator's heartbeats)
         reaper = Reaper()
@@ -183,7 +183,7 @@ class P2PHost:
         host = cls(p2p, reaper, settings)
         try:
             if settings.announce and cls.swarm_key is not None:  # a public peer relays for those behind NAT
-                from .p2p_relay import serve_relay
+                from .relay import serve_relay
 
                 await serve_relay(host, cls.swarm_key)
             if dht:
@@ -202,8 +202,8 @@ class P2PHost:
             await self._start_dht(client_mode=False, timeout=DHT_JOIN_TIMEOUT_S)
 
     async def _start_dht(self, client_mode: bool, timeout: float = STARTUP_TIMEOUT_S) -> None:
-        from .clean_start import CleanDHT
-        from .dht_auth import SwarmAuthorizer
+        from ..clean_start import CleanDHT
+        from ..dht_auth import SwarmAuthorizer
 
         # members only: every DHT request and answer carries the swarm key's MAC (a process without a key,
         # such as a bare test host, runs an open DHT)
@@ -255,8 +255,8 @@ class P2PHost:
     async def open_stream(self, address: str, name: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
         """A new stream of protocol `name` to the peer at `address`: directly if the peer can be
         reached so (or is connected to this one), else through each relay its address names in
-        turn (tahnode.net.p2p_relay; libp2p's own relays carry too little)."""
-        from .p2p_relay import open_relayed
+        turn (tahnode.net.p2p.relay; libp2p's own relays carry too little)."""
+        from .relay import open_relayed
 
         target = P2PAddress.parse(address)
         relays = [m.split("/p2p-circuit", 1)[0] for m in target.maddrs if "/p2p-circuit" in m]

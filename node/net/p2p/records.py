@@ -1,6 +1,6 @@
 """The records every tahnode libp2p stream is made of: a kind byte, a 4-byte big-endian length, the
-payload; a record above MAX_RECORD_BYTES is refused before it is read. Calls (tahnode.net.p2p_rpc)
-and relay requests (tahnode.net.p2p_relay) speak them."""
+payload; a record above MAX_RECORD_BYTES is refused before it is read. Calls (tahnode.net.p2p.rpc)
+and relay requests (tahnode.net.p2p.relay) speak them."""
 
 from __future__ import annotations
 

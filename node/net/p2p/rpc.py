@@ -3,7 +3,7 @@ servicer (the same class grpc.aio serves) on a P2PHost, `P2PChannel` is what the
 call through, so callers and servicers do not know which carrier they use.
 
 One call is one libp2p stream, named /tahnode/1/<Service>/<Method>, of records
-(tahnode.net.p2p_records). The caller sends MESSAGE records and one END; the callee answers with
+(tahnode.net.p2p.records). The caller sends MESSAGE records and one END; the callee answers with
 MESSAGE records and one STATUS (an RpcStatus: gRPC's code and details, so errors keep their
 type). Records above MAX_RECORD_BYTES are refused, like gRPC's message limit, and a request that
 does not parse is INVALID_ARGUMENT, as RefuseUnparsable does.
@@ -22,12 +22,12 @@ from typing import Any, AsyncIterator, Callable
 import grpc
 from google.protobuf.message import DecodeError
 
-from ..proto import tahnode_pb2 as pb
-from .errors import P2PError
-from .framing import request_type
-from .p2p_callers import call_owner
-from .p2p_host import process_host
-from .p2p_records import RecordKind, RecordTooLarge, StreamsPerPeer, protocol_name, read_record, write_record
+from ...proto import tahnode_pb2 as pb
+from ..errors import P2PError
+from ..framing import request_type
+from .callers import call_owner
+from .host import process_host
+from .records import RecordKind, RecordTooLarge, StreamsPerPeer, protocol_name, read_record, write_record
 
 log = logging.getLogger("tahnode.p2p")
 
@@ -190,7 +190,7 @@ async def _until_caller_closes(reader: asyncio.StreamReader, timeout: float = 5.
 
 async def serve_service(host, service_name: str, servicer, key=None, keys=None) -> None:
     """Serve every method of the gRPC service `service_name` (as in tahnode.proto) of `servicer`
-    on `host` (tahnode.net.p2p_host.P2PHost); `key` (the SwarmKey) counts calls per authenticated
+    on `host` (tahnode.net.p2p.host.P2PHost); `key` (the SwarmKey) counts calls per authenticated
     sender (`call_owner`, with `keys` the node keys known here; without a key, per libp2p peer:
     tests of the carrier alone)."""
     service = pb.DESCRIPTOR.services_by_name[service_name]
@@ -319,7 +319,7 @@ class P2PCall:
 
 class P2PChannel:
     """What a generated stub (tahnode_pb2_grpc.*Stub) needs of a channel, over libp2p streams (of
-    this process's P2PHost) to the peer at `address` (tahnode.net.p2p_host.P2PAddress). `delay_s`
+    this process's P2PHost) to the peer at `address` (tahnode.net.p2p.host.P2PAddress). `delay_s`
     adds an emulated one-way delay before each unary request and its reply (tahnode.net.emulation)."""
 
     def __init__(self, address: str, delay_s: float = 0.0):

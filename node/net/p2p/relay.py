@@ -18,9 +18,9 @@ import time
 import grpc
 from google.protobuf.message import DecodeError
 
-from ..proto import tahnode_pb2 as pb
-from .errors import PeerUnreachable
-from .p2p_records import PROTOCOL_PREFIX, RecordKind, StreamsPerPeer, read_record, write_record
+from ...proto import tahnode_pb2 as pb
+from ..errors import PeerUnreachable
+from .records import PROTOCOL_PREFIX, RecordKind, StreamsPerPeer, read_record, write_record
 
 log = logging.getLogger("tahnode.p2p")
 

@@ -4,12 +4,12 @@ authentication and size bounds. Peers reach it directly, or through a relay when
 
 from __future__ import annotations
 
-from ..config.emulation import LinkEmulation
-from .auth import Sealer
-from .grpc_transport import GrpcTransport, StageServicer
-from .p2p_host import P2PHost
-from .p2p_rpc import serve_service
-from .transport import Measurer
+from ...config.emulation import LinkEmulation
+from ..auth import Sealer
+from ..grpc_transport import GrpcTransport, StageServicer
+from .host import P2PHost
+from .rpc import serve_service
+from ..transport import Measurer
 
 __all__ = ["P2PTransport"]
 
