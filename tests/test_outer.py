@@ -255,7 +255,7 @@ def test_two_pipelines_train_like_one_with_twice_the_batch(dataset):
                for i in r.schedule.ids(s, m, r.pipeline)}
     assert trained == {i for s in range(steps) for m in range(4) for i in reference.schedule.ids(s, m)}
     assert sum(losses) / steps == pytest.approx(sum(expected) / steps, rel=0.02)
-    assert group.outer_steps == steps and group.clipped == 0 and group.spread == 0
+    assert group.outer_steps == steps and group.clipped == 0 and group.kept == 0 and group.spread == 0
     assert group.averaging_bytes > 0
 
 

@@ -37,6 +37,7 @@ class ReplicaGroup:
         self.averaging_bytes = 0   # what every replica sent for the outer steps, all together
         self.outer_steps = 0
         self.clipped = 0           # parts a reducer clipped or left out (rare among honest replicas)
+        self.kept = 0              # averages a sender refused, keeping its own part (a reducer's, or too far)
         self.spread = 0.0          # the largest |difference| between two replicas' weights after an outer step
 
     @property
@@ -66,6 +67,7 @@ class ReplicaGroup:
                 outer.feed_back(counted)
             self.averaging_bytes += sum(result.bytes_sent)
             self.clipped += sum(len(c) for c in result.clipped)
+            self.kept += sum(len(k) for k in result.kept)
             first = torch.cat([a.reshape(-1) for a in outers[0].anchor])
             for other in outers[1:]:
                 diff = torch.cat([a.reshape(-1) for a in other.anchor]) - first

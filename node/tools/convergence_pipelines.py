@@ -120,6 +120,7 @@ def pipeline_report(results: list[RunResult], specs: list[RunSpec], rate_mbps: f
         gaps = list(summary.gaps.values())
         ratio = statistics.fmean(r.averaging_bytes / r.activation_bytes for r in summary.runs if r.activation_bytes)
         spread, clipped = max(r.spread for r in summary.runs), sum(r.clipped for r in summary.runs)
+        kept = sum(r.kept for r in summary.runs)
         singles = {r.seed: by_key.get((pair, r.seed)) for r in summary.runs}
         steps = [steps_to_reach(r.evals, singles[r.seed].final_eval) for r in summary.runs if singles.get(r.seed)]
         wall = [_wall_share(r, spec, singles[r.seed], rate_mbps) for r in summary.runs if singles.get(r.seed)]
@@ -133,7 +134,7 @@ def pipeline_report(results: list[RunResult], specs: list[RunSpec], rate_mbps: f
         rows.append([f"{spec.pipelines}", _outer_label(spec), str(len(summary.runs)),
                      f"{statistics.fmean(r.final_eval for r in summary.runs):.4f}",
                      f"{statistics.fmean(gaps):+.2f}% ± {standard_error(gaps):.2f} ({per_seed})" if gaps else "—",
-                     f"{100 * ratio:.1f}%", f"{spread:.2g} ({clipped} parts clipped)",
+                     f"{100 * ratio:.1f}%", f"{spread:.2g} ({clipped} parts clipped, {kept} averages refused)",
                      _mean_or_dash(steps, lambda v: f"{v:.0f} of {total}"), _mean_or_dash(wall, lambda v: f"{v:.2f}×"),
                      _mean_or_dash(ref_wall, lambda v: f"{v:.2f}×")])
     return markdown_table(tuple(c.format(rate=f"{rate_mbps:g}") for c in COLUMNS), rows)

@@ -116,7 +116,8 @@ class RunResult:
     averaging_bytes: int = 0     # what the replicas sent each other for their outer steps
     outer_steps: int = 0
     spread: float = 0.0          # the largest |difference| between two replicas' weights after an outer step
-    clipped: int = 0             # parts a reducer clipped or left out (the clip rule: 0 means the plain mean)
+    clipped: int = 0             # parts a reducer clipped or left out
+    kept: int = 0                # averages a sender refused (both 0: the clip rule was the plain mean all run)
     machine: str = ""            # where it trained (bench_report.machine); "" in results older than the field
 
     @property
@@ -192,5 +193,5 @@ def train_one(spec: RunSpec, progress=None) -> RunResult:
     if isinstance(replica, ReplicaGroup):
         result.averaging_bytes, result.outer_steps, result.spread = (replica.averaging_bytes, replica.outer_steps,
                                                                      replica.spread)
-        result.clipped = replica.clipped
+        result.clipped, result.kept = replica.clipped, replica.kept
     return result
