@@ -61,9 +61,9 @@ class StageAveraging:
             log.info("%s: stage %d ends its outer round under way: no other pipeline trains now", self.node_id,
                      self.w.stage)
         outer.named = NamedState.of(a.named_state) if a.HasField("named_state") else None
-        if self.averager is not None and named_past(outer, or_at=True) and self.averager.end_round():
-            log.info("%s: stage %d ends its outer round of step %d: another replica took that outer step or a later "
-                     "one", self.node_id, self.w.stage, outer.core.committed)
+        if self.averager is not None and named_past(outer) and self.averager.end_round():  # (its own pipeline failed)
+            log.info("%s: stage %d ends its outer round of step %d: its replicas took a later outer step",
+                     self.node_id, self.w.stage, outer.core.committed)
         if self.averager is not None:
             self._revive()
             self._meet(a)

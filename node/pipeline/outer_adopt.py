@@ -175,6 +175,9 @@ def named_past(sync, or_at: bool = False) -> bool:
     averaged past it, or took it alone): no replica comes to its round of that step. `or_at`: or of that step,
     while this replica has not taken it (another did, alone or in a group without it; a group's members report
     only once their round is over, so no one still looking for a group finds it)."""
-    named, committed = sync.named, sync.core.committed
-    past = named is not None and (named.step > committed or (or_at and named.step == committed))
+    named = sync.named
+    if named is None:
+        return False
+    committed = sync.core.committed
+    past = named.step > committed or (or_at and named.step == committed)
     return past and sync.takes_from(named) and sync.due(committed) and sync.anchor_step < committed
