@@ -170,14 +170,11 @@ def within_reach(own: list[torch.Tensor], theirs: list[torch.Tensor], last_norm:
     return distance <= SAME_STEP_RADIUS * last_norm
 
 
-def named_past(sync, or_at: bool = False) -> bool:
-    """Whether the coordinator names an outer step of `sync`'s stage past the boundary it committed (the others
-    averaged past it, or took it alone): no replica comes to its round of that step. `or_at`: or of that step,
-    while this replica has not taken it (another did, alone or in a group without it; a group's members report
-    only once their round is over, so no one still looking for a group finds it)."""
+def named_past(sync) -> bool:
+    """Whether the coordinator names an outer step of `sync`'s stage past the boundary it committed, before it took
+    that boundary's (the others averaged past it, or took it alone): no replica comes to its round of that step."""
     named = sync.named
     if named is None:
         return False
     committed = sync.core.committed
-    past = named.step > committed or (or_at and named.step == committed)
-    return past and sync.takes_from(named) and sync.due(committed) and sync.anchor_step < committed
+    return named.step > committed and sync.takes_from(named) and sync.due(committed) and sync.anchor_step < committed
