@@ -31,17 +31,22 @@ def parted(sync) -> bool:
     cannot have parted, and a replica's report of another digest is then a lie it does not follow (a liar named
     first could otherwise move it each round; after a round it stalled, once, within outer_adopt's reach)."""
     named = sync.named
-    if named is None or not named.settled or named.step != sync.anchor_step:
-        return False
-    if named.digest == sync.digest:
-        sync.stats.unsure = False
-    return sync.stats.unsure and named.digest != sync.digest and sync.takes_from(named)
+    return (sync.stats.unsure and named is not None and named.settled and named.step == sync.anchor_step
+            and named.digest != sync.digest and sync.takes_from(named))
+
+
+def _confirmed(sync) -> bool:
+    """Whether the settled naming of its outer step is its own digest: its outer weights are the stage's."""
+    named = sync.named
+    return named is not None and named.settled and named.step == sync.anchor_step and named.digest == sync.digest
 
 
 async def meet_named(sync) -> bool:
     """Before a round: if the replica parted from its stage's naming, its anchor becomes the named outer weights
     and its weights move by as much (the steps since its anchor kept). True if it did."""
     await sync.core.compute(sync.rehash)
+    if _confirmed(sync):
+        sync.stats.unsure = False
     if not parted(sync):
         return False
     named = sync.named
@@ -51,6 +56,7 @@ async def meet_named(sync) -> bool:
         return False
     met = await sync.core.compute(_rebase, sync, tensors, named)
     if met:
+        sync.stats.unsure = False  # its outer weights are now the named ones
         log.warning("stage %d: its outer weights of step %d were not the ones its replicas hold: it takes theirs "
                     "and keeps the steps it trained since", sync.core.stage, named.step)
     return met
